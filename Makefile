@@ -1,0 +1,52 @@
+# pdserve — every target sets itself up; `make run` and `make test` work on a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# CPU torch where no GPU is present. Override TORCH_SPEC / TORCH_PIP_ARGS for another build.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC ?= $(if $(HAS_GPU),torch,torch==2.13.0)
+TORCH_PIP_ARGS ?=
+MODEL ?= .models/tiny
+PYTEST_ARGS ?=
+
+.PHONY: setup run test proto proto-check lint bench clean help
+
+help:
+	@echo "make run    - set up, start a local cluster on the tiny random model, answer a prompt"
+	@echo "make test   - set up and run lint + the whole test suite"
+	@echo "make bench  - CPU benchmarks (tables printed, JSON under bench/results/)"
+	@echo "make proto  - regenerate Python code from proto/"
+	@echo "make lint   - ruff"
+
+$(VENV)/.stamp: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev,cluster,nixl]"
+	touch $@
+
+setup: $(VENV)/.stamp
+
+$(MODEL)/config.json: | setup
+	$(VENV)/bin/pdserve model init --preset tiny --out $(MODEL)
+
+run: setup $(MODEL)/config.json
+	$(VENV)/bin/pdserve generate --model $(MODEL) --prompt "The quick brown fox" --max-tokens 24
+
+proto: setup
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/pdserve/v1/*.proto
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m engine.bench --json bench/results/engine-cpu.json
+
+clean:
+	rm -rf $(VENV) .models .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+"""pdserve: disaggregated prefill/decode LLM serving. CLI, launcher, client, and generated protos."""
+
+__version__ = "0.1.0"
