@@ -1,0 +1,283 @@
+"""An asyncio-facing driver for the single-threaded ``LLMEngine``.
+
+The engine is not thread-safe and its ``step()`` is long (a forward pass), so exactly one thread
+— the *engine thread* — ever touches it. Lifecycle:
+
+* ``AsyncEngine(engine)`` then ``start()`` spawns the engine thread. asyncio code never calls the
+  engine directly: ``call(fn)`` ships a closure to the engine thread and awaits its result.
+* The engine thread loops: run every queued closure; if the engine has unfinished work, ``step()``
+  and route each ``StepOutput`` to the ``RequestStream`` of its request (through
+  ``loop.call_soon_threadsafe``); otherwise block on the command queue — no busy spin when idle.
+* ``generate()`` / ``prefill()`` / ``commit_prefilled()`` register a stream *before* the request
+  enters the engine (in the same closure), so no output can be lost. A stream ends on an output with
+  ``finished=True``. When the consumer goes away early (task cancelled, generator closed), the
+  request is aborted on the engine thread so its blocks go back.
+* ``stop()`` aborts everything still running, ends all streams and joins the thread.
+
+``snapshot`` is refreshed by the engine thread after every step/command, so stats readers (GetStats)
+never wait behind a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSnapshot:
+    free_blocks: int = 0
+    total_blocks: int = 0
+    num_running: int = 0
+    queue_depth: int = 0
+    num_streams: int = 0
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread is gone (stopped or crashed); no more requests are served."""
+
+
+class RequestStream:
+    """Outputs of one request, in order; async-iterable until the finishing output."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+
+    def put_threadsafe(self, item: Any) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def get(self) -> Any:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if getattr(item, "finished", False):
+            self.finished = True
+        return item
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, *, name: str = "engine") -> None:
+        self.engine = engine
+        self._name = name
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = threading.Event()
+        self.snapshot = EngineSnapshot()
+        self.error: BaseException | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._refresh()
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and not self._stopped.is_set()
+
+    # ---- calls onto the engine thread ---------------------------------------------------------------
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread and return its result (or raise its exception)."""
+        if self._stopped.is_set() or self._loop is None:
+            raise EngineStopped(f"engine is not running: {self.error or 'stopped'}")
+        fut: asyncio.Future[T] = self._loop.create_future()
+        loop = self._loop
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # noqa: BLE001 - handed back to the awaiting coroutine
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._commands.put(run)
+        return await fut
+
+    async def _open(self, request_id: str, add: Callable[[Any], Any]) -> tuple[RequestStream, Any]:
+        """Register a stream for ``request_id`` and run ``add`` in the same engine-thread closure."""
+        assert self._loop is not None
+        stream = RequestStream(self._loop)
+
+        def register(engine: Any) -> Any:
+            self._streams[request_id] = stream
+            try:
+                return add(engine)
+            except BaseException:
+                self._streams.pop(request_id, None)
+                raise
+
+        result = await self.call(register)
+        return stream, result
+
+    async def _iterate(self, request_id: str, stream: RequestStream) -> AsyncIterator[Any]:
+        try:
+            while not stream.finished:
+                yield await stream.get()
+        finally:
+            if not stream.finished:
+                await self._abort_quietly(request_id)
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        def abort(engine: Any) -> None:
+            self._streams.pop(request_id, None)
+            engine.abort(request_id)
+
+        try:
+            await asyncio.shield(self.call(abort))
+        except Exception:  # the request may already be gone; abort is best effort
+            log.debug("abort of %s failed", request_id, exc_info=True)
+
+    # ---- request-level API ----------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        """Full generation in this engine (colocated role / reference). Yields StepOutputs."""
+        stream, _ = await self._open(request_id, lambda e: e.add_request(request_id, prompt_ids, params))
+        async for out in self._iterate(request_id, stream):
+            yield out
+
+    async def prefill(self, request_id: str, prompt_ids: list[int], params: Any) -> tuple[Any, list[int]]:
+        """Run the prompt; returns (the "prefilled" StepOutput, the request's block table).
+
+        The blocks stay pinned until ``release(request_id)``; if this coroutine is cancelled the
+        request is aborted and released.
+        """
+        stream, _ = await self._open(request_id,
+                                     lambda e: e.add_prefill_request(request_id, prompt_ids, params))
+        try:
+            out = await stream.get()
+            if out.finish_reason != "prefilled":
+                await self.release(request_id)
+                return out, []
+            table = await self.call(lambda e: list(e.block_table(request_id)))
+            return out, table
+        except BaseException:
+            await asyncio.shield(self.release(request_id))
+            raise
+
+    async def reserve(self, request_id: str, prompt_ids: list[int], params: Any) -> Any:
+        return await self.call(lambda e: e.reserve(request_id, prompt_ids, params))
+
+    async def commit_prefilled(self, request_id: str, first_token_id: int) -> AsyncIterator[Any]:
+        """Join the decode batch with ``first_token_id``; yields the StepOutputs that follow."""
+        stream, _ = await self._open(request_id,
+                                     lambda e: e.commit_prefilled(request_id, first_token_id))
+        async for out in self._iterate(request_id, stream):
+            yield out
+
+    async def release(self, request_id: str) -> None:
+        def release(engine: Any) -> None:
+            self._streams.pop(request_id, None)
+            engine.release(request_id)
+
+        await self.call(release)
+
+    async def abort(self, request_id: str) -> None:
+        await self._abort_quietly(request_id)
+
+    # ---- the engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                engine_busy = self.engine.has_unfinished()
+                try:
+                    cmd = self._commands.get_nowait() if engine_busy else self._commands.get()
+                except queue.Empty:
+                    cmd = ...
+                if cmd is None:
+                    break
+                if cmd is not ...:
+                    cmd()
+                    # run every command queued so far before stepping (batch admissions together)
+                    while True:
+                        try:
+                            nxt = self._commands.get_nowait()
+                        except queue.Empty:
+                            break
+                        if nxt is None:
+                            return
+                        nxt()
+                    self._refresh()
+                    continue
+                for out in self.engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+                    stream.put_threadsafe(out)
+                self._refresh()
+        except BaseException as exc:  # a crashed engine must fail every waiter, not hang them
+            log.exception("engine thread crashed")
+            self.error = exc
+        finally:
+            self._stopped.set()
+            self._shutdown_streams()
+
+    def _shutdown_streams(self) -> None:
+        err = EngineStopped(f"engine stopped: {self.error or 'shutdown'}")
+        for rid, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                pass
+            stream.put_threadsafe(err)
+        self._streams.clear()
+        # fail any call() still queued
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd is not None:
+                try:
+                    cmd()
+                except BaseException:
+                    pass
+        self._refresh()
+
+    def _refresh(self) -> None:
+        e = self.engine
+        self.snapshot = EngineSnapshot(
+            free_blocks=int(getattr(e, "num_free_blocks", 0)),
+            total_blocks=int(getattr(e, "num_total_blocks", 0)),
+            num_running=int(_maybe_call(getattr(e, "num_running", None), len(self._streams))),
+            queue_depth=int(_maybe_call(getattr(e, "num_waiting", None), 0)),
+            num_streams=len(self._streams),
+        )
+
+
+def _maybe_call(value: Any, default: int) -> int:
+    if value is None:
+        return default
+    return value() if callable(value) else value
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

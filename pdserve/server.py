@@ -1,0 +1,103 @@
+"""Shared grpc.aio server bootstrap for every role: health, reflection, graceful drain.
+
+Lifecycle of one serving process:
+
+1. ``GrpcServer(settings, service_names)`` builds a ``grpc.aio`` server with the message-size limits
+   and registers ``grpc.health.v1`` (overall "" plus each service name) as NOT_SERVING and server
+   reflection.
+2. The role adds its servicers, calls ``start()`` (binds; the port is known afterwards), loads the
+   model / brings up the KV transport, then ``set_serving(True)``.
+3. ``serve_until_signal()`` waits. On SIGTERM/SIGINT the health status flips to NOT_SERVING at once,
+   the server stops accepting new RPCs and in-flight ones get up to ``--drain-timeout`` seconds to
+   finish; then the role's ``on_stop`` callbacks run and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+# Client channels to internal services: keepalive so a dead peer is noticed, not waited on forever.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+class GrpcServer:
+    def __init__(self, *, host: str, port: int, service_full_names: Sequence[str],
+                 drain_timeout: float = 30.0) -> None:
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._names = list(service_full_names)
+        reflection.enable_server_reflection(
+            [*self._names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME], self.server)
+        self._bind = f"{host}:{port}"
+        self.port = 0
+        self.drain_timeout = drain_timeout
+        self._stop_callbacks: list[Callable[[], Awaitable[None]]] = []
+        self._stopping = asyncio.Event()
+
+    async def start(self) -> int:
+        self.port = self.server.add_insecure_port(self._bind)
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind gRPC server to {self._bind}")
+        await self.set_serving(False)
+        await self.server.start()
+        log.info("gRPC listening on %s (port %d)", self._bind, self.port)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", *self._names):
+            await self.health.set(name, status)
+
+    def on_stop(self, callback: Callable[[], Awaitable[None]]) -> None:
+        self._stop_callbacks.append(callback)
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def serve_until_signal(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._stopping.set)
+        await self._stopping.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        log.info("draining (up to %.1fs)", self.drain_timeout)
+        await self.set_serving(False)
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace=self.drain_timeout)
+        for callback in reversed(self._stop_callbacks):
+            try:
+                await callback()
+            except Exception:  # one failing cleanup must not skip the others
+                log.exception("stop callback failed")
+        log.info("stopped")

@@ -1,0 +1,190 @@
+"""Serving settings: every `pdserve serve` flag, and its PDSERVE_* environment variable, in one place.
+
+Precedence is flag > environment > default. Each flag ``--some-flag`` may also come from
+``PDSERVE_SOME_FLAG`` (so a Helm chart or a Ray actor can configure a worker with env only).
+``add_serve_arguments`` declares the flags with ``default=None`` so that "not given" is visible;
+``ServeSettings.from_args`` then fills in the environment and the defaults and validates the whole.
+Nothing else in the project reads PDSERVE_* variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+ROLES = ("prefill", "decode", "router", "colocated")
+TRANSPORTS = ("auto", "nixl", "tcp")
+DISCOVERY = ("static", "redis", "k8s")
+POLICIES = ("round_robin", "least_loaded", "prefix", "session+prefix")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ENV_PREFIX = "PDSERVE_"
+
+
+def _split_addrs(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = value.split(",")
+    return tuple(v.strip() for v in value if v and v.strip())
+
+
+def default_advertise_host() -> str:
+    """This host's IP as others would dial it; loopback when the hostname does not resolve."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeSettings:
+    role: str
+    model: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int = 0
+    advertise_host: str = ""
+    worker_id: str = ""
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_gb: float | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    transport: str = "auto"
+    kv_port: int = 0
+    drain_timeout: float = 30.0
+    # router only
+    discovery: str = "static"
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    redis: str | None = None
+    k8s_namespace: str | None = None
+    prefill_selector: str | None = None
+    decode_selector: str | None = None
+    policy: str = "prefix"
+    session_ttl: float = 600.0
+    # how long a decode reservation waits for its KV before it is released
+    lease_ms: int = 30_000
+    stats_interval: float = 0.5
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _one_of("role", self.role, ROLES)
+        _one_of("transport", self.transport, TRANSPORTS)
+        _one_of("discovery", self.discovery, DISCOVERY)
+        _one_of("policy", self.policy, POLICIES)
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("device", self.device, DEVICES)
+        for name in ("port", "metrics_port", "kv_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ValueError(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
+        for name in ("block_size", "max_num_seqs", "lease_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"--num-blocks must be >= 1, got {self.num_blocks}")
+        if self.num_blocks is not None and self.kv_memory_gb is not None:
+            raise ValueError("give either --num-blocks or --kv-memory-gb, not both")
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise ValueError(f"--kv-memory-gb must be > 0, got {self.kv_memory_gb}")
+        if self.drain_timeout < 0 or self.session_ttl <= 0 or self.stats_interval <= 0:
+            raise ValueError("--drain-timeout must be >= 0 and --session-ttl / stats interval > 0")
+        if self.role != "router" and not self.model:
+            raise ValueError(f"--model DIR is required for role {self.role!r} (or PDSERVE_MODEL)")
+        if self.role == "router":
+            if self.discovery == "static" and not (self.prefill and self.decode):
+                raise ValueError("router with --discovery static needs --prefill ADDR[,..] and "
+                                 "--decode ADDR[,..]")
+            if self.discovery == "redis" and not self.redis:
+                raise ValueError("--discovery redis needs --redis URL")
+        if not self.advertise_host:
+            object.__setattr__(self, "advertise_host", default_advertise_host())
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", f"{self.role}-{uuid.uuid4().hex[:8]}")
+
+    @property
+    def advertise_address(self) -> str:
+        return f"{self.advertise_host}:{self.port}"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ServeSettings:
+        """Merge parsed flags (None = not given) with PDSERVE_* env vars and the defaults."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            if f.name == "extra":
+                continue
+            given = getattr(args, f.name, None)
+            if given is None:
+                raw = env.get(ENV_PREFIX + f.name.upper())
+                if raw is None or raw == "":
+                    continue
+                given = _parse(f.name, raw)
+            if f.name in ("prefill", "decode"):
+                given = _split_addrs(given)  # type: ignore[arg-type]
+            values[f.name] = given
+        if "role" not in values:
+            raise ValueError("--role is required (or PDSERVE_ROLE)")
+        return cls(**values)  # type: ignore[arg-type]
+
+
+_INT = {"port", "metrics_port", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
+        "kv_port", "lease_ms"}
+_FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval"}
+
+
+def _parse(name: str, raw: str) -> object:
+    try:
+        if name in _INT:
+            return int(raw)
+        if name in _FLOAT:
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a number") from None
+    return raw
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"--{name.replace('_', '-')} must be one of {list(allowed)}, got {value!r}")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare every serve flag; defaults stay None so ServeSettings.from_args can apply env vars."""
+    a = parser.add_argument
+    a("--role", choices=ROLES, help="which service this process runs")
+    a("--model", help="model directory (HF config.json + safetensors + tokenizer.json)")
+    a("--host", help="bind address (default 0.0.0.0)")
+    a("--port", type=int, help="gRPC port (default 50051; 0 = pick a free one)")
+    a("--metrics-port", type=int, help="Prometheus /metrics port (0 = off)")
+    a("--advertise-host", help="the host others should dial (default: this host's IP)")
+    a("--worker-id", help="stable worker id (default generated)")
+    a("--dtype", choices=DTYPES)
+    a("--device", choices=DEVICES)
+    a("--block-size", type=int, help="tokens per KV block (default 16)")
+    a("--num-blocks", type=int, help="KV blocks to allocate")
+    a("--kv-memory-gb", type=float, help="KV cache size in GiB (instead of --num-blocks)")
+    a("--max-num-seqs", type=int, help="max sequences in the running batch")
+    a("--max-num-batched-tokens", type=int, help="chunked-prefill token budget per step")
+    a("--transport", choices=TRANSPORTS, help="KV transport (default auto: nixl if usable, else tcp)")
+    a("--kv-port", type=int, help="KV side-channel / TCP data port (0 = pick free)")
+    a("--drain-timeout", type=float, help="seconds to finish in-flight requests on SIGTERM (default 30)")
+    a("--lease-ms", type=int, help="decode: release a reservation whose KV never arrives (default 30000)")
+    a("--discovery", choices=DISCOVERY, help="router: how to find workers (default static)")
+    a("--prefill", help="router, static discovery: prefill addresses, comma separated")
+    a("--decode", help="router, static discovery: decode addresses, comma separated")
+    a("--redis", help="Redis URL (router state / worker registration)")
+    a("--k8s-namespace")
+    a("--prefill-selector", help="router, k8s discovery: label selector of prefill pods")
+    a("--decode-selector", help="router, k8s discovery: label selector of decode pods")
+    a("--policy", choices=POLICIES, help="router placement policy (default prefix)")
+    a("--session-ttl", type=float, help="router: seconds a session's affinity is kept (default 600)")
+    a("--stats-interval", type=float, help="router: seconds between worker GetStats polls (default 0.5)")
