@@ -101,3 +101,37 @@ class GrpcServer:
             except Exception:  # one failing cleanup must not skip the others
                 log.exception("stop callback failed")
         log.info("stopped")
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Map an internal exception to the gRPC status a caller can act on (DESIGN.md "Errors")."""
+    from engine.errors import (
+        DuplicateRequest,
+        KVCacheFull,
+        ModelLoadError,
+        QueueFull,
+        RequestTooLong,
+        UnknownRequest,
+    )
+
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or ""
+    if isinstance(exc, (KVCacheFull, QueueFull)):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, UnknownRequest):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, (RequestTooLong, DuplicateRequest, ValueError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, ModelLoadError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+async def abort_from(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Abort the RPC with the status mapped from ``exc`` (never returns)."""
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("internal error: %s", message, exc_info=exc)
+    await context.abort(code, message)

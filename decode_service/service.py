@@ -1,0 +1,79 @@
+"""gRPC Decode servicer: translates pdserve.v1 messages to ``DecodeWorker`` calls and back."""
+
+from __future__ import annotations
+
+import grpc
+
+from decode_service.worker import DecodeWorker
+from pdserve.server import abort_from
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
+from pdserve.wire import sampling_from_proto, worker_stats
+
+DEFAULT_KV_WAIT_MS = 30_000
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, worker: DecodeWorker, *, address: str, transports: list[str]) -> None:
+        self.worker = worker
+        self.address = address
+        self.transports = transports
+
+    async def Allocate(self, request: decode_pb2.AllocateRequest, context: grpc.aio.ServicerContext):
+        try:
+            if not request.request_id or not request.prompt_ids:
+                raise ValueError("Allocate needs a request_id and a non-empty prompt")
+            params = sampling_from_proto(request.sampling, request.max_tokens)
+            alloc = await self.worker.allocate(request.request_id, list(request.prompt_ids), params,
+                                               request.lease_ms)
+        except Exception as exc:
+            await abort_from(context, exc)
+        return decode_pb2.AllocateResponse(
+            worker_id=self.worker.worker_id, block_ids=alloc.block_ids,
+            num_cached_tokens=alloc.num_cached_tokens, kv_endpoint=alloc.kv_endpoint,
+            transports=self.transports, incarnation=self.worker.incarnation)
+
+    async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        wait_s = (request.kv_wait_ms or DEFAULT_KV_WAIT_MS) / 1000.0
+        completion = 1  # the first token (from prefill) counts
+        try:
+            async for out in self.worker.decode(request.request_id, request.first_token_id, wait_s):
+                if out.finish_reason == "error":
+                    raise RuntimeError(out.error or "decode failed")
+                completion += len(out.new_token_ids)
+                msg = decode_pb2.DecodeResponse(token_ids=list(out.new_token_ids),
+                                                completion_tokens=completion)
+                if out.new_logprobs:
+                    msg.logprobs.extend(_logprob_list(out.new_logprobs))
+                if out.finished:
+                    msg.finish_reason = out.finish_reason or "stop"
+                yield msg
+        except Exception as exc:
+            await abort_from(context, exc)
+
+    async def Release(self, request: decode_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
+        found = await self.worker.release(request.request_id)
+        return decode_pb2.ReleaseResponse(found=found)
+
+    async def Abort(self, request: prefill_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        found = await self.worker.release(request.request_id)
+        return prefill_pb2.AbortResponse(found=found)
+
+    async def GetStats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext):
+        w = self.worker
+        snap = w.engine.snapshot
+        return worker_stats(worker_id=w.worker_id, role="decode", incarnation=w.incarnation,
+                            engine=w.engine.engine, snapshot=snap, transports=self.transports,
+                            kv_endpoint=w.kv.endpoint(), address=self.address, num_leased=len(w.leases),
+                            num_running=snap.num_running + len(w.leases))
+
+
+def _logprob_list(lps: list) -> list[float]:
+    out = []
+    for lp in lps:
+        if isinstance(lp, (int, float)):
+            out.append(float(lp))
+        elif hasattr(lp, "logprob"):
+            out.append(float(lp.logprob))
+        elif isinstance(lp, (tuple, list)) and lp:
+            out.append(float(lp[0]))
+    return out

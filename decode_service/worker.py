@@ -1,0 +1,135 @@
+"""The decode worker's logic: reservations under a lease, KV-complete wait, the decode stream.
+
+Lifecycle of one request on this worker::
+
+    allocate()  engine.reserve (reuses cached prefix blocks) → receiver.expect(missing blocks)
+                → lease added (deadline = now + lease_ms)
+    decode()    lease taken → await KV-complete (bounded) → engine.commit_prefilled(first token)
+                → stream StepOutputs → engine.release (full blocks stay in the prefix cache, so a
+                session's next turn finds them: that is how KV is "retained")
+    release()   lease popped → receiver.release + engine.release          (idempotent)
+    reaper      every lease past its deadline is released the same way (prefill never delivered)
+
+Any failure or cancellation on the way releases both the receiver registration and the engine
+blocks, so free block counts always come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from decode_service.leases import Lease, LeaseTable
+from engine.async_engine import AsyncEngine
+from engine.errors import UnknownRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Allocation:
+    block_ids: list[int]
+    num_cached_tokens: int
+    kv_endpoint: bytes
+
+
+class DecodeWorker:
+    def __init__(self, *, engine: AsyncEngine, kv: Any, worker_id: str, block_size: int,
+                 default_lease_ms: int = 30_000) -> None:
+        self.engine = engine
+        self.kv = kv  # kvtransfer adapter: endpoint(), expect(rid, blocks), wait(rid, timeout), release(rid)
+        self.worker_id = worker_id
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.block_size = block_size
+        self.default_lease_ms = default_lease_ms
+        self.leases = LeaseTable()
+        self.active: set[str] = set()
+        self._reaper: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    async def stop(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for rid in self.leases.ids():
+            await self.release(rid)
+
+    async def allocate(self, request_id: str, prompt_ids: list[int], params: Any,
+                       lease_ms: int = 0) -> Allocation:
+        if request_id in self.leases or request_id in self.active:
+            raise ValueError(f"request {request_id!r} already allocated on {self.worker_id}")
+        res = await self.engine.reserve(request_id, prompt_ids, params)
+        block_ids = [int(b) for b in res.block_ids]
+        cached = int(res.num_cached_tokens)
+        missing = block_ids[cached // self.block_size:]
+        try:
+            if missing:
+                await _maybe_await(self.kv.expect(request_id, missing))
+            lease_s = (lease_ms or self.default_lease_ms) / 1000.0
+            self.leases.add(Lease(request_id=request_id, block_ids=block_ids, num_cached_tokens=cached,
+                                  num_prompt_tokens=len(prompt_ids), expects_kv=bool(missing),
+                                  deadline=time.monotonic() + lease_s))
+        except BaseException:
+            await asyncio.shield(self._free(request_id, expects_kv=bool(missing)))
+            raise
+        return Allocation(block_ids=block_ids, num_cached_tokens=cached, kv_endpoint=self.kv.endpoint())
+
+    async def decode(self, request_id: str, first_token_id: int, kv_wait_s: float) -> AsyncIterator[Any]:
+        lease = self.leases.take(request_id)
+        if lease is None:
+            raise UnknownRequest(f"no reservation for request {request_id!r} on {self.worker_id} "
+                                 "(never allocated, released, or its lease expired)")
+        self.active.add(request_id)
+        try:
+            if lease.expects_kv:
+                await asyncio.wait_for(_maybe_await(self.kv.wait(request_id)), timeout=kv_wait_s)
+                await _maybe_await(self.kv.release(request_id))
+            async for out in self.engine.commit_prefilled(request_id, first_token_id):
+                yield out
+        finally:
+            self.active.discard(request_id)
+            await asyncio.shield(self._free(request_id, expects_kv=lease.expects_kv))
+
+    async def release(self, request_id: str) -> bool:
+        lease = self.leases.take(request_id)
+        if lease is None:
+            if request_id in self.active:
+                await self.engine.abort(request_id)
+                return True
+            return False
+        await self._free(request_id, expects_kv=lease.expects_kv)
+        return True
+
+    async def _free(self, request_id: str, *, expects_kv: bool) -> None:
+        if expects_kv:
+            try:
+                await _maybe_await(self.kv.release(request_id))
+            except Exception:
+                log.debug("kv release of %s failed", request_id, exc_info=True)
+        try:
+            await self.engine.release(request_id)
+        except Exception:
+            log.debug("engine release of %s failed", request_id, exc_info=True)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            for lease in self.leases.expired():
+                log.warning("lease of %s expired after %.1fs without KV; releasing its %d blocks",
+                            lease.request_id, time.monotonic() - lease.created, len(lease.block_ids))
+                await self._free(lease.request_id, expects_kv=lease.expects_kv)
+
+
+async def _maybe_await(value: Any) -> Any:
+    if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
+        return await value
+    return value

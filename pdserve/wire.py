@@ -1,0 +1,102 @@
+"""Translation between pdserve.v1 messages and engine types, with validation.
+
+Every service converts through here so that a bad value gets the same INVALID_ARGUMENT message
+whichever process first sees it. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import common_pb2
+
+DEFAULT_MAX_TOKENS = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+INT32_MAX = 2**31 - 1
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, max_tokens: int) -> SamplingParams:
+    """Engine SamplingParams from the wire message; ValueError (-> INVALID_ARGUMENT) on bad values."""
+    def finite(name: str, value: float) -> float:
+        if math.isnan(value) or math.isinf(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
+        return value
+
+    temperature = finite("temperature", msg.temperature) if msg.HasField("temperature") else 0.0
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    top_p = finite("top_p", msg.top_p) if msg.HasField("top_p") else 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    top_k = msg.top_k if msg.HasField("top_k") else 0
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if msg.HasField("logprobs") and not 0 <= msg.logprobs <= 20:
+        raise ValueError(f"logprobs must be in 0..20, got {msg.logprobs}")
+    if len(msg.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in msg.stop):
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} chars")
+    if any(t < 0 for t in msg.stop_token_ids):
+        raise ValueError("stop_token_ids must be >= 0")
+    if not 1 <= max_tokens <= INT32_MAX:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    return SamplingParams(
+        max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+        seed=int(msg.seed) if msg.HasField("seed") else None, stop=tuple(msg.stop),
+        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids), ignore_eos=bool(msg.ignore_eos),
+        logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None)
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def validate_token_ids(ids: list[int], vocab_size: int) -> list[int]:
+    if not ids:
+        raise ValueError("prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    return list(ids)
+
+
+def first_logprob(out: object) -> float | None:
+    """The sampled token's logprob from a StepOutput's ``new_logprobs`` entry, whatever its shape."""
+    lps = getattr(out, "new_logprobs", None)
+    if not lps:
+        return None
+    first = lps[0]
+    if isinstance(first, (int, float)):
+        return float(first)
+    for attr in ("logprob", "sampled_logprob"):
+        if hasattr(first, attr):
+            return float(getattr(first, attr))
+    if isinstance(first, (tuple, list)) and first and isinstance(first[0], (int, float)):
+        return float(first[0])
+    return None
+
+
+def worker_stats(*, worker_id: str, role: str, incarnation: str, engine: object, snapshot: object,
+                 transports: list[str], kv_endpoint: bytes, address: str, num_leased: int = 0,
+                 queue_depth: int | None = None, num_running: int | None = None) -> common_pb2.WorkerStats:
+    """GetStats reply from an engine and its AsyncEngine snapshot (never blocks on the engine thread)."""
+    layout = getattr(engine, "kv_layout", None)
+    config = getattr(engine, "model_config", None)
+    return common_pb2.WorkerStats(
+        worker_id=worker_id, role=role, incarnation=incarnation,
+        layout_hash=layout.compat_hash() if layout is not None else "",
+        model_fingerprint=getattr(layout, "model_fingerprint", "") or "",
+        queue_depth=snapshot.queue_depth if queue_depth is None else queue_depth,
+        num_running=snapshot.num_running if num_running is None else num_running,
+        free_blocks=snapshot.free_blocks, total_blocks=snapshot.total_blocks,
+        block_size=getattr(layout, "block_size", 0), transports=transports, kv_endpoint=kv_endpoint,
+        address=address, num_leased=num_leased,
+        max_model_len=int(getattr(config, "max_position_embeddings", 0) or 0))

@@ -1,0 +1,46 @@
+"""gRPC Prefill servicer: translates pdserve.v1 messages to ``PrefillWorker`` calls and back."""
+
+from __future__ import annotations
+
+import grpc
+
+from pdserve.server import abort_from
+from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.wire import sampling_from_proto, worker_stats
+from prefill_service.worker import PrefillWorker, Target
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker, *, address: str, transports: list[str]) -> None:
+        self.worker = worker
+        self.address = address
+        self.transports = transports
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        try:
+            if not request.request_id or not request.prompt_ids:
+                raise ValueError("Prefill needs a request_id and a non-empty prompt")
+            params = sampling_from_proto(request.sampling, request.max_tokens)
+            t = request.target
+            target = Target(worker_id=t.worker_id, kv_endpoint=bytes(t.kv_endpoint),
+                            block_ids=list(t.block_ids), num_cached_tokens=t.num_cached_tokens,
+                            transport=t.transport)
+            res = await self.worker.prefill(request.request_id, list(request.prompt_ids), params, target)
+        except Exception as exc:
+            await abort_from(context, exc)
+        msg = prefill_pb2.PrefillResponse(
+            first_token_id=res.first_token_id, num_prompt_tokens=res.num_prompt_tokens,
+            num_cached_tokens=res.num_cached_tokens, kv_blocks_sent=res.kv_blocks_sent,
+            kv_bytes_sent=res.kv_bytes_sent, transport=res.transport, worker_id=self.worker.worker_id)
+        if res.first_logprob is not None:
+            msg.first_logprob = res.first_logprob
+        return msg
+
+    async def Abort(self, request: prefill_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        return prefill_pb2.AbortResponse(found=await self.worker.abort(request.request_id))
+
+    async def GetStats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext):
+        w = self.worker
+        return worker_stats(worker_id=w.worker_id, role="prefill", incarnation=w.incarnation,
+                            engine=w.engine.engine, snapshot=w.engine.snapshot, transports=self.transports,
+                            kv_endpoint=b"", address=self.address)
