@@ -1,0 +1,207 @@
+"""Loading Hugging Face ``*.safetensors`` weights into a module named exactly like the HF model.
+
+``load_weights(module, path, dtype, device)`` works in two passes so that a bad checkpoint never
+leaves a half-loaded module behind:
+
+1. **Plan**: find the files (``model.safetensors.index.json``'s ``weight_map`` when present, else
+   every ``*.safetensors`` in the directory), read only their headers, and compare names and shapes
+   with the module's parameters. Missing, unexpected or mis-shaped tensors raise one
+   ``ModelLoadError`` that names them all (up to a few dozen).
+2. **Load**: one tensor at a time through ``safe_open`` (memory-mapped), converted to the target
+   dtype/device and copied into its parameter. Peak host memory is one tensor, not the checkpoint,
+   so an 8B model loads into a GPU (or a ``meta``-initialised module) without 2x RAM.
+
+Tolerated extras, as ``transformers`` tolerates them: rotary ``inv_freq`` buffers that old Llama
+checkpoints carry, and ``lm_head.weight`` stored by a checkpoint whose module ties it to the
+embedding (the module then has no separate ``lm_head.weight`` parameter).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from engine.errors import ModelLoadError
+from engine.kv_layout import dtype_name
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_MAX_NAMED = 24  # how many names an error message lists before "... and N more"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadStats:
+    num_tensors: int
+    num_bytes: int  # bytes as stored in the module (after dtype conversion)
+    files: tuple[str, ...]
+
+
+def checkpoint_files(path: str | Path) -> dict[str, Path]:
+    """Map tensor name -> the safetensors file holding it, reading only headers."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {path} does not exist or is not a directory")
+    index = path / INDEX_FILE
+    if index.is_file():
+        return _from_index(index)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {path} (expected {SINGLE_FILE} or a sharded "
+                             f"set with {INDEX_FILE})")
+    names: dict[str, Path] = {}
+    for file in files:
+        for name in _header_names(file):
+            if name in names:
+                raise ModelLoadError(f"tensor {name!r} appears in both {names[name].name} and {file.name}")
+            names[name] = file
+    return names
+
+
+def iter_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time, file by file (CPU, stored dtype)."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in checkpoint_files(path).items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        with _open(file) as f:
+            for name in names:
+                yield name, f.get_tensor(name)
+
+
+def load_weights(module: torch.nn.Module, path: str | Path, dtype: torch.dtype | str | None = None,
+                 device: torch.device | str | None = None) -> LoadStats:
+    """Fill ``module``'s parameters from the checkpoint at ``path`` (strict names and shapes).
+
+    ``dtype``/``device`` default to each parameter's own (or CPU for a meta parameter). Parameters
+    on the ``meta`` device are replaced by real ones, so a model built under ``torch.device("meta")``
+    is materialised tensor by tensor.
+    """
+    path = Path(path)
+    target_dtype = _DTYPES[dtype_name(dtype)] if dtype is not None else None
+    params = dict(module.named_parameters())  # tied parameters appear once, under their first name
+    located = checkpoint_files(path)
+    plan = _plan(params, located, path)
+    total_bytes = 0
+    for file, names in plan.items():
+        with _open(file) as f:
+            for name in names:
+                param = params[name]
+                dt = target_dtype or param.dtype
+                dev = torch.device(device) if device is not None else (
+                    torch.device("cpu") if param.is_meta else param.device)
+                tensor = f.get_tensor(name).to(device=dev, dtype=dt)
+                if param.is_meta or param.dtype != dt or param.device != dev:
+                    _replace_parameter(module, name, tensor)
+                else:
+                    with torch.no_grad():
+                        param.copy_(tensor)
+                total_bytes += tensor.numel() * tensor.element_size()
+                del tensor
+    loaded = sum(len(v) for v in plan.values())
+    return LoadStats(num_tensors=loaded, num_bytes=total_bytes,
+                     files=tuple(sorted({p.name for p in plan})))
+
+
+# -- internals -------------------------------------------------------------------------------
+def _plan(params: dict[str, torch.nn.Parameter], located: dict[str, Path],
+          path: Path) -> dict[Path, list[str]]:
+    """Check names/shapes against the headers; return file -> names to load, in file order."""
+    ignorable = {n for n in located if _IGNORED.search(n)}
+    if "lm_head.weight" in located and "lm_head.weight" not in params:
+        ignorable.add("lm_head.weight")  # tied embedding: the checkpoint stores a redundant copy
+    missing = sorted(set(params) - set(located))
+    unexpected = sorted(set(located) - set(params) - ignorable)
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors {_names(unexpected)}")
+    by_file: dict[Path, list[str]] = {}
+    for name in params:
+        if name in located:
+            by_file.setdefault(located[name], []).append(name)
+    mismatched = []
+    for file, names in by_file.items():
+        with _open(file) as f:
+            for name in names:
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(params[name].shape):
+                    mismatched.append(f"{name}: checkpoint {list(shape)} vs model "
+                                      f"{list(params[name].shape)}")
+    if mismatched:
+        problems.append(f"mis-shaped tensors {_names(mismatched)}")
+    if problems:
+        raise ModelLoadError(f"weights in {path} do not match the model: " + "; ".join(problems))
+    return by_file
+
+
+def _from_index(index: Path) -> dict[str, Path]:
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{index} is not valid JSON: {exc}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(f"{index} has no 'weight_map' object")
+    names: dict[str, Path] = {}
+    headers: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        file = index.parent / str(shard)
+        if file.parent != index.parent:
+            raise ModelLoadError(f"{index}: shard {shard!r} for {name!r} is outside the model directory")
+        if shard not in headers:
+            if not file.is_file():
+                raise ModelLoadError(f"{index} names shard {shard!r} (for {name!r}) but {file} is missing")
+            headers[shard] = set(_header_names(file))
+        if name not in headers[shard]:
+            raise ModelLoadError(f"{index} places {name!r} in {shard!r}, but that shard does not hold it")
+        names[name] = file
+    return names
+
+
+def _header_names(file: Path) -> list[str]:
+    with _open(file) as f:
+        return list(f.keys())
+
+
+class _open:
+    """``safe_open`` whose failures (truncated/corrupt file) become ModelLoadError naming the file."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+
+    def __enter__(self):
+        try:
+            self._ctx = safe_open(str(self.file), framework="pt", device="cpu")
+            return self._ctx.__enter__()
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read safetensors file {self.file}: {exc}") from None
+
+    def __exit__(self, *exc_info) -> None:
+        self._ctx.__exit__(*exc_info)
+
+
+def _replace_parameter(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    old = getattr(owner, attr)
+    new = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
+    # Keep ties intact: every module attribute that pointed at the old parameter gets the new one.
+    for sub in module.modules():
+        for key, value in list(sub._parameters.items()):
+            if value is old:
+                sub._parameters[key] = new
+
+
+def _names(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_NAMED])
+    extra = len(items) - _MAX_NAMED
+    return f"[{shown}{f', ... and {extra} more' if extra > 0 else ''}]"
