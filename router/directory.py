@@ -1,0 +1,139 @@
+"""The router's worker directory: one gRPC channel per worker address, and its last GetStats.
+
+Lifecycle: ``set_addresses(role, addrs)`` (from static flags, or from a discovery source on every
+change) opens channels for new addresses and closes removed ones. ``poll_forever()`` calls
+``GetStats`` on every worker each ``interval`` seconds; a worker that answers is *healthy* and its
+``WorkerInfo`` + ``WorkerLoad`` go to the Placer; one that fails (dead process, deadline) is marked
+unhealthy and dropped from the Placer's view at once, so no new request is placed on it. A
+restarted worker comes back with a new ``incarnation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.server import CHANNEL_OPTIONS
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from router.placement import WorkerInfo, WorkerLoad
+
+log = logging.getLogger(__name__)
+STATS_TIMEOUT_S = 2.0
+
+
+@dataclass(kw_only=True)
+class WorkerHandle:
+    address: str
+    role: str
+    channel: grpc.aio.Channel
+    stub: object
+    stats: common_pb2.WorkerStats | None = None
+    healthy: bool = False
+    last_ok: float = 0.0
+    failures: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def worker_id(self) -> str:
+        return self.stats.worker_id if self.stats else ""
+
+    def info(self) -> WorkerInfo:
+        assert self.stats is not None
+        return WorkerInfo(worker_id=self.stats.worker_id, role=self.role, address=self.address,
+                          incarnation=self.stats.incarnation, layout_hash=self.stats.layout_hash)
+
+
+class WorkerDirectory:
+    def __init__(self, placer: object, *, interval: float = 0.5) -> None:
+        self.placer = placer
+        self.interval = interval
+        self._by_addr: dict[str, WorkerHandle] = {}
+        self._changed = asyncio.Event()
+
+    # ---- membership -------------------------------------------------------------------------------
+    async def set_addresses(self, role: str, addresses: Iterable[str]) -> None:
+        wanted = set(addresses)
+        for addr, h in list(self._by_addr.items()):
+            if h.role == role and addr not in wanted:
+                del self._by_addr[addr]
+                await h.channel.close()
+        for addr in wanted:
+            if addr not in self._by_addr:
+                channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+                stub = (prefill_pb2_grpc.PrefillStub(channel) if role == "prefill"
+                        else decode_pb2_grpc.DecodeStub(channel))
+                self._by_addr[addr] = WorkerHandle(address=addr, role=role, channel=channel, stub=stub)
+        await self.poll_once()
+
+    def handles(self, role: str | None = None) -> list[WorkerHandle]:
+        return [h for h in self._by_addr.values() if role is None or h.role == role]
+
+    def by_id(self, worker_id: str) -> WorkerHandle | None:
+        for h in self._by_addr.values():
+            if h.worker_id == worker_id:
+                return h
+        return None
+
+    def healthy(self, role: str) -> list[WorkerHandle]:
+        return [h for h in self.handles(role) if h.healthy]
+
+    # ---- polling ----------------------------------------------------------------------------------
+    async def poll_once(self) -> None:
+        handles = list(self._by_addr.values())
+        await asyncio.gather(*(self._poll(h) for h in handles))
+        self._publish()
+
+    async def _poll(self, h: WorkerHandle) -> None:
+        try:
+            stats = await h.stub.GetStats(common_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            if h.healthy:
+                log.warning("worker %s (%s) stopped answering: %s", h.worker_id or "?", h.address,
+                            exc.code() if isinstance(exc, grpc.aio.AioRpcError) else "timeout")
+            self.mark_failed(h)
+            return
+        if stats.role != h.role and not (h.role == "decode" and stats.role == "colocated"):
+            log.error("worker at %s says role %r, expected %r; ignoring it", h.address, stats.role, h.role)
+            self.mark_failed(h)
+            return
+        h.stats, h.healthy, h.last_ok, h.failures = stats, True, time.monotonic(), 0
+        with contextlib.suppress(ValueError):
+            self.placer.update_load(stats.worker_id, WorkerLoad(
+                queue_depth=stats.queue_depth, num_running=stats.num_running, free_blocks=stats.free_blocks,
+                total_blocks=stats.total_blocks, incarnation=stats.incarnation, reported_at=time.time()))
+
+    def mark_failed(self, h: WorkerHandle) -> None:
+        was_healthy = h.healthy
+        h.healthy = False
+        h.failures += 1
+        if h.stats is not None:
+            self.placer.mark_unhealthy(h.stats.worker_id)
+        if was_healthy:
+            self._publish()
+
+    def mark_failed_id(self, worker_id: str) -> None:
+        h = self.by_id(worker_id)
+        if h is not None:
+            self.mark_failed(h)
+
+    def _publish(self) -> None:
+        self.placer.update_workers([h.info() for h in self._by_addr.values() if h.healthy])
+
+    async def poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.poll_once()
+            except Exception:
+                log.exception("worker poll failed")
+
+    async def close(self) -> None:
+        for h in self._by_addr.values():
+            await h.channel.close()
+        self._by_addr.clear()

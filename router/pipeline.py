@@ -1,0 +1,254 @@
+"""Drive one request through the disaggregated path: place → Allocate → Prefill → Decode.
+
+Lifecycle of one request (yielded as events to the servicer)::
+
+    place (Placer)          pick (prefill P, decode D); failures before the first token are retried
+      │                     on other workers (UNAVAILABLE / RESOURCE_EXHAUSTED exclude the culprit)
+    D.Allocate              reserve blocks under a lease; D reports its cached prefix
+    P.Prefill               P computes the uncached suffix, pushes D's missing blocks, returns token 1
+      │ ──▶ FirstToken      streamed to the client at once (TTFT = queue + prefill + transfer)
+    D.Decode (stream)       D waits for KV-complete, joins its batch ──▶ Tokens ... ──▶ Done(meta)
+
+Cleanup is the point of this module: whatever stage fails or is cancelled (client went away,
+deadline, dead worker), the ``finally`` releases D's reservation / aborts P's request, so both
+pools' free block counts return. A dead decode worker mid-stream ends the request with
+UNAVAILABLE and is taken out of placement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.prefix_hash import block_hashes
+from pdserve.v1 import decode_pb2, prefill_pb2
+from pdserve.wire import sampling_to_proto
+from router.admission import Admitted
+from router.directory import WorkerDirectory
+from router.placement import NoWorkersAvailable, Outcome, Placement, PlacementRequest
+
+log = logging.getLogger(__name__)
+MAX_ATTEMPTS = 3
+CLEANUP_TIMEOUT_S = 5.0
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    token_id: int
+    logprob: float | None
+
+
+@dataclass(frozen=True)
+class Tokens:
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass(kw_only=True)
+class ServingMeta:
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    transport: str = ""
+    kv_blocks_sent: int = 0
+    kv_bytes_sent: int = 0
+    kv_blocks_reused: int = 0
+    cached_tokens: int = 0
+    session_moved: bool = False
+    fallback: bool = False
+    fallback_reason: str = ""
+    policy: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str
+    completion_tokens: int
+    meta: ServingMeta
+
+
+class Pipeline:
+    def __init__(self, directory: WorkerDirectory, placer: object, *, block_size: int, lease_ms: int) -> None:
+        self.directory = directory
+        self.placer = placer
+        self.block_size = block_size
+        self.lease_ms = lease_ms
+
+    async def run(self, req: Admitted, timeout: float | None) -> AsyncIterator[object]:
+        preq = PlacementRequest(request_id=req.request_id, session_id=req.session_id,
+                                block_hashes=block_hashes(req.prompt_ids, self.block_size),
+                                prompt_len=len(req.prompt_ids), reusable_prefix_len=req.reusable_prefix_len)
+        meta = ServingMeta()
+        exclude: set[str] = set()
+        last: RequestFailed | None = None
+        sampling = sampling_to_proto(req.params)
+        for _attempt in range(MAX_ATTEMPTS):
+            try:
+                placement: Placement = await self.placer.aplace(preq, exclude=frozenset(exclude))
+            except NoWorkersAvailable as exc:
+                raise last or RequestFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            p = self.directory.by_id(placement.prefill.worker_id)
+            d = self.directory.by_id(placement.decode.worker_id)
+            if p is None or d is None:
+                pairs = ((placement.prefill, p), (placement.decode, d))
+                exclude.update(w.worker_id for w, h in pairs if h is None)
+                continue
+            meta = ServingMeta(prefill_worker=p.worker_id, decode_worker=d.worker_id, policy=placement.policy,
+                               session_moved=placement.session_moved)
+            started = time.monotonic()
+            state = _Cleanup(p, d, req.request_id)
+            try:
+                first = await self._prefill_phase(req, sampling, p, d, meta, timeout)
+            except RequestFailed as exc:
+                await state.run(decode_reserved=True, prefill_running=True)
+                failed = exc.extra_worker if hasattr(exc, "extra_worker") else ""
+                self._feedback(preq, placement, meta, success=False, error=exc.message, failed=failed)
+                if exc.code in RETRYABLE and failed:
+                    exclude.add(failed)
+                    last = exc
+                    continue
+                raise
+            except BaseException:
+                await state.run(decode_reserved=True, prefill_running=True)
+                raise
+            yield first
+            generated = [first.token_id]
+            try:
+                async for event in self._decode_phase(req, d, first.token_id, timeout):
+                    if isinstance(event, Tokens):
+                        generated.extend(event.token_ids)
+                        yield event
+                    else:
+                        reason, completion = event
+                        meta.extra["decode_s"] = time.monotonic() - started
+                        state.done = True  # the decode worker freed everything itself
+                        held = block_hashes(req.prompt_ids + generated, self.block_size)
+                        self._feedback(preq, placement, meta, success=True, decode_hashes=held)
+                        yield Done(reason, completion, meta)
+                        return
+            except RequestFailed as exc:
+                if exc.code == grpc.StatusCode.UNAVAILABLE:
+                    self.directory.mark_failed_id(d.worker_id)
+                self._feedback(preq, placement, meta, success=False, error=exc.message,
+                               failed=d.worker_id if exc.code == grpc.StatusCode.UNAVAILABLE else "")
+                raise
+            finally:
+                await state.run(decode_reserved=True, prefill_running=False)
+            raise RequestFailed(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
+        raise last or RequestFailed(grpc.StatusCode.UNAVAILABLE, "no worker could serve the request")
+
+    async def _prefill_phase(self, req: Admitted, sampling, p, d, meta: ServingMeta,
+                             timeout: float | None) -> FirstToken:
+        try:
+            alloc = await d.stub.Allocate(decode_pb2.AllocateRequest(
+                request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
+                max_tokens=req.params.max_tokens, lease_ms=self.lease_ms, session_id=req.session_id or ""),
+                timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _failed(exc, d.worker_id, "decode Allocate") from None
+        meta.kv_blocks_reused = alloc.num_cached_tokens // self.block_size
+        transport, fallback = _choose_transport(list(p.stats.transports) if p.stats else [],
+                                                list(alloc.transports))
+        if transport is None:
+            err = RequestFailed(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no common KV transport: prefill {list(p.stats.transports)}, "
+                                f"decode {list(alloc.transports)}")
+            raise err
+        meta.transport, meta.fallback, meta.fallback_reason = transport, bool(fallback), fallback
+        try:
+            res = await p.stub.Prefill(prefill_pb2.PrefillRequest(
+                request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
+                max_tokens=req.params.max_tokens,
+                target=prefill_pb2.KVTarget(worker_id=d.worker_id, kv_endpoint=alloc.kv_endpoint,
+                                            block_ids=list(alloc.block_ids),
+                                            num_cached_tokens=alloc.num_cached_tokens, transport=transport)),
+                timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _failed(exc, p.worker_id, "prefill") from None
+        meta.kv_blocks_sent, meta.kv_bytes_sent = res.kv_blocks_sent, res.kv_bytes_sent
+        meta.cached_tokens = max(res.num_cached_tokens, alloc.num_cached_tokens)
+        if res.transport:
+            meta.transport = res.transport
+        return FirstToken(res.first_token_id, res.first_logprob if res.HasField("first_logprob") else None)
+
+    async def _decode_phase(self, req: Admitted, d, first_token_id: int,
+                            timeout: float | None) -> AsyncIterator[object]:
+        call = d.stub.Decode(decode_pb2.DecodeRequest(
+            request_id=req.request_id, first_token_id=first_token_id, kv_wait_ms=30_000), timeout=timeout)
+        try:
+            async for msg in call:
+                if msg.token_ids:
+                    yield Tokens(list(msg.token_ids), list(msg.logprobs))
+                if msg.finish_reason:
+                    yield (msg.finish_reason, msg.completion_tokens)
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise _failed(exc, d.worker_id, "decode") from None
+        finally:
+            call.cancel()
+
+    def _feedback(self, preq: PlacementRequest, placement: Placement, meta: ServingMeta, *, success: bool,
+                  error: str = "", failed: str = "", decode_hashes: list[int] | None = None) -> None:
+        try:
+            self.placer.on_result(preq, placement, Outcome(
+                success=success, decode_block_hashes=decode_hashes,
+                prefill_block_hashes=list(preq.block_hashes),
+                decode_cached_blocks=meta.kv_blocks_reused, blocks_sent=meta.kv_blocks_sent,
+                bytes_sent=meta.kv_bytes_sent, transport=meta.transport, fallback=meta.fallback_reason,
+                error=error, failed_worker_id=failed))
+        except Exception:
+            log.exception("placer.on_result failed")
+
+
+class _Cleanup:
+    """Best-effort release of what a request may hold on both workers; runs at most once."""
+
+    def __init__(self, p, d, request_id: str) -> None:
+        self.p, self.d, self.rid = p, d, request_id
+        self.done = False
+
+    async def run(self, *, decode_reserved: bool, prefill_running: bool) -> None:
+        if self.done:
+            return
+        self.done = True
+        calls = []
+        if decode_reserved:
+            calls.append(self.d.stub.Release(decode_pb2.ReleaseRequest(request_id=self.rid),
+                                             timeout=CLEANUP_TIMEOUT_S))
+        if prefill_running:
+            calls.append(self.p.stub.Abort(prefill_pb2.AbortRequest(request_id=self.rid),
+                                           timeout=CLEANUP_TIMEOUT_S))
+        with contextlib.suppress(Exception):
+            await asyncio.shield(asyncio.gather(*calls, return_exceptions=True))
+
+
+def _failed(exc: grpc.aio.AioRpcError, worker_id: str, what: str) -> RequestFailed:
+    code = exc.code()
+    msg = f"{what} on {worker_id} failed: {exc.details() or code.name}"
+    err = RequestFailed(code, msg)
+    err.extra_worker = worker_id if code in RETRYABLE else ""  # type: ignore[attr-defined]
+    return err
+
+
+def _choose_transport(prefill: list[str], decode: list[str]) -> tuple[str | None, str]:
+    """First of the prefill worker's preferences that the decode worker also speaks."""
+    common = [t for t in prefill if t in decode]
+    if not common:
+        return None, ""
+    chosen = common[0]
+    fallback = "" if chosen == (prefill[0] if prefill else chosen) else f"{prefill[0]} unavailable on decode"
+    return chosen, fallback

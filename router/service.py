@@ -1,0 +1,103 @@
+"""gRPC Router servicer (public API): admission → Pipeline events → GenerateResponse messages.
+
+The servicer only translates: ``admission.admit`` validates, ``Pipeline.run`` drives the workers,
+``TextAssembler`` turns ids into text deltas. ``GenerateStream`` (shared with the colocated role)
+builds the response messages so both roles stream exactly the same shape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from pdserve.server import abort_from
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.admission import SESSION_METADATA_KEY, Admitted, ModelLimits, admit
+from router.directory import WorkerDirectory
+from router.pipeline import Done, FirstToken, Pipeline, RequestFailed, Tokens
+from router.text import TextAssembler
+
+log = logging.getLogger(__name__)
+
+
+class GenerateStream:
+    """Builds the GenerateResponse messages of one request."""
+
+    def __init__(self, req: Admitted, tokenizer: object | None) -> None:
+        self.req = req
+        self.text = TextAssembler(tokenizer if req.want_text else None, req.params.stop)
+        self.num_generated = 0
+
+    def tokens(self, token_ids: list[int], logprobs: list[float] | None = None) -> router_pb2.GenerateResponse:
+        self.num_generated += len(token_ids)
+        msg = router_pb2.GenerateResponse(request_id=self.req.request_id, token_ids=token_ids,
+                                          text=self.text.push(token_ids))
+        if logprobs:
+            msg.logprobs.extend(logprobs)
+        return msg
+
+    def final(self, done: Done) -> router_pb2.GenerateResponse:
+        m = done.meta
+        final = router_pb2.FinalInfo(
+            finish_reason=done.finish_reason,
+            usage=common_pb2.Usage(prompt_tokens=len(self.req.prompt_ids),
+                                   completion_tokens=done.completion_tokens or self.num_generated,
+                                   cached_tokens=m.cached_tokens),
+            prefill_worker=m.prefill_worker, decode_worker=m.decode_worker, transport=m.transport,
+            kv_blocks_sent=m.kv_blocks_sent, kv_bytes_sent=m.kv_bytes_sent, kv_blocks_reused=m.kv_blocks_reused,
+            session_moved=m.session_moved, fallback=m.fallback, fallback_reason=m.fallback_reason,
+            placement_policy=m.policy)
+        return router_pb2.GenerateResponse(request_id=self.req.request_id, text=self.text.finish(), final=final)
+
+
+def metadata_session(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == SESSION_METADATA_KEY and value:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+async def admit_or_abort(request, context, limits: ModelLimits) -> Admitted:
+    try:
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline expired before admission")
+        return admit(request, limits, metadata_session(context))
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    raise AssertionError("unreachable")
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, *, pipeline: Pipeline, directory: WorkerDirectory, limits: ModelLimits) -> None:
+        self.pipeline = pipeline
+        self.directory = directory
+        self.limits = limits
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        req = await admit_or_abort(request, context, self.limits)
+        out = GenerateStream(req, self.limits.tokenizer)
+        try:
+            async for event in self.pipeline.run(req, context.time_remaining()):
+                if isinstance(event, FirstToken):
+                    lps = [event.logprob] if event.logprob is not None else None
+                    yield out.tokens([event.token_id], lps)
+                elif isinstance(event, Tokens):
+                    yield out.tokens(event.token_ids, event.logprobs)
+                elif isinstance(event, Done):
+                    yield out.final(event)
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
+        except Exception as exc:
+            await abort_from(context, exc)
+
+    async def ListWorkers(self, request: router_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext):
+        entries = []
+        for h in self.directory.handles():
+            entry = router_pb2.WorkerEntry(worker_id=h.worker_id, role=h.role, address=h.address,
+                                           healthy=h.healthy)
+            if h.stats is not None:
+                entry.stats.CopyFrom(h.stats)
+            entries.append(entry)
+        return router_pb2.ListWorkersResponse(workers=entries)
