@@ -29,7 +29,8 @@ class GenerateStream:
         self.text = TextAssembler(tokenizer if req.want_text else None, req.params.stop)
         self.num_generated = 0
 
-    def tokens(self, token_ids: list[int], logprobs: list[float] | None = None) -> router_pb2.GenerateResponse:
+    def tokens(self, token_ids: list[int],
+               logprobs: list[float] | None = None) -> router_pb2.GenerateResponse:
         self.num_generated += len(token_ids)
         msg = router_pb2.GenerateResponse(request_id=self.req.request_id, token_ids=token_ids,
                                           text=self.text.push(token_ids))
@@ -45,10 +46,12 @@ class GenerateStream:
                                    completion_tokens=done.completion_tokens or self.num_generated,
                                    cached_tokens=m.cached_tokens),
             prefill_worker=m.prefill_worker, decode_worker=m.decode_worker, transport=m.transport,
-            kv_blocks_sent=m.kv_blocks_sent, kv_bytes_sent=m.kv_bytes_sent, kv_blocks_reused=m.kv_blocks_reused,
+            kv_blocks_sent=m.kv_blocks_sent, kv_bytes_sent=m.kv_bytes_sent,
+            kv_blocks_reused=m.kv_blocks_reused,
             session_moved=m.session_moved, fallback=m.fallback, fallback_reason=m.fallback_reason,
             placement_policy=m.policy)
-        return router_pb2.GenerateResponse(request_id=self.req.request_id, text=self.text.finish(), final=final)
+        return router_pb2.GenerateResponse(request_id=self.req.request_id, text=self.text.finish(),
+                                           final=final)
 
 
 def metadata_session(context: grpc.aio.ServicerContext) -> str | None:
