@@ -1,0 +1,188 @@
+"""A small Python client for the public Router API (also used by `pdserve client` and `pdserve bench`).
+
+    from pdserve.client import Client
+    with Client("127.0.0.1:50051") as c:
+        result = c.generate(prompt="Hello", max_tokens=16)
+        print(result.text, result.ttft_s, result.final["decode_worker"])
+
+``stream()`` yields ``Chunk``s as they arrive (the first one carries the first token, straight from
+prefill); ``generate()`` collects them into a ``Result`` with TTFT and inter-token latencies. Errors
+surface as ``grpc.RpcError`` with the router's status code. ``AsyncClient`` is the asyncio twin.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+_OPTIONS = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20)]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: list[int]
+    text: str
+    at: float  # time.perf_counter() when received
+    final: router_pb2.FinalInfo | None = None
+
+
+@dataclass
+class Result:
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    final: dict = field(default_factory=dict)
+    start: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # arrival time of each token
+    end: float = 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times[0] - self.start if self.token_times else float("nan")
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Inter-token latencies (tokens arriving in one message count as gap 0)."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+    @property
+    def mean_itl_s(self) -> float:
+        gaps = self.itl_s
+        return sum(gaps) / len(gaps) if gaps else float("nan")
+
+    @property
+    def e2e_s(self) -> float:
+        return self.end - self.start
+
+    @property
+    def tpot_s(self) -> float:
+        n = len(self.token_ids)
+        return (self.end - self.token_times[0]) / (n - 1) if n > 1 else float("nan")
+
+    def to_json(self) -> dict:
+        out = {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
+               "finish_reason": self.finish_reason}
+        for key in ("prefill_worker", "decode_worker", "transport", "kv_blocks_sent", "kv_bytes_sent",
+                    "kv_blocks_reused", "session_moved", "fallback", "fallback_reason", "usage"):
+            out[key] = self.final.get(key)
+        out["ttft_ms"] = self.ttft_s * 1e3
+        out["mean_itl_ms"] = self.mean_itl_s * 1e3 if self.itl_s else None
+        out["e2e_ms"] = self.e2e_s * 1e3
+        return out
+
+
+def build_request(*, prompt: str | None = None, prompt_ids: Sequence[int] | None = None, max_tokens: int = 16,
+                  session_id: str = "", request_id: str = "", temperature: float | None = None,
+                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                  stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                  reusable_prefix_len: int | None = None) -> router_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids),
+                                         ignore_eos=ignore_eos)
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(sampling, name, value)
+    req = router_pb2.GenerateRequest(request_id=request_id, sampling=sampling, max_tokens=max_tokens,
+                                     session_id=session_id)
+    if prompt_ids is not None:
+        req.token_ids.ids.extend(int(t) for t in prompt_ids)
+    elif prompt is not None:
+        req.text = prompt
+    if reusable_prefix_len is not None:
+        req.reusable_prefix_len = reusable_prefix_len
+    return req
+
+
+def _final_dict(final: router_pb2.FinalInfo) -> dict:
+    # Built by hand: the protobuf JSON mapping would turn int64 (kv_bytes_sent) into a string.
+    out = {f.name: getattr(final, f.name) for f in final.DESCRIPTOR.fields if f.name != "usage"}
+    u = final.usage
+    out["usage"] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                    "cached_tokens": u.cached_tokens}
+    return out
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.result = Result(start=time.perf_counter())
+
+    def add(self, msg: router_pb2.GenerateResponse) -> Chunk:
+        now = time.perf_counter()
+        r = self.result
+        r.request_id = msg.request_id or r.request_id
+        r.token_ids.extend(msg.token_ids)
+        r.token_times.extend([now] * len(msg.token_ids))
+        r.text += msg.text
+        final = msg.final if msg.HasField("final") else None
+        if final is not None:
+            r.final = _final_dict(final)
+            r.finish_reason = final.finish_reason
+            r.end = now
+        return Chunk(list(msg.token_ids), msg.text, now, final)
+
+
+class Client:
+    def __init__(self, address: str, *, timeout: float | None = None) -> None:
+        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.timeout = timeout
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def stream(self, request: router_pb2.GenerateRequest | None = None, *, timeout: float | None = None,
+               metadata: Sequence[tuple[str, str]] = (), **kwargs) -> Iterator[router_pb2.GenerateResponse]:
+        request = request or build_request(**kwargs)
+        return self.stub.Generate(request, timeout=timeout or self.timeout, metadata=list(metadata) or None)
+
+    def generate(self, request: router_pb2.GenerateRequest | None = None, *, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), **kwargs) -> Result:
+        col = _Collector()
+        for msg in self.stream(request, timeout=timeout, metadata=metadata, **kwargs):
+            col.add(msg)
+        if not col.result.end:
+            col.result.end = time.perf_counter()
+        return col.result
+
+    def list_workers(self) -> list[dict]:
+        resp = self.stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=self.timeout or 10)
+        return [MessageToDict(w, preserving_proto_field_name=True) for w in resp.workers]
+
+
+class AsyncClient:
+    def __init__(self, address: str, *, timeout: float | None = None) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.timeout = timeout
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def stream(self, request: router_pb2.GenerateRequest, *, timeout: float | None = None,
+                     metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[Chunk]:
+        col = _Collector()
+        call = self.stub.Generate(request, timeout=timeout or self.timeout, metadata=list(metadata) or None)
+        async for msg in call:
+            yield col.add(msg)
+
+    async def generate(self, request: router_pb2.GenerateRequest, *, timeout: float | None = None,
+                       metadata: Sequence[tuple[str, str]] = ()) -> Result:
+        col = _Collector()
+        call = self.stub.Generate(request, timeout=timeout or self.timeout, metadata=list(metadata) or None)
+        async for msg in call:
+            col.add(msg)
+        if not col.result.end:
+            col.result.end = time.perf_counter()
+        return col.result

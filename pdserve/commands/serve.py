@@ -1,0 +1,38 @@
+"""``pdserve serve --role prefill|decode|router|colocated ...``: run one service of the cluster.
+
+Every flag may also come from ``PDSERVE_<FLAG>`` (see pdserve/settings.py). The process prints one
+line ``pdserve <role> <worker_id> listening on <host:port>`` once it is SERVING (launchers and tests
+wait for it), and exits 0 after a graceful drain on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from pdserve.settings import ServeSettings, add_serve_arguments
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="run a prefill, decode, router or colocated server")
+    add_serve_arguments(parser)
+    parser.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        settings = ServeSettings.from_args(args)
+    except ValueError as exc:
+        print(f"pdserve serve: {exc}", file=sys.stderr)
+        return 2
+    from pdserve.roles import run_role
+
+    try:
+        asyncio.run(run_role(settings))
+    except KeyboardInterrupt:
+        return 0
+    return 0

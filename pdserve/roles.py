@@ -1,0 +1,212 @@
+"""Wire one role's pieces together: engine, KV transport, worker logic, servicers, gRPC server.
+
+Start-up order matters for health: the gRPC port is bound first (so the launcher learns it and
+probes get NOT_SERVING rather than connection refused), then the model is loaded and the KV
+transport comes up, and only then is the role marked SERVING. Shutdown runs in reverse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+
+from pdserve.server import GrpcServer
+from pdserve.settings import ServeSettings
+
+log = logging.getLogger(__name__)
+
+_STREAMING = {"Generate", "Decode"}
+SERVICE_NAMES = {
+    "prefill": ["pdserve.v1.Prefill"],
+    "decode": ["pdserve.v1.Decode"],
+    "router": ["pdserve.v1.Router"],
+    "colocated": ["pdserve.v1.Router", "pdserve.v1.Decode"],
+}
+
+
+def build_engine(settings: ServeSettings):
+    """An LLMEngine for a worker role, from the serve settings."""
+    from engine.engine import EngineConfig, LLMEngine
+
+    kwargs = dict(model=settings.model, dtype=settings.dtype, device=settings.device,
+                  block_size=settings.block_size, max_num_seqs=settings.max_num_seqs)
+    if settings.num_blocks is not None:
+        kwargs["num_blocks"] = settings.num_blocks
+    if settings.kv_memory_gb is not None:
+        kwargs["kv_cache_bytes"] = int(settings.kv_memory_gb * 2**30)
+    if settings.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
+    return LLMEngine(EngineConfig(**kwargs))
+
+
+async def run_role(settings: ServeSettings) -> None:
+    server = GrpcServer(host=settings.host, port=settings.port, service_full_names=SERVICE_NAMES[settings.role],
+                        drain_timeout=settings.drain_timeout)
+    setup = {"prefill": _prefill, "decode": _decode, "router": _router, "colocated": _colocated}[settings.role]
+    # Servicers must be registered before the server starts, so roles register first and load after.
+    finish = await setup(settings, server)
+    port = await server.start()
+    settings = _with_port(settings, port)
+    await finish(settings)
+    await server.set_serving(True)
+    print(f"pdserve {settings.role} {settings.worker_id} listening on {settings.advertise_host}:{port}",
+          flush=True)
+    await server.serve_until_signal()
+
+
+def _with_port(settings: ServeSettings, port: int) -> ServeSettings:
+    import dataclasses
+
+    return dataclasses.replace(settings, port=port)
+
+
+class _Late:
+    """Servicer placeholder whose target is set once the model is loaded (after the port is bound)."""
+
+    def __init__(self) -> None:
+        self.target = None
+
+    def __getattr__(self, name: str):
+        return getattr(self.target, name)
+
+
+async def _load_engine(settings: ServeSettings):
+    from engine.async_engine import AsyncEngine
+
+    engine = await asyncio.to_thread(build_engine, settings)
+    aengine = AsyncEngine(engine, name=f"engine-{settings.role}")
+    aengine.start()
+    return engine, aengine
+
+
+async def _prefill(settings: ServeSettings, server: GrpcServer):
+    from pdserve.kvlink import make_kv_link
+    from pdserve.v1 import prefill_pb2_grpc
+    from prefill_service.service import PrefillServicer
+    from prefill_service.worker import PrefillWorker
+
+    holder = _Late()
+    prefill_pb2_grpc.add_PrefillServicer_to_server(_Delegate(holder, prefill_pb2_grpc.PrefillServicer), server.server)
+
+    async def finish(settings: ServeSettings) -> None:
+        engine, aengine = await _load_engine(settings)
+        kv = await make_kv_link(settings, engine, sender=True)
+        worker = PrefillWorker(engine=aengine, kv=kv, worker_id=settings.worker_id,
+                               block_size=engine.kv_layout.block_size)
+        holder.target = PrefillServicer(worker, address=settings.advertise_address, transports=kv.transports)
+        server.on_stop(aengine.stop)
+        server.on_stop(kv.close)
+
+    return finish
+
+
+async def _decode(settings: ServeSettings, server: GrpcServer):
+    from decode_service.service import DecodeServicer
+    from decode_service.worker import DecodeWorker
+    from pdserve.kvlink import make_kv_link
+    from pdserve.v1 import decode_pb2_grpc
+
+    holder = _Late()
+    decode_pb2_grpc.add_DecodeServicer_to_server(_Delegate(holder, decode_pb2_grpc.DecodeServicer), server.server)
+
+    async def finish(settings: ServeSettings) -> None:
+        engine, aengine = await _load_engine(settings)
+        kv = await make_kv_link(settings, engine, sender=False)
+        worker = DecodeWorker(engine=aengine, kv=kv, worker_id=settings.worker_id,
+                              block_size=engine.kv_layout.block_size, default_lease_ms=settings.lease_ms)
+        worker.start()
+        holder.target = DecodeServicer(worker, address=settings.advertise_address, transports=kv.transports)
+        server.on_stop(aengine.stop)
+        server.on_stop(kv.close)
+        server.on_stop(worker.stop)
+
+    return finish
+
+
+async def _colocated(settings: ServeSettings, server: GrpcServer):
+    from pdserve.v1 import decode_pb2_grpc, router_pb2_grpc
+    from router.admission import ModelLimits
+    from router.colocated import ColocatedServicer, ColocatedStats
+
+    holder, stats_holder = _Late(), _Late()
+    router_pb2_grpc.add_RouterServicer_to_server(_Delegate(holder, router_pb2_grpc.RouterServicer), server.server)
+    decode_pb2_grpc.add_DecodeServicer_to_server(_Delegate(stats_holder, decode_pb2_grpc.DecodeServicer),
+                                                 server.server)
+
+    async def finish(settings: ServeSettings) -> None:
+        engine, aengine = await _load_engine(settings)
+        cfg = engine.model_config
+        limits = ModelLimits(vocab_size=cfg.vocab_size, max_model_len=cfg.max_position_embeddings,
+                             tokenizer=engine.tokenizer)
+        holder.target = ColocatedServicer(engine=aengine, limits=limits, worker_id=settings.worker_id,
+                                          incarnation=uuid.uuid4().hex[:12], address=settings.advertise_address)
+        stats_holder.target = ColocatedStats(holder.target)
+        server.on_stop(aengine.stop)
+
+    return finish
+
+
+async def _router(settings: ServeSettings, server: GrpcServer):
+    from pdserve.v1 import router_pb2_grpc
+    from router.admission import limits_from_model_dir
+    from router.directory import WorkerDirectory
+    from router.pipeline import Pipeline
+    from router.placement import Placer, PlacerConfig
+    from router.service import RouterServicer
+
+    holder = _Late()
+    router_pb2_grpc.add_RouterServicer_to_server(_Delegate(holder, router_pb2_grpc.RouterServicer), server.server)
+
+    async def finish(settings: ServeSettings) -> None:
+        if not settings.model:
+            raise SystemExit("pdserve serve --role router needs --model DIR (tokenizer and context length)")
+        limits = await asyncio.to_thread(limits_from_model_dir, settings.model)
+        placer = Placer(PlacerConfig(policy=settings.policy, session_ttl_s=settings.session_ttl,
+                                     block_size=settings.block_size))
+        await placer.start()
+        directory = WorkerDirectory(placer, interval=settings.stats_interval)
+        await directory.set_addresses("prefill", settings.prefill)
+        await directory.set_addresses("decode", settings.decode)
+        poller = asyncio.get_running_loop().create_task(directory.poll_forever())
+        pipeline = Pipeline(directory, placer, block_size=settings.block_size, lease_ms=settings.lease_ms)
+        holder.target = RouterServicer(pipeline=pipeline, directory=directory, limits=limits)
+
+        async def stop() -> None:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+            await directory.close()
+            await placer.close()
+
+        server.on_stop(stop)
+
+    return finish
+
+
+def _Delegate(holder: _Late, base: type):
+    """A servicer class instance whose RPC methods forward to ``holder.target`` once it is set."""
+    import grpc
+
+    methods = {}
+    for name in dir(base):
+        if name.startswith("_") or not callable(getattr(base, name)):
+            continue
+
+        def make(rpc: str):
+            async def unary(self, request, context):
+                if holder.target is None:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is starting")
+                return await getattr(holder.target, rpc)(request, context)
+
+            async def stream(self, request, context):
+                if holder.target is None:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is starting")
+                async for msg in getattr(holder.target, rpc)(request, context):
+                    yield msg
+
+            return stream if rpc in _STREAMING else unary
+
+        methods[name] = make(name)
+    return type(f"Late{base.__name__}", (base,), methods)()
