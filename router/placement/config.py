@@ -14,6 +14,8 @@ class PlacerConfig:
     epsilon: float = 0.25
     # A session's bound pair counts as overloaded (and the session moves) above (1 + session_epsilon) x avg.
     session_epsilon: float = 1.0
+    # ...and only when it has at least this many requests: at low load, affinity always wins.
+    session_min_load: int = 4
     session_ttl_s: float = 600.0
     max_sessions: int = 200_000
     block_size: int = 16
@@ -40,6 +42,8 @@ class PlacerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.epsilon < 0 or self.session_epsilon < 0:
             raise ValueError("epsilon and session_epsilon must be >= 0")
+        if self.session_min_load < 0:
+            raise ValueError("session_min_load must be >= 0")
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
         if self.session_ttl_s <= 0 or self.max_sessions <= 0:

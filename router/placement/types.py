@@ -84,6 +84,7 @@ class Placement:
     predicted_prefill_cached_blocks: int = 0
     predicted_decode_cached_blocks: int = 0
     score: float = 0.0
+    move_reason: str = ""  # e.g. "d1 unhealthy", "p0 restarted", "d2 overloaded", "d0 gone"
 
     @property
     def moved_from_str(self) -> str:

@@ -1,0 +1,50 @@
+"""Prometheus metrics of the router's placement and shared state.
+
+One ``RouterMetrics`` per router process, on its own ``CollectorRegistry`` (tests and several
+Placers in one process never collide on the global registry). The router exposes it with
+``serve_metrics(metrics.registry, port)`` (``--metrics-port``) or renders it with ``render()``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.placements = Counter("pdserve_router_placements", "Placement decisions",
+                                  ["policy", "pool", "worker"], registry=r)
+        self.affinity_hits = Counter("pdserve_router_affinity_hits",
+                                     "Turns that went to the session's bound pair", registry=r)
+        self.session_moves = Counter("pdserve_router_session_moves", "Sessions moved to another pair",
+                                     ["reason"], registry=r)
+        self.predicted_cached_blocks = Counter("pdserve_router_predicted_cached_blocks",
+                                               "Blocks the router expected cached at placement",
+                                               ["pool"], registry=r)
+        self.cache_hit_tokens = Counter("pdserve_router_cache_hit_tokens",
+                                        "Prompt tokens served from a prefix cache (reported outcomes)",
+                                        ["pool"], registry=r)
+        self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens placed", registry=r)
+        self.kv_bytes_sent = Counter("pdserve_router_kv_bytes_sent", "KV bytes moved prefill->decode",
+                                     registry=r)
+        self.fallbacks = Counter("pdserve_router_fallbacks", "Fallbacks reported or taken",
+                                 ["kind"], registry=r)
+        self.failures = Counter("pdserve_router_request_failures", "Requests whose outcome failed",
+                                registry=r)
+        self.no_workers = Counter("pdserve_router_no_workers", "Placements refused: empty pool",
+                                  ["pool"], registry=r)
+        self.redis_errors = Counter("pdserve_router_redis_errors", "Shared-store operations that failed",
+                                    ["op"], registry=r)
+        self.workers = Gauge("pdserve_router_workers", "Known workers", ["pool"], registry=r)
+        self.discovery_errors = Counter("pdserve_router_discovery_errors", "Discovery list/watch errors",
+                                        ["source"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0"):
+    """Start the Prometheus HTTP endpoint in a daemon thread; returns (server, thread)."""
+    return start_http_server(port, addr=addr, registry=registry)

@@ -1,0 +1,114 @@
+"""SessionSync: the Placer's traffic with a shared store, kept off the decision's hot path.
+
+- ``fetch`` / ``write``: the one or two store round trips ``aplace`` makes for a session turn,
+  each bounded by ``store_timeout_s``. A failure returns a sentinel instead of raising, and the
+  Placer decides from its local view (serving continues while Redis is down).
+- ``refresh_later``: TTL refresh of an unchanged binding, fire-and-forget.
+- A background task (``start``) every ``sync_interval_s`` publishes load reports this replica
+  received and pulls every worker's latest report, so all replicas see the same loads.
+Store errors are counted in the ``redis_errors`` metric; reconnect/backoff is the store's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING
+
+from router.placement.types import WorkerLoad
+from router.state.sessions import SessionBinding
+from router.state.store import StoreUnavailable
+
+if TYPE_CHECKING:
+    from router.placement.placer import Placer
+
+_STORE_ERRORS = (StoreUnavailable, asyncio.TimeoutError, OSError)
+
+
+class SessionSync:
+    def __init__(self, placer: Placer) -> None:
+        self._p = placer
+        self._task: asyncio.Task | None = None
+        self._bg: set[asyncio.Task] = set()
+        self._loads_out: dict[str, WorkerLoad] = {}
+
+    def _err(self, op: str) -> None:
+        self._p.metrics.redis_errors.labels(op=op).inc()
+
+    async def fetch(self, session_id: str) -> SessionBinding | None | bool:
+        """The store's binding, None if it has none, False if the store could not answer."""
+        try:
+            b = await asyncio.wait_for(self._p.store.get_session(session_id), self._p.config.store_timeout_s)
+        except _STORE_ERRORS:
+            self._err("get_session")
+            return False
+        if b is not None and b.expires_at <= self._p.sessions._clock():
+            return None
+        return b
+
+    async def write(self, session_id: str, binding: SessionBinding, *, only_if_absent: bool) -> bool | None:
+        try:
+            return await asyncio.wait_for(
+                self._p.store.put_session(session_id, binding, self._p.config.session_ttl_s,
+                                          only_if_absent=only_if_absent),
+                self._p.config.store_timeout_s)
+        except _STORE_ERRORS:
+            self._err("put_session")
+            return None
+
+    def refresh_later(self, session_id: str, binding: SessionBinding) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        t = loop.create_task(self.write(session_id, binding, only_if_absent=False))
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    def publish_load(self, worker_id: str, load: WorkerLoad) -> None:
+        self._loads_out[worker_id] = load
+
+    async def sync_once(self) -> None:
+        cfg = self._p.config
+        out, self._loads_out = self._loads_out, {}
+        for wid, load in out.items():
+            try:
+                await asyncio.wait_for(self._p.store.put_load(wid, load, cfg.load_stale_s), 1.0)
+            except _STORE_ERRORS:
+                self._err("put_load")
+                # Keep the newest unsent report for the next round unless a newer one arrived.
+                self._loads_out.setdefault(wid, load)
+        try:
+            loads = await asyncio.wait_for(self._p.store.get_loads(), 1.0)
+        except _STORE_ERRORS:
+            self._err("get_loads")
+            return
+        view = self._p.view
+        for wid, load in loads.items():
+            mine = view.loads.get(wid)
+            if mine is None or load.reported_at > mine.reported_at:
+                view.set_load(wid, load)
+        self._p.sessions.purge_expired()
+
+    async def _loop(self) -> None:
+        while True:
+            await self.sync_once()
+            await asyncio.sleep(self._p.config.sync_interval_s)
+
+    async def start(self) -> None:
+        if self._p.store.shared and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for t in list(self._bg):
+            t.cancel()
+        for t in list(self._bg):
+            with contextlib.suppress(asyncio.CancelledError, *_STORE_ERRORS):
+                await t
+        with contextlib.suppress(Exception):
+            await self._p.store.close()
