@@ -1,0 +1,252 @@
+{{/*
+Names, labels and the pieces every pdserve pod shares. The prefill and decode pools are rendered by ONE
+named template ("pdserve.pool", _pool.tpl) called with the role, so the two pools are mirror images
+that differ only in their values block.
+*/}}
+
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 50 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name, truncated to 50 so "<fullname>-prefill-xxxxxxxxxx-xxxxx" stays a valid pod name. */}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels of one component: (dict "root" $ "component" "decode"). */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Comma-separated label selector string of one component (what the router's k8s discovery watches). */}}
+{{- define "pdserve.selectorString" -}}
+{{- printf "app.kubernetes.io/name=%s,app.kubernetes.io/instance=%s,app.kubernetes.io/component=%s" (include "pdserve.name" .root) .root.Release.Name .component }}
+{{- end }}
+
+{{/* Metadata labels of one component. */}}
+{{- define "pdserve.labels" -}}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/part-of: pdserve
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ include "pdserve.chart" .root }}
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Instance-wide pod selector (every pod of the release, any component). */}}
+{{- define "pdserve.instanceSelector" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "pdserve.image" -}}
+{{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion .Values.image.variant) }}
+{{- if eq $tag "latest" }}{{ fail "image.tag must not be \"latest\": pin a version" }}{{ end }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+
+{{- define "pdserve.routerServiceAccount" -}}
+{{- if .Values.router.serviceAccount.create }}
+{{- default (printf "%s-router" (include "pdserve.fullname" .)) .Values.router.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.router.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Directory holding config.json inside the container. */}}
+{{- define "pdserve.modelDir" -}}
+{{- $sub := .Values.model.subPath }}
+{{- if and (eq .Values.model.source "init") (not $sub) }}{{ $sub = .Values.model.init.preset }}{{ end }}
+{{- if $sub }}{{ printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) $sub }}{{ else }}{{ .Values.model.mountPath }}{{ end }}
+{{- end }}
+
+{{/* The model volume. */}}
+{{- define "pdserve.modelVolume" -}}
+- name: model
+{{- if eq .Values.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required when model.source=pvc" .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "hostPath" }}
+  hostPath:
+    path: {{ required "model.hostPath.path is required when model.source=hostPath" .Values.model.hostPath.path }}
+    type: {{ .Values.model.hostPath.type }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.init.sizeLimit }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.modelMount" -}}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+
+{{/* Init container writing the random preset checkpoint (model.source=init only). */}}
+{{- define "pdserve.modelInitContainer" -}}
+{{- if eq .Values.model.source "init" }}
+- name: model-init
+  image: {{ include "pdserve.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args:
+    - model
+    - init
+    - --preset
+    - {{ .Values.model.init.preset | quote }}
+    - --out
+    - {{ include "pdserve.modelDir" . | quote }}
+    {{- range .Values.model.init.extraArgs }}
+    - {{ . | quote }}
+    {{- end }}
+  env:
+    - name: HOME
+      value: /tmp
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  resources:
+    {{- toYaml .Values.model.init.resources | nindent 4 }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ .Values.model.mountPath }}
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end }}
+
+{{/* Env shared by every role: bind/advertise addresses, identity, metrics, model, drain. */}}
+{{- define "pdserve.commonEnv" -}}
+- name: PDSERVE_MODEL
+  value: {{ include "pdserve.modelDir" . | quote }}
+- name: PDSERVE_HOST
+  value: "0.0.0.0"
+- name: PDSERVE_PORT
+  value: {{ .Values.ports.grpc | quote }}
+- name: PDSERVE_METRICS_PORT
+  value: {{ ternary .Values.metrics.port 0 .Values.metrics.enabled | quote }}
+- name: PDSERVE_ADVERTISE_HOST
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: PDSERVE_WORKER_ID
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: PDSERVE_DRAIN_TIMEOUT
+  value: {{ .Values.drain.timeoutSeconds | quote }}
+- name: HOME
+  value: /tmp
+{{- end }}
+
+{{/* Redis password + URL env (the URL embeds $(PDSERVE_REDIS_PASSWORD), expanded by the kubelet). */}}
+{{- define "pdserve.redisEnv" -}}
+{{- $r := .Values.redis }}
+{{- if ne $r.mode "none" }}
+{{- $secret := include "pdserve.redisSecretName" . }}
+{{- if $secret }}
+- name: PDSERVE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ $r.auth.secretKey }}
+{{- end }}
+- name: PDSERVE_REDIS
+{{- if eq $r.mode "bundled" }}
+  value: {{ printf "redis://:$(PDSERVE_REDIS_PASSWORD)@%s-redis:6379/0" (include "pdserve.fullname" .) | quote }}
+{{- else }}
+{{- $u := urlParse (required "redis.external.url is required when redis.mode=external" $r.external.url) }}
+{{- if $secret }}
+  value: {{ printf "%s://:$(PDSERVE_REDIS_PASSWORD)@%s%s" $u.scheme $u.host $u.path | quote }}
+{{- else }}
+  value: {{ $r.external.url | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Name of the Secret holding the Redis password ("" = no password, external mode only). */}}
+{{- define "pdserve.redisSecretName" -}}
+{{- $r := .Values.redis }}
+{{- if $r.auth.existingSecret }}
+{{- $r.auth.existingSecret }}
+{{- else if or (eq $r.mode "bundled") $r.auth.password }}
+{{- printf "%s-redis" (include "pdserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Native gRPC probes; readiness checks the role's own service. (dict "root" $ "service" "pdserve.v1.Decode") */}}
+{{- define "pdserve.probes" -}}
+{{- $p := .root.Values.probes }}
+startupProbe:
+  grpc:
+    port: {{ .root.Values.ports.grpc }}
+    service: ""
+  periodSeconds: {{ $p.startup.periodSeconds }}
+  failureThreshold: {{ $p.startup.failureThreshold }}
+  timeoutSeconds: {{ $p.startup.timeoutSeconds }}
+livenessProbe:
+  grpc:
+    port: {{ .root.Values.ports.grpc }}
+    service: ""
+  periodSeconds: {{ $p.liveness.periodSeconds }}
+  failureThreshold: {{ $p.liveness.failureThreshold }}
+  timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
+readinessProbe:
+  grpc:
+    port: {{ .root.Values.ports.grpc }}
+    service: {{ .service | quote }}
+  periodSeconds: {{ $p.readiness.periodSeconds }}
+  failureThreshold: {{ $p.readiness.failureThreshold }}
+  timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+{{- end }}
+
+{{/* preStop sleep + grace period check (drain must fit inside the grace period). */}}
+{{- define "pdserve.lifecycle" -}}
+{{- $d := .Values.drain }}
+{{- if le (int $d.terminationGracePeriodSeconds) (add $d.preStopSleepSeconds $d.timeoutSeconds | int) }}
+{{- fail (printf "drain.terminationGracePeriodSeconds (%v) must be greater than drain.preStopSleepSeconds + drain.timeoutSeconds (%v)" $d.terminationGracePeriodSeconds (add $d.preStopSleepSeconds $d.timeoutSeconds)) }}
+{{- end }}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", {{ $d.preStopSleepSeconds | quote }}]
+{{- end }}
+
+{{/* Checks across values that the JSON schema cannot express. */}}
+{{- define "pdserve.validate" -}}
+{{- if and (gt (int .Values.router.replicas) 1) (eq .Values.redis.mode "none") }}
+{{- fail "router.replicas > 1 needs shared state: set redis.mode to bundled or external" }}
+{{- end }}
+{{- if and .Values.router.autoscaling.enabled (eq .Values.redis.mode "none") }}
+{{- fail "router.autoscaling needs shared state: set redis.mode to bundled or external" }}
+{{- end }}
+{{- if and (eq .Values.router.discovery "redis") (eq .Values.redis.mode "none") }}
+{{- fail "router.discovery=redis needs redis.mode bundled or external" }}
+{{- end }}
+{{- if and (eq .Values.redis.mode "bundled") (not .Values.redis.auth.existingSecret) (not .Values.redis.auth.password) }}
+{{- fail "redis.mode=bundled needs a password: set redis.auth.existingSecret (recommended) or redis.auth.password" }}
+{{- end }}
+{{- range $role := list "prefill" "decode" }}
+{{- $pool := index $.Values $role }}
+{{- if and (not (kindIs "invalid" $pool.numBlocks)) (not (kindIs "invalid" $pool.kvMemoryGb)) }}
+{{- fail (printf "%s: give numBlocks or kvMemoryGb, not both" $role) }}
+{{- end }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,264 @@
+{{/*
+One worker pool (prefill or decode): Deployment, headless Service, PodDisruptionBudget, optional HPA.
+Called as (dict "root" $ "role" "prefill"|"decode"). Everything pool-specific comes from
+.Values.<role>; everything shared comes from the top-level values. The pod template reads only its own
+pool's values and shared values, so changing one pool's replicas or resources re-renders only that
+pool's objects: `helm upgrade --set decode.replicas=4` never restarts prefill pods.
+*/}}
+{{- define "pdserve.pool" -}}
+{{- $root := .root }}
+{{- $role := .role }}
+{{- $pool := index $root.Values $role }}
+{{- $v := $root.Values }}
+{{- $ctx := dict "root" $root "component" $role }}
+{{- $name := printf "%s-%s" (include "pdserve.fullname" $root) $role }}
+{{- $service := printf "pdserve.v1.%s" (title $role) }}
+{{- $t := $v.kvTransport }}
+{{- $rdma := and (eq $t.type "nixl") $t.rdma.enabled (not $t.simulatedRdma) }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "pdserve.labels" $ctx | nindent 4 }}
+spec:
+  {{- if not $pool.autoscaling.enabled }}
+  replicas: {{ $pool.replicas }}
+  {{- end }}
+  revisionHistoryLimit: 5
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      maxUnavailable: 0
+      maxSurge: 1
+  selector:
+    matchLabels:
+      {{- include "pdserve.selectorLabels" $ctx | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "pdserve.selectorLabels" $ctx | nindent 8 }}
+        {{- with $pool.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with $pool.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      terminationGracePeriodSeconds: {{ $v.drain.terminationGracePeriodSeconds }}
+      automountServiceAccountToken: false
+      enableServiceLinks: false
+      {{- with $v.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $pool.priorityClassName }}
+      priorityClassName: {{ . }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $v.podSecurityContext | nindent 8 }}
+      {{- with $pool.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $pool.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $pool.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $pool.topologySpreadConstraints }}
+      topologySpreadConstraints:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with (include "pdserve.modelInitContainer" $root | trim) }}
+      initContainers:
+        {{- . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: {{ $role }}
+          image: {{ include "pdserve.image" $root }}
+          imagePullPolicy: {{ $v.image.pullPolicy }}
+          args: ["serve", "--role", {{ $role | quote }}]
+          env:
+            {{- include "pdserve.commonEnv" $root | trim | nindent 12 }}
+            - name: PDSERVE_DTYPE
+              value: {{ $v.engine.dtype | quote }}
+            - name: PDSERVE_DEVICE
+              value: {{ $v.engine.device | quote }}
+            - name: PDSERVE_BLOCK_SIZE
+              value: {{ $v.engine.blockSize | quote }}
+            - name: PDSERVE_MAX_NUM_SEQS
+              value: {{ $pool.maxNumSeqs | quote }}
+            {{- if not (kindIs "invalid" $pool.maxNumBatchedTokens) }}
+            - name: PDSERVE_MAX_NUM_BATCHED_TOKENS
+              value: {{ $pool.maxNumBatchedTokens | quote }}
+            {{- end }}
+            {{- if not (kindIs "invalid" $pool.numBlocks) }}
+            - name: PDSERVE_NUM_BLOCKS
+              value: {{ $pool.numBlocks | quote }}
+            {{- end }}
+            {{- if not (kindIs "invalid" $pool.kvMemoryGb) }}
+            - name: PDSERVE_KV_MEMORY_GB
+              value: {{ $pool.kvMemoryGb | quote }}
+            {{- end }}
+            - name: PDSERVE_TRANSPORT
+              value: {{ $t.type | quote }}
+            - name: PDSERVE_KV_PORT
+              value: {{ $v.ports.kv | quote }}
+            {{- if ne $t.type "tcp" }}
+            {{- $tls := ternary "tcp" $t.ucx.tls $t.simulatedRdma }}
+            {{- if $tls }}
+            - name: UCX_TLS
+              value: {{ $tls | quote }}
+            {{- end }}
+            {{- with $t.ucx.netDevices }}
+            - name: UCX_NET_DEVICES
+              value: {{ . | quote }}
+            {{- end }}
+            {{- range $k, $val := $t.ucx.extraEnv }}
+            - name: {{ $k }}
+              value: {{ $val | quote }}
+            {{- end }}
+            {{- end }}
+            {{- if eq $v.router.discovery "redis" }}
+            {{- with (include "pdserve.redisEnv" $root | trim) }}
+            {{- . | nindent 12 }}
+            {{- end }}
+            {{- end }}
+            {{- with $pool.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          ports:
+            - name: grpc
+              containerPort: {{ $v.ports.grpc }}
+              protocol: TCP
+            - name: kv
+              containerPort: {{ $v.ports.kv }}
+              protocol: TCP
+            {{- if $v.metrics.enabled }}
+            - name: metrics
+              containerPort: {{ $v.metrics.port }}
+              protocol: TCP
+            {{- end }}
+          {{- include "pdserve.probes" (dict "root" $root "service" $service) | trim | nindent 10 }}
+          {{- include "pdserve.lifecycle" $root | trim | nindent 10 }}
+          securityContext:
+            {{- if and $rdma $t.rdma.ipcLock }}
+            {{- $caps := deepCopy ($v.securityContext.capabilities | default dict) }}
+            {{- $_ := set $caps "add" (append ($caps.add | default list) "IPC_LOCK" | uniq) }}
+            {{- toYaml (merge (dict "capabilities" $caps) (deepCopy $v.securityContext)) | nindent 12 }}
+            {{- else }}
+            {{- toYaml $v.securityContext | nindent 12 }}
+            {{- end }}
+          resources:
+            {{- if $rdma }}
+            {{- $res := deepCopy $pool.resources }}
+            {{- $req := $res.requests | default dict }}
+            {{- $lim := $res.limits | default dict }}
+            {{- $_ := set $req $t.rdma.resourceName $t.rdma.count }}
+            {{- $_ := set $lim $t.rdma.resourceName $t.rdma.count }}
+            {{- toYaml (dict "requests" $req "limits" $lim) | nindent 12 }}
+            {{- else }}
+            {{- toYaml $pool.resources | nindent 12 }}
+            {{- end }}
+          volumeMounts:
+            {{- include "pdserve.modelMount" $root | trim | nindent 12 }}
+            - name: tmp
+              mountPath: /tmp
+            - name: shm
+              mountPath: /dev/shm
+      volumes:
+        {{- include "pdserve.modelVolume" $root | trim | nindent 8 }}
+        - name: tmp
+          emptyDir: {}
+        - name: shm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $pool.shmSize }}
+---
+# Headless: the router dials each worker pod directly (discovered through its pods / EndpointSlices).
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "pdserve.labels" $ctx | nindent 4 }}
+spec:
+  clusterIP: None
+  publishNotReadyAddresses: false
+  selector:
+    {{- include "pdserve.selectorLabels" $ctx | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ $v.ports.grpc }}
+      targetPort: grpc
+      protocol: TCP
+    - name: kv
+      port: {{ $v.ports.kv }}
+      targetPort: kv
+      protocol: TCP
+    {{- if $v.metrics.enabled }}
+    - name: metrics
+      port: {{ $v.metrics.port }}
+      targetPort: metrics
+      protocol: TCP
+    {{- end }}
+{{- if $pool.pdb.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "pdserve.labels" $ctx | nindent 4 }}
+spec:
+  maxUnavailable: {{ $pool.pdb.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "pdserve.selectorLabels" $ctx | nindent 6 }}
+{{- end }}
+{{- if $pool.autoscaling.enabled }}
+---
+{{ include "pdserve.hpa" (dict "root" $root "component" $role "name" $name "spec" $pool.autoscaling) }}
+{{- end }}
+{{- end }}
+
+{{/* autoscaling/v2 HPA for a Deployment: (dict "root" $ "component" c "name" n "spec" .Values.x.autoscaling) */}}
+{{- define "pdserve.hpa" -}}
+{{- $a := .spec }}
+{{- if gt (int $a.minReplicas) (int $a.maxReplicas) }}
+{{- fail (printf "%s.autoscaling.minReplicas must be <= maxReplicas" .component) }}
+{{- end }}
+{{- if and (kindIs "invalid" $a.targetCPUUtilizationPercentage) (not $a.metrics) }}
+{{- fail (printf "%s.autoscaling needs targetCPUUtilizationPercentage or metrics" .component) }}
+{{- end }}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "pdserve.labels" . | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ .name }}
+  minReplicas: {{ $a.minReplicas }}
+  maxReplicas: {{ $a.maxReplicas }}
+  metrics:
+    {{- if not (kindIs "invalid" $a.targetCPUUtilizationPercentage) }}
+    - type: Resource
+      resource:
+        name: cpu
+        target:
+          type: Utilization
+          averageUtilization: {{ $a.targetCPUUtilizationPercentage }}
+    {{- end }}
+    {{- with $a.metrics }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end }}
