@@ -1,0 +1,101 @@
+"""The open-loop run: Poisson arrivals of single-turn requests or multi-turn sessions.
+
+Single-turn: ``num_requests`` requests; inter-arrival times are exponential with mean ``1/rate``
+(``rate`` = inf sends all at once). Sessions (``sessions`` K x ``turns`` T): K conversations start at
+Poisson times; each turn's prompt is the previous prompt + the previous answer + fresh tokens, sent
+with the same ``session_id`` once the previous turn finished (so prefix reuse and affinity show).
+Prompts are random token ids (no tokenizer needed), generated from ``seed``; ``ignore_eos`` keeps
+output lengths as asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.client import AsyncClient, build_request
+from pdserve.loadgen.dist import Dist
+from pdserve.loadgen.stats import Sample
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    router: str
+    rate: float
+    num_requests: int
+    input_len: Dist
+    output_len: Dist
+    sessions: int = 0
+    turns: int = 1
+    vocab_size: int = 1000
+    seed: int = 0
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0:
+            raise ValueError(f"--rate must be > 0 (inf = all at once), got {self.rate}")
+        if self.num_requests < 1 and self.sessions < 1:
+            raise ValueError("--num-requests must be >= 1")
+        if self.sessions < 0 or self.turns < 1:
+            raise ValueError("--sessions must be >= 0 and --turns >= 1")
+        if self.vocab_size < 2:
+            raise ValueError("vocab_size must be >= 2")
+
+
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    # Skip the lowest ids (often special tokens) so prompts look like ordinary text.
+    lo = min(4, vocab - 1)
+    return [rng.randrange(lo, vocab) for _ in range(n)]
+
+
+async def _one(client: AsyncClient, cfg: RunConfig, prompt: list[int], out_len: int,
+               session: str) -> tuple[Sample, list[int]]:
+    req = build_request(prompt_ids=prompt, max_tokens=out_len, session_id=session, ignore_eos=True)
+    req.skip_text = True
+    try:
+        r = await client.generate(req, timeout=cfg.timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        return Sample(ok=False, error=exc.code().name, prompt_tokens=len(prompt)), []
+    return Sample(ok=True, ttft_s=r.ttft_s, itl_s=r.itl_s, tpot_s=r.tpot_s, e2e_s=r.e2e_s,
+                  prompt_tokens=len(prompt), output_tokens=len(r.token_ids)), r.token_ids
+
+
+async def run(cfg: RunConfig) -> tuple[list[Sample], float]:
+    rng = random.Random(cfg.seed)
+    client = AsyncClient(cfg.router)
+    samples: list[Sample] = []
+    tasks: list[asyncio.Task] = []
+
+    async def session(k: int) -> None:
+        history: list[int] = []
+        for _t in range(cfg.turns):
+            prompt = history + _tokens(rng, cfg.input_len.sample(rng), cfg.vocab_size)
+            out_len = cfg.output_len.sample(rng)
+            sample, answer = await _one(client, cfg, prompt, out_len, f"bench-{cfg.seed}-{k}")
+            samples.append(sample)
+            if not sample.ok:
+                return
+            history = prompt + answer
+
+    async def single() -> None:
+        prompt = _tokens(rng, cfg.input_len.sample(rng), cfg.vocab_size)
+        sample, _ = await _one(client, cfg, prompt, cfg.output_len.sample(rng), "")
+        samples.append(sample)
+
+    n = cfg.sessions if cfg.sessions else cfg.num_requests
+    start = time.perf_counter()
+    try:
+        for i in range(n):
+            tasks.append(asyncio.create_task(session(i) if cfg.sessions else single()))
+            if cfg.rate != float("inf") and i < n - 1:
+                await asyncio.sleep(rng.expovariate(cfg.rate))
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await client.close()
+    return samples, time.perf_counter() - start

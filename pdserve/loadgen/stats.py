@@ -1,0 +1,80 @@
+"""Latency statistics of a benchmark run: percentiles, throughput and goodput.
+
+Definitions (per request): TTFT = first token arrival - send; ITL = gaps between consecutive token
+arrivals; TPOT = (last token - first token) / (output tokens - 1); E2E = last message - send.
+Goodput counts requests per second that finished OK *and* met every given SLO (TTFT, TPOT).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
+    vals = sorted(v for v in values if not math.isnan(v))
+    if not vals:
+        return float("nan")
+    k = (len(vals) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
+
+
+@dataclass(kw_only=True)
+class Sample:
+    ok: bool
+    ttft_s: float = float("nan")
+    itl_s: list[float] = field(default_factory=list)
+    tpot_s: float = float("nan")
+    e2e_s: float = float("nan")
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+
+def summarize(samples: Sequence[Sample], duration_s: float, *, ttft_slo_ms: float | None = None,
+              tpot_slo_ms: float | None = None) -> dict:
+    ok = [s for s in samples if s.ok]
+    out: dict = {"num_requests": len(samples), "num_ok": len(ok), "num_errors": len(samples) - len(ok),
+                 "duration_s": duration_s}
+    series = {"ttft_ms": [s.ttft_s * 1e3 for s in ok], "itl_ms": [g * 1e3 for s in ok for g in s.itl_s],
+              "tpot_ms": [s.tpot_s * 1e3 for s in ok], "e2e_ms": [s.e2e_s * 1e3 for s in ok]}
+    for name, vals in series.items():
+        clean = [v for v in vals if not math.isnan(v)]
+        out[name] = {"mean": sum(clean) / len(clean) if clean else float("nan"),
+                     **{f"p{q}": percentile(clean, q) for q in (50, 90, 99)}}
+    dur = max(duration_s, 1e-9)
+    out_tokens = sum(s.output_tokens for s in ok)
+    out["request_throughput"] = len(ok) / dur
+    out["output_token_throughput"] = out_tokens / dur
+    out["total_token_throughput"] = (out_tokens + sum(s.prompt_tokens for s in ok)) / dur
+
+    def good(s: Sample) -> bool:
+        if ttft_slo_ms is not None and not s.ttft_s * 1e3 <= ttft_slo_ms:
+            return False
+        return not (tpot_slo_ms is not None and s.output_tokens > 1 and not s.tpot_s * 1e3 <= tpot_slo_ms)
+
+    out["goodput"] = sum(1 for s in ok if good(s)) / dur
+    out["slo"] = {"ttft_ms": ttft_slo_ms, "tpot_ms": tpot_slo_ms}
+    errors: dict[str, int] = {}
+    for s in samples:
+        if not s.ok:
+            errors[s.error] = errors.get(s.error, 0) + 1
+    out["errors"] = errors
+    return out
+
+
+def format_table(summary: dict, title: str = "") -> str:
+    lines = [title] if title else []
+    lines.append(f"requests {summary['num_ok']}/{summary['num_requests']} ok in {summary['duration_s']:.2f}s   "
+                 f"{summary['request_throughput']:.2f} req/s   "
+                 f"{summary['output_token_throughput']:.1f} out tok/s   goodput {summary['goodput']:.2f} req/s")
+    lines.append(f"{'metric':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        m = summary[name]
+        lines.append(f"{name:<10}" + "".join(f"{m[k]:>10.2f}" for k in ("mean", "p50", "p90", "p99")))
+    if summary["errors"]:
+        lines.append(f"errors: {summary['errors']}")
+    return "\n".join(lines)
