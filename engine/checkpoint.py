@@ -114,9 +114,9 @@ def write_random_checkpoint(out: str | Path, config: ModelConfig, *, seed: int =
                             with_tokenizer: bool = True) -> Path:
     """Write a complete random checkpoint directory; returns its path."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     if with_tokenizer and config.vocab_size < TOKENIZER_VOCAB:
         raise ValueError(f"vocab_size {config.vocab_size} is smaller than the tokenizer's {TOKENIZER_VOCAB}")
+    out.mkdir(parents=True, exist_ok=True)
     dtype = config.torch_dtype
     shapes = parameter_shapes(config)
     shards = _plan_shards(shapes, dtype, max_shard_bytes)
