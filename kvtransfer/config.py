@@ -1,0 +1,62 @@
+"""Transport configuration: one frozen dataclass, validated up front, passed down explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("auto", "nixl", "tcp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportConfig:
+    # Which backend(s) this side offers and uses. "auto": NIXL when it imports, its agent starts and the
+    # per-peer handshake (metadata exchange + a notification round trip) succeeds, else TCP.
+    kind: str = "auto"
+    # Side channel (and TCP data) listener. port 0 = pick a free one; endpoint() reports the real port.
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    # Host written into endpoint(); defaults to listen_host (must be set when listening on 0.0.0.0).
+    advertise_host: str | None = None
+    connect_timeout_s: float = 5.0
+    # Covers HELLO + (for NIXL) loading the peer's metadata and the notification probe.
+    handshake_timeout_s: float = 10.0
+    # Default per-transfer deadline on the sending side (start_send(timeout=...) overrides it).
+    send_timeout_s: float = 60.0
+    # How long a receiver-side abort waits for the sender to confirm it stopped writing.
+    abort_ack_timeout_s: float = 2.0
+    # TCP: payload bytes per DATA frame (frames of different requests interleave at this granularity).
+    max_frame_bytes: int = 16 << 20
+    # TCP: SO_SNDBUF/SO_RCVBUF; 0 keeps kernel autotuning (usually best on Linux).
+    socket_buffer_bytes: int = 0
+    # TCP: CRC32 of every DATA frame's payload, verified by the receiver (costs a pass over the bytes).
+    checksum: bool = False
+    # NIXL backends to instantiate in the agent and how often pending transfers/notifications are polled.
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    nixl_poll_interval_s: float = 0.0005
+    agent_name: str | None = None
+    # Stage device memory through host buffers on the TCP path even for host tensors (tests the GPU path).
+    force_staging: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"TransportConfig.kind must be one of {KINDS}, got {self.kind!r}")
+        if not (0 <= self.listen_port <= 65535):
+            raise ValueError(f"TransportConfig.listen_port out of range: {self.listen_port}")
+        for name in ("connect_timeout_s", "handshake_timeout_s", "send_timeout_s", "abort_ack_timeout_s",
+                     "nixl_poll_interval_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"TransportConfig.{name} must be > 0, got {value!r}")
+        if not (isinstance(self.max_frame_bytes, int) and 4096 <= self.max_frame_bytes <= (1 << 30)):
+            raise ValueError(f"TransportConfig.max_frame_bytes must be in [4 KiB, 1 GiB], got {self.max_frame_bytes}")
+        if self.socket_buffer_bytes < 0:
+            raise ValueError("TransportConfig.socket_buffer_bytes must be >= 0")
+        if self.listen_host in ("0.0.0.0", "::", "") and not self.advertise_host:
+            raise ValueError("TransportConfig.advertise_host is required when listening on all interfaces")
+        object.__setattr__(self, "nixl_backends", tuple(self.nixl_backends))
+        if not self.nixl_backends:
+            raise ValueError("TransportConfig.nixl_backends must name at least one backend")
+
+    @property
+    def host_for_endpoint(self) -> str:
+        return self.advertise_host or self.listen_host

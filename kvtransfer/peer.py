@@ -1,0 +1,298 @@
+"""Sending side: one cached connection per remote endpoint (side channel + TCP data), with its handshake.
+
+Lifecycle::
+
+    connect()      TCP connect (connect_timeout_s), TCP_NODELAY, then HELLO -> HELLO_OK / ERROR:
+                   protocol version and KV layout hash must match (mismatch -> LayoutMismatch naming
+                   both sides' values). For NIXL the reply carries the receiver's agent metadata and
+                   registered region; we load it and prove the path end to end by sending a NIXL
+                   notification whose nonce the receiver must report back (PROBE/PROBE_OK). If any of
+                   that fails, "auto" falls back to TCP on the same connection and logs why.
+    send_frame()   frames are written whole under a lock (sendmsg scatter-gather straight from the
+                   source blocks); frames of concurrent transfers interleave at frame granularity
+    reader task    routes BEGIN_OK / DONE / ERROR / ABORT for a request id to its SendHandle
+    dead()         EOF, reset or a poisoned stream (a frame cut short): every handle on it fails with
+                   PeerUnavailable, the peer leaves the cache, its NIXL remote agent is forgotten
+
+Peers are reused by every transfer to the same endpoint (host, port, instance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+
+from .errors import (
+    BackendUnavailable,
+    LayoutMismatch,
+    PeerUnavailable,
+    ProtocolError,
+    TransferError,
+    error_from_wire,
+)
+from .protocol import HEADER_SIZE, PROTOCOL_VERSION, Msg, decode_header, decode_meta, encode, notif_message
+
+log = logging.getLogger("kvtransfer.tx")
+_IOV_MAX = 512
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    fut = loop.create_future()
+    fd = sock.fileno()
+    loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        loop.remove_writer(fd)
+
+
+async def sendmsg_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, bufs: list) -> None:
+    """Write every buffer with scatter-gather sendmsg, never copying them (the loop's own sock_sendall
+    would, for what does not fit in the socket buffer at once)."""
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    i = 0
+    while i < len(views):
+        try:
+            sent = sock.sendmsg(views[i:i + _IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            await _writable(loop, sock)
+            continue
+        while sent:
+            head = views[i]
+            if sent >= len(head):
+                sent -= len(head)
+                i += 1
+            else:
+                views[i] = head[sent:]
+                sent = 0
+
+
+class Peer:
+    def __init__(self, transport, endpoint: dict) -> None:
+        self.t = transport
+        self.endpoint = endpoint
+        self.key = (endpoint["host"], endpoint["port"], endpoint["instance"])
+        self.name = f"{endpoint['host']}:{endpoint['port']}"
+        self.loop = transport.loop
+        self.sock: socket.socket | None = None
+        self.backend = "tcp"
+        self.num_blocks = int(endpoint["num_blocks"])
+        self.remote: dict | None = None  # receiver's NIXL info from HELLO_OK
+        self.remote_agent: str | None = None
+        self.handles: dict[str, object] = {}
+        self.closed = False
+        self._lock = asyncio.Lock()
+        self._waiters: dict[tuple, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    # -- setup -------------------------------------------------------------------------------------
+    async def connect(self) -> None:
+        cfg = self.t.config
+        host, port = self.endpoint["host"], int(self.endpoint["port"])
+        try:
+            infos = await self.loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, _, _, _, addr = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            self.sock = sock
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if cfg.socket_buffer_bytes:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.socket_buffer_bytes)
+            await asyncio.wait_for(self.loop.sock_connect(sock, addr), cfg.connect_timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            self.close()
+            raise PeerUnavailable(f"cannot connect to KV receiver {self.name}: {type(exc).__name__}: {exc}") from exc
+        self._reader = self.loop.create_task(self._read_loop(), name=f"kvtransfer-peer-{self.name}")
+        try:
+            await asyncio.wait_for(self._handshake(), cfg.handshake_timeout_s)
+        except asyncio.TimeoutError:
+            self.close()
+            raise PeerUnavailable(f"handshake with KV receiver {self.name} timed out "
+                                  f"after {cfg.handshake_timeout_s}s") from None
+        except BaseException:
+            self.close()
+            raise
+
+    async def _handshake(self) -> None:
+        layout = self.t.layout
+        want_nixl = self.t.nixl is not None and "nixl" in self.endpoint.get("backends", ())
+        reply = await self._hello("nixl" if want_nixl else "tcp")
+        self.num_blocks = int(reply["num_blocks"])
+        if reply.get("layout_hash") != layout.compat_hash():
+            raise LayoutMismatch(f"KV layout mismatch: receiver {self.name} hash {reply.get('layout_hash')} "
+                                 f"vs sender hash {layout.compat_hash()} ({layout.describe()})")
+        if not want_nixl:
+            self.backend = "tcp"
+            if self.t.kind == "auto":
+                why = ("NIXL unavailable here: " + self.t.nixl_error) if self.t.nixl is None \
+                    else "receiver offers no NIXL"
+                log.info("kvtransfer: peer %s uses TCP (%s)", self.name, why)
+            return
+        try:
+            await self._nixl_setup(reply)
+            self.backend = "nixl"
+            log.info("kvtransfer: peer %s uses NIXL (agent %s, %s)", self.name, self.remote_agent,
+                     self.remote["mem"])
+        except (TransferError, asyncio.TimeoutError) as exc:
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if self.remote_agent is not None:
+                self.t.nixl.remove_remote(self.remote_agent)
+                self.remote_agent = None
+            if self.t.kind != "auto" or "tcp" not in self.endpoint.get("backends", ()):
+                raise BackendUnavailable(f"NIXL handshake with {self.name} failed: {why}") from exc
+            log.warning("kvtransfer: peer %s: NIXL handshake failed (%s); falling back to TCP", self.name, why)
+            await self._hello("tcp")
+            self.backend = "tcp"
+
+    async def _hello(self, want: str) -> dict:
+        layout = self.t.layout
+        fut = self._waiter(("hello",))
+        await self.send_frame(Msg.HELLO, {"version": PROTOCOL_VERSION, "layout_hash": layout.compat_hash(),
+                                          "layout_desc": layout.describe(), "want": want,
+                                          "agent": self.t.nixl.name if self.t.nixl else None})
+        return await fut
+
+    async def _nixl_setup(self, reply: dict) -> None:
+        info = reply.get("nixl")
+        if not isinstance(info, dict):
+            raise BackendUnavailable("receiver sent no NIXL metadata")
+        if info.get("nbytes") != self.num_blocks * self.t.layout.num_layers * self.t.layout.block_bytes:
+            raise BackendUnavailable(f"receiver's registered region ({info.get('nbytes')} bytes) does not "
+                                     f"match its {self.num_blocks} blocks")
+        self.remote = info
+        self.remote_agent = self.t.nixl.add_remote(info)
+        nonce = secrets.token_hex(8)
+        fut = self._waiter(("probe", nonce))
+        # The notification may not go out before UCX has wired up; retry briefly until it is accepted.
+        for attempt in range(50):
+            try:
+                self.t.nixl.send_notif(self.remote_agent, notif_message("probe", nonce=nonce))
+                break
+            except PeerUnavailable:
+                if attempt == 49:
+                    raise
+                await asyncio.sleep(0.02)
+        await self.send_frame(Msg.PROBE, {"nonce": nonce})
+        await fut
+
+    # -- I/O ---------------------------------------------------------------------------------------
+    def _waiter(self, key: tuple) -> asyncio.Future:
+        fut = self._waiters[key] = self.loop.create_future()
+        return fut
+
+    async def send_frame(self, msg: Msg, meta: dict, payload: list | None = None, payload_len: int = 0) -> None:
+        """Write one whole frame. A frame interrupted halfway poisons the stream: the peer is closed."""
+        if self.closed:
+            raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
+        head = encode(msg, meta, payload_len)
+        async with self._lock:
+            if self.closed:
+                raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
+            task = self.loop.create_task(sendmsg_all(self.loop, self.sock, [head, *(payload or ())]))
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                # Let the frame finish (the stream must stay in sync) unless it is stuck.
+                try:
+                    await asyncio.wait_for(task, 2.0)
+                except BaseException:
+                    self.dead(PeerUnavailable(f"frame to {self.name} cut short"))
+                raise
+            except OSError as exc:
+                self.dead(PeerUnavailable(f"KV receiver {self.name} connection lost: {exc}"))
+                raise PeerUnavailable(f"KV receiver {self.name} connection lost while sending: {exc}") from exc
+
+    async def _recv_exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view, pos = memoryview(buf), 0
+        while pos < n:
+            got = await self.loop.sock_recv_into(self.sock, view[pos:])
+            if not got:
+                raise PeerUnavailable(f"KV receiver {self.name} closed the connection")
+            pos += got
+        return buf
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg, _flags, meta_len, _plen = decode_header(await self._recv_exact(HEADER_SIZE))
+                self._dispatch(msg, decode_meta(await self._recv_exact(meta_len)))
+        except asyncio.CancelledError:
+            raise
+        except (OSError, TransferError) as exc:
+            if not isinstance(exc, TransferError):
+                exc = PeerUnavailable(f"KV receiver {self.name} connection lost: {exc}")
+            self.dead(exc)
+
+    def _dispatch(self, msg: Msg, meta: dict) -> None:
+        rid = meta.get("rid")
+        if msg in (Msg.HELLO_OK, Msg.PROBE_OK) or (msg == Msg.ERROR and rid is None):
+            key = ("probe", meta.get("nonce")) if msg == Msg.PROBE_OK else ("hello",)
+            fut = self._waiters.pop(key, None) or self._waiters.pop(("hello",), None)
+            if fut is None:
+                if msg == Msg.ERROR:
+                    self.dead(error_from_wire(meta, f"KV receiver {self.name}: "))
+                return
+            if fut.done():
+                return
+            if msg == Msg.ERROR:
+                fut.set_exception(error_from_wire(meta, f"KV receiver {self.name} refused: "))
+            else:
+                fut.set_result(meta)
+            return
+        if not isinstance(rid, str):
+            raise ProtocolError(f"{msg.name} frame without a request id")
+        handle = self.handles.get(rid)
+        if msg == Msg.ABORT:
+            if handle is None:
+                self.loop.create_task(self._ack_abort(rid))
+            else:
+                handle._remote_abort(str(meta.get("reason", "")))
+        elif handle is None:
+            return  # a late reply for a transfer that already ended
+        elif msg == Msg.BEGIN_OK:
+            handle._on_begin_ok()
+        elif msg == Msg.DONE:
+            handle._on_done()
+        elif msg == Msg.ERROR:
+            handle._on_error(error_from_wire(meta, f"KV receiver {self.name} rejected {rid!r}: "))
+
+    async def _ack_abort(self, rid: str) -> None:
+        try:
+            await self.send_frame(Msg.ABORT_ACK, {"rid": rid})
+        except TransferError:
+            pass
+
+    # -- teardown ----------------------------------------------------------------------------------
+    def dead(self, exc: TransferError) -> None:
+        if self.closed:
+            return
+        log.warning("kvtransfer: peer %s lost: %s", self.name, exc)
+        self.close(exc)
+
+    def close(self, exc: TransferError | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        exc = exc or PeerUnavailable(f"connection to KV receiver {self.name} closed")
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.add_done_callback(lambda f: f.exception())
+        self._waiters.clear()
+        for handle in list(self.handles.values()):
+            handle._on_error(exc)
+        sock, self.sock = self.sock, None
+        if self._reader is not None and not self._reader.done() and self._reader is not asyncio.current_task():
+            # Close the socket only once the reader has unregistered it: its fd number may be reused.
+            self._reader.cancel()
+            if sock is not None:
+                self._reader.add_done_callback(lambda _t: sock.close())
+        elif sock is not None:
+            sock.close()
+        if self.remote_agent is not None and self.t.nixl is not None:
+            self.t.nixl.remove_remote(self.remote_agent)
+            self.remote_agent = None
+        self.t._forget_peer(self)

@@ -1,0 +1,385 @@
+"""Receiving side: the table of expected transfers and what each incoming frame may do to it.
+
+Lifecycle of one request on the decode side::
+
+    expect(rid, dst_blocks, deadline)   -> Expectation (state "waiting"); a timer fails it at the deadline
+    BEGIN from a sender                 checked against the expectation (same destination block set, byte
+                                        count = layers x blocks x block_bytes, not already claimed by another
+                                        sender); binds the expectation to that connection ("receiving")
+    TCP:  DATA frames                   every segment must name (layer, block) pairs of this expectation not
+                                        yet written; only then is the payload received in place
+          END                           all (layer, block) pairs written exactly once -> "done", DONE sent
+    NIXL: notification {done, rid, n}   from the agent named in BEGIN, n = expected bytes -> "done", DONE sent
+    abort(rid) / deadline / END early / sender connection lost
+                                        -> failed; the sender is told (ABORT) and, for NIXL, abort() waits
+                                        for its ABORT_ACK: after that no write of this request can land
+
+A terminal expectation leaves the table at once (the handle keeps its result), so the table holding
+nothing is the leak check. Everything runs on the transport's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from dataclasses import dataclass
+
+from engine.kv_layout import KVLayout
+
+from .blocks import validate_block_ids
+from .config import TransportConfig
+from .errors import (
+    InvalidTransfer,
+    LayoutMismatch,
+    PeerUnavailable,
+    ProtocolError,
+    TransferAborted,
+    TransferError,
+    TransferTimeout,
+    UnknownRequest,
+    error_to_wire,
+)
+from .memory import KVMemory
+from .protocol import PROTOCOL_VERSION, Msg, meta_int, meta_int_list, meta_str, parse_notif
+
+log = logging.getLogger("kvtransfer.rx")
+
+
+class Expectation:
+    """Handle for one expected transfer; ``await wait()`` returns when its KV is complete."""
+
+    def __init__(self, rid: str, dst: tuple[int, ...], num_layers: int, block_bytes: int,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = rid
+        self.dst = dst
+        self.index = {b: i for i, b in enumerate(dst)}
+        self.num_layers = num_layers
+        self.nbytes = num_layers * len(dst) * block_bytes
+        self.written = bytearray(num_layers * len(dst))
+        self.received = 0
+        self.state = "waiting"
+        self.conn = None
+        self.backend: str | None = None
+        self.sender_agent: str | None = None
+        self.started = time.monotonic()
+        self.timer: asyncio.TimerHandle | None = None
+        self._future = loop.create_future()
+        # Nobody awaiting a failed expectation must not produce "exception never retrieved" noise.
+        self._future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception() if self._future.done() else None
+
+    async def wait(self) -> dict:
+        """{request_id, bytes, seconds, backend}; raises the TransferError that ended it."""
+        return await asyncio.shield(self._future)
+
+
+@dataclass
+class _DataCtx:
+    exp: Expectation
+    segments: list[tuple[int, int, int]]
+    views: list[memoryview]
+    staging: bytearray | None
+    crc: int | None
+
+
+class Receiver:
+    def __init__(self, *, layout: KVLayout, memory: KVMemory, config: TransportConfig, nixl,
+                 backends: tuple[str, ...], loop: asyncio.AbstractEventLoop) -> None:
+        self.layout = layout
+        self.memory = memory
+        self.config = config
+        self.nixl = nixl
+        self.backends = backends
+        self.loop = loop
+        self.expectations: dict[str, Expectation] = {}
+        self.conns: set = set()
+        self._probe_seen: dict[str, float] = {}
+        self._probe_waiting: dict[str, object] = {}
+        self._poller: asyncio.Task | None = None
+        if nixl is not None:
+            self._poller = loop.create_task(self._poll_nixl(), name="kvtransfer-nixl-poll")
+
+    # -- local API ---------------------------------------------------------------------------------
+    def expect(self, rid: str, dst_block_ids, deadline: float) -> Expectation:
+        if not isinstance(rid, str) or not rid or len(rid) > 256:
+            raise InvalidTransfer(f"request id must be a non-empty string of <= 256 chars, got {rid!r:.80}")
+        if rid in self.expectations:
+            raise InvalidTransfer(f"request {rid!r} is already expected")
+        dst = validate_block_ids(dst_block_ids, self.memory.num_blocks, "destination")
+        exp = Expectation(rid, dst, self.layout.num_layers, self.memory.block_bytes, self.loop)
+        self.expectations[rid] = exp
+        delay = max(0.0, deadline - time.monotonic())
+        exp.timer = self.loop.call_later(delay, self._on_deadline, rid)
+        return exp
+
+    async def abort(self, rid: str, reason: str) -> bool:
+        """Fail an expectation; True once no write of it can land any more (sender confirmed/none bound)."""
+        exp = self.expectations.get(rid)
+        if exp is None:
+            return True
+        ack = self._fail(exp, TransferAborted(f"request {rid!r} aborted by receiver: {reason}"), notify=True)
+        if ack is None:
+            return True
+        try:
+            return bool(await asyncio.wait_for(asyncio.shield(ack), self.config.abort_ack_timeout_s))
+        except asyncio.TimeoutError:
+            log.warning("kvtransfer: sender of %s did not confirm the abort within %.1fs", rid,
+                        self.config.abort_ack_timeout_s)
+            return False
+
+    def release(self, rid: str) -> None:
+        exp = self.expectations.get(rid)
+        if exp is not None:
+            self._fail(exp, TransferAborted(f"request {rid!r} released by receiver"), notify=True)
+
+    def close(self) -> None:
+        for exp in list(self.expectations.values()):
+            self._fail(exp, TransferAborted("transport closed"), notify=True)
+        if self._poller is not None:
+            self._poller.cancel()
+        for conn in list(self.conns):
+            conn.close()
+
+    # -- state transitions -------------------------------------------------------------------------
+    def _fail(self, exp: Expectation, exc: TransferError, notify: bool) -> asyncio.Future | None:
+        self.expectations.pop(exp.request_id, None)
+        if exp.timer is not None:
+            exp.timer.cancel()
+        exp.state = "failed"
+        if not exp._future.done():
+            exp._future.set_exception(exc)
+        conn = exp.conn
+        if not notify or conn is None or conn.closed:
+            return None
+        ack = conn.abort_acks.get(exp.request_id)
+        if ack is None:
+            ack = conn.abort_acks[exp.request_id] = self.loop.create_future()
+            ack.add_done_callback(lambda _f, c=conn, r=exp.request_id: c.abort_acks.pop(r, None))
+        conn.send(Msg.ABORT, {"rid": exp.request_id, "reason": str(exc)})
+        return ack
+
+    def _complete(self, exp: Expectation) -> None:
+        self.expectations.pop(exp.request_id, None)
+        if exp.timer is not None:
+            exp.timer.cancel()
+        exp.state = "done"
+        exp._future.set_result({"request_id": exp.request_id, "bytes": exp.nbytes, "backend": exp.backend,
+                                "seconds": time.monotonic() - exp.started})
+        exp.conn.send(Msg.DONE, {"rid": exp.request_id})
+
+    def _on_deadline(self, rid: str) -> None:
+        exp = self.expectations.get(rid)
+        if exp is not None:
+            self._fail(exp, TransferTimeout(f"KV for request {rid!r} incomplete at its deadline "
+                                            f"(state {exp.state}, {exp.received}/{exp.nbytes} bytes seen)"),
+                       notify=True)
+
+    def on_conn_lost(self, conn, exc) -> None:
+        why = f": {exc}" if exc else ""
+        for exp in [e for e in self.expectations.values() if e.conn is conn]:
+            self._fail(exp, PeerUnavailable(f"sender {conn.peer} of request {exp.request_id!r} disconnected "
+                                            f"mid-transfer{why}"), notify=False)
+        for nonce in [n for n, c in self._probe_waiting.items() if c is conn]:
+            del self._probe_waiting[nonce]
+
+    # -- frames ------------------------------------------------------------------------------------
+    def on_control(self, conn, msg: Msg, meta: dict) -> None:
+        try:
+            if msg == Msg.HELLO:
+                self._on_hello(conn, meta)
+            elif msg == Msg.PROBE:
+                self._on_probe(conn, meta_str(meta, "nonce"))
+            elif msg == Msg.BEGIN:
+                self._on_begin(conn, meta)
+            elif msg == Msg.END:
+                self._on_end(conn, meta)
+            elif msg == Msg.ABORT:
+                rid = meta_str(meta, "rid")
+                exp = self.expectations.get(rid)
+                if exp is not None and exp.conn is conn:
+                    reason = str(meta.get("reason", ""))[:500]
+                    self._fail(exp, TransferAborted(f"request {rid!r} aborted by sender: {reason}"), notify=False)
+                conn.send(Msg.ABORT_ACK, {"rid": rid})
+            elif msg == Msg.ABORT_ACK:
+                fut = conn.abort_acks.get(meta_str(meta, "rid"))
+                if fut is not None and not fut.done():
+                    fut.set_result(True)
+            else:
+                raise ProtocolError(f"unexpected {msg.name} frame from a sender")
+        except ProtocolError:
+            raise
+        except TransferError as exc:
+            rid = meta.get("rid") if isinstance(meta.get("rid"), str) else None
+            conn.send(Msg.ERROR, {**({"rid": rid} if rid else {}), **error_to_wire(exc)})
+            if rid is not None and rid in self.expectations and not isinstance(exc, UnknownRequest):
+                exp = self.expectations[rid]
+                if exp.conn is None or exp.conn is conn:
+                    self._fail(exp, exc, notify=False)
+            if msg == Msg.HELLO:
+                conn.close()
+
+    def _on_hello(self, conn, meta: dict) -> None:
+        version = meta.get("version")
+        if version != PROTOCOL_VERSION:
+            raise LayoutMismatch(f"protocol version mismatch: sender {version!r}, receiver {PROTOCOL_VERSION}")
+        theirs, ours = meta.get("layout_hash"), self.layout.compat_hash()
+        if theirs != ours:
+            desc = meta.get("layout_desc", "?")
+            raise LayoutMismatch(f"KV layout mismatch: sender hash {theirs} ({desc}) vs receiver hash {ours} "
+                                 f"({self.layout.describe()})")
+        want = meta.get("want")
+        if want not in self.backends:
+            raise LayoutMismatch(f"sender wants backend {want!r}; receiver offers {list(self.backends)}")
+        reply = {"version": PROTOCOL_VERSION, "layout_hash": ours, "num_blocks": self.memory.num_blocks,
+                 "backend": want}
+        if want == "nixl":
+            reply["nixl"] = self.nixl.info()
+        conn.send(Msg.HELLO_OK, reply)
+
+    def _on_probe(self, conn, nonce: str) -> None:
+        if self._probe_seen.pop(nonce, None) is not None:
+            conn.send(Msg.PROBE_OK, {"nonce": nonce})
+        else:
+            self._probe_waiting[nonce] = conn
+
+    def _on_begin(self, conn, meta: dict) -> None:
+        rid = meta_str(meta, "rid", 256)
+        exp = self.expectations.get(rid)
+        if exp is None:
+            raise UnknownRequest(f"request {rid!r} is not expected by this receiver (never, or no longer)")
+        if exp.conn is not None:
+            raise InvalidTransfer(f"request {rid!r} is already being written by {exp.conn.peer}")
+        backend = meta.get("backend")
+        if backend not in self.backends:
+            raise InvalidTransfer(f"backend {backend!r} not offered by this receiver")
+        dst = validate_block_ids(meta_int_list(meta, "dst"), self.memory.num_blocks, "destination")
+        if set(dst) != set(exp.dst):
+            extra = sorted(set(dst) - set(exp.dst))[:8]
+            missing = sorted(set(exp.dst) - set(dst))[:8]
+            raise InvalidTransfer(f"request {rid!r}: destination blocks differ from the reserved ones "
+                                  f"(not reserved: {extra}, not covered: {missing})")
+        nbytes = meta_int(meta, "nbytes")
+        if nbytes != exp.nbytes:
+            raise InvalidTransfer(f"request {rid!r}: sender announces {nbytes} bytes, receiver expects "
+                                  f"{exp.nbytes} ({exp.num_layers} layers x {len(exp.dst)} blocks x "
+                                  f"{self.memory.block_bytes} bytes)")
+        exp.conn, exp.backend, exp.state = conn, backend, "receiving"
+        if backend == "nixl":
+            exp.sender_agent = meta_str(meta, "agent")
+            conn.send(Msg.BEGIN_OK, {"rid": rid})
+
+    def _bound(self, conn, meta: dict, backend: str) -> Expectation:
+        rid = meta_str(meta, "rid", 256)
+        exp = self.expectations.get(rid)
+        if exp is None or exp.conn is not conn:
+            raise UnknownRequest(f"request {rid!r} has no transfer in progress on this connection")
+        if exp.backend != backend:
+            raise InvalidTransfer(f"request {rid!r} began on {exp.backend}, not {backend}")
+        return exp
+
+    def on_data(self, conn, meta: dict, payload_len: int) -> tuple[_DataCtx, list[memoryview]]:
+        exp = self._bound(conn, meta, "tcp")
+        try:
+            segs = meta.get("segs")
+            if not isinstance(segs, list) or not segs or len(segs) > (1 << 20):
+                raise InvalidTransfer("DATA frame without segments")
+            bb, planned, marks = self.memory.block_bytes, [], []
+            for seg in segs:
+                if (not isinstance(seg, list) or len(seg) != 3
+                        or not all(isinstance(v, int) and not isinstance(v, bool) for v in seg)):
+                    raise InvalidTransfer(f"malformed segment {seg!r:.80}")
+                layer, start, count = seg
+                if not (0 <= layer < exp.num_layers) or count < 1:
+                    raise InvalidTransfer(f"segment {seg} outside {exp.num_layers} layers")
+                for b in range(start, start + count):
+                    i = exp.index.get(b)
+                    if i is None:
+                        raise InvalidTransfer(f"block {b} is not reserved for request {exp.request_id!r}")
+                    mark = layer * len(exp.dst) + i
+                    if exp.written[mark]:
+                        raise InvalidTransfer(f"(layer {layer}, block {b}) of {exp.request_id!r} sent twice")
+                    marks.append(mark)
+                planned.append((self.memory.offset(layer, start), count * bb, layer))
+            if len(set(marks)) != len(marks):
+                raise InvalidTransfer(f"DATA frame of {exp.request_id!r} names a (layer, block) twice")
+            if payload_len != len(marks) * bb:
+                raise InvalidTransfer(f"DATA frame of {exp.request_id!r} carries {payload_len} bytes for "
+                                      f"{len(marks)} blocks of {bb} bytes ({len(marks) * bb})")
+            crc = meta.get("crc")
+            if crc is not None and not isinstance(crc, int):
+                raise InvalidTransfer("crc must be an int")
+        except InvalidTransfer as exc:
+            self._fail(exp, exc, notify=False)
+            raise
+        for mark in marks:
+            exp.written[mark] = 1
+        views, staging = self.memory.recv_views(planned)
+        return _DataCtx(exp, planned, views, staging, crc), views
+
+    def on_data_complete(self, conn, ctx: _DataCtx) -> None:
+        exp = ctx.exp
+        if ctx.crc is not None:
+            crc = 0
+            for view in ctx.views:
+                crc = zlib.crc32(view, crc)
+            if crc != ctx.crc:
+                err = InvalidTransfer(f"checksum mismatch in a DATA frame of {exp.request_id!r}")
+                self._fail(exp, err, notify=True)
+                return
+        if ctx.staging is not None:
+            self.memory.flush(ctx.segments, ctx.staging)
+        exp.received += sum(n for _, n, _ in ctx.segments)
+
+    def _on_end(self, conn, meta: dict) -> None:
+        exp = self._bound(conn, meta, "tcp")
+        missing = exp.written.count(0)
+        if missing or exp.received != exp.nbytes:
+            raise InvalidTransfer(f"END of {exp.request_id!r} before all KV arrived: {missing} (layer, block) "
+                                  f"pairs missing, {exp.received}/{exp.nbytes} bytes")
+        self._complete(exp)
+
+    # -- NIXL notifications ------------------------------------------------------------------------
+    async def _poll_nixl(self) -> None:
+        interval = self.config.nixl_poll_interval_s
+        while True:
+            busy = bool(self._probe_waiting) or any(e.backend == "nixl" for e in self.expectations.values())
+            for agent, msgs in self.nixl.poll_notifs().items():
+                agent = agent.decode() if isinstance(agent, bytes) else str(agent)
+                for raw in msgs:
+                    self._on_notif(agent, raw)
+            if self._probe_seen:
+                cutoff = time.monotonic() - 60
+                for nonce in [n for n, t in self._probe_seen.items() if t < cutoff]:
+                    del self._probe_seen[nonce]
+            await asyncio.sleep(interval if busy else 0.01)
+
+    def _on_notif(self, agent: str, raw: bytes) -> None:
+        meta = parse_notif(raw)
+        if meta is None:
+            log.warning("kvtransfer: ignoring foreign NIXL notification from %s: %r", agent, raw[:80])
+            return
+        if meta.get("t") == "probe" and isinstance(meta.get("nonce"), str):
+            conn = self._probe_waiting.pop(meta["nonce"], None)
+            if conn is not None:
+                conn.send(Msg.PROBE_OK, {"nonce": meta["nonce"]})
+            else:
+                self._probe_seen[meta["nonce"]] = time.monotonic()
+            return
+        rid = meta.get("rid")
+        exp = self.expectations.get(rid) if isinstance(rid, str) else None
+        if exp is None or exp.backend != "nixl" or exp.sender_agent != agent:
+            log.info("kvtransfer: NIXL completion for %r from %s matches no transfer (aborted?)", rid, agent)
+            return
+        if meta.get("n") != exp.nbytes:
+            self._fail(exp, InvalidTransfer(f"NIXL completion of {rid!r} reports {meta.get('n')} bytes, "
+                                            f"expected {exp.nbytes}"), notify=True)
+            return
+        exp.received = exp.nbytes
+        self._complete(exp)

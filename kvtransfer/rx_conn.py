@@ -1,0 +1,146 @@
+"""One accepted side-channel connection on the receiving side: frame parsing, zero-copy receive.
+
+An ``asyncio.BufferedProtocol``: the event loop asks ``get_buffer()`` where the next bytes should go
+and the kernel copies them there with ``recv_into``. While a DATA frame's payload is arriving, that
+buffer is a memoryview of the destination blocks themselves (or of a staging buffer for device
+memory), so KV bytes are copied exactly once, socket -> KV cache. Header and metadata are parsed and
+validated by the Receiver *before* the payload's first byte is accepted; an invalid frame's payload is
+read into a scratch buffer and dropped, so the stream stays in sync and other requests on the same
+connection carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from .errors import ProtocolError, TransferError, error_to_wire
+from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
+
+log = logging.getLogger("kvtransfer.rx")
+_SCRATCH = 1 << 20
+
+
+class RxConnection(asyncio.BufferedProtocol):
+    def __init__(self, receiver) -> None:
+        self.rx = receiver
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.closed = False
+        self.abort_acks: dict[str, asyncio.Future] = {}
+        self._hdr = bytearray(HEADER_SIZE)
+        self._state = "header"
+        self._pos = 0
+        self._meta = bytearray()
+        self._msg = Msg.HELLO
+        self._payload_len = 0
+        self._targets: list[memoryview] = []
+        self._ti = 0
+        self._ctx = None
+        self._discard = 0
+        self._scratch: memoryview | None = None
+
+    # -- asyncio callbacks -------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.rx.config.socket_buffer_bytes:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rx.config.socket_buffer_bytes)
+        self.rx.conns.add(self)
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.rx.conns.discard(self)
+        for fut in self.abort_acks.values():
+            if not fut.done():
+                fut.set_result(False)
+        self.rx.on_conn_lost(self, exc)
+
+    def get_buffer(self, sizehint: int):
+        if self._state == "header":
+            return memoryview(self._hdr)[self._pos:]
+        if self._state == "meta":
+            return memoryview(self._meta)[self._pos:]
+        if self._state == "payload":
+            return self._targets[self._ti][self._pos:]
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_SCRATCH))
+        return self._scratch[:min(_SCRATCH, self._discard)]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            self._advance(nbytes)
+        except ProtocolError as exc:
+            log.warning("kvtransfer: closing connection from %s: %s", self.peer, exc)
+            self.send(Msg.ERROR, error_to_wire(exc))
+            self.close()
+
+    def eof_received(self):
+        return False  # close our side too
+
+    # -- parsing -----------------------------------------------------------------------------------
+    def _advance(self, nbytes: int) -> None:
+        self._pos += nbytes
+        if self._state == "header":
+            if self._pos < HEADER_SIZE:
+                return
+            self._msg, _flags, meta_len, self._payload_len = decode_header(self._hdr)
+            if meta_len < 2:
+                raise ProtocolError("frame without metadata")
+            self._meta = bytearray(meta_len)
+            self._state, self._pos = "meta", 0
+        elif self._state == "meta":
+            if self._pos < len(self._meta):
+                return
+            self._on_meta(decode_meta(self._meta))
+        elif self._state == "payload":
+            if self._pos < len(self._targets[self._ti]):
+                return
+            self._ti, self._pos = self._ti + 1, 0
+            if self._ti == len(self._targets):
+                ctx, self._ctx, self._targets = self._ctx, None, []
+                self._reset()
+                self.rx.on_data_complete(self, ctx)
+        else:  # discard
+            self._discard -= nbytes
+            self._pos = 0
+            if self._discard == 0:
+                self._reset()
+
+    def _reset(self) -> None:
+        self._state, self._pos = "header", 0
+
+    def _on_meta(self, meta: dict) -> None:
+        if self._msg != Msg.DATA:
+            self._reset()
+            self.rx.on_control(self, self._msg, meta)
+            return
+        try:
+            self._ctx, self._targets = self.rx.on_data(self, meta, self._payload_len)
+        except TransferError as exc:
+            # Rejected before a single payload byte lands in KV memory: drop the payload.
+            self._discard = self._payload_len
+            self._state, self._pos = ("discard", 0) if self._discard else ("header", 0)
+            rid = meta.get("rid") if isinstance(meta.get("rid"), str) else None
+            if rid is not None:
+                self.send(Msg.ERROR, {"rid": rid, **error_to_wire(exc)})
+            return
+        self._ti, self._pos = 0, 0
+        self._state = "payload" if self._targets else "header"
+        if not self._targets:
+            ctx, self._ctx = self._ctx, None
+            self.rx.on_data_complete(self, ctx)
+
+    # -- replies -----------------------------------------------------------------------------------
+    def send(self, msg: Msg, meta: dict) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(encode(msg, meta))
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()

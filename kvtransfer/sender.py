@@ -1,0 +1,249 @@
+"""One outgoing transfer: a SendHandle the prefill side can poll, await or abort.
+
+Lifecycle::
+
+    start_send(...)        validates ids against the endpoint (range, duplicates, equal counts) and the
+                           layout hash synchronously -> InvalidTransfer / LayoutMismatch, nothing sent
+    worker task            peer (cached handshake) -> BEGIN (NIXL: wait BEGIN_OK, since a one-sided
+                           write cannot be taken back; TCP: pipelined, the receiver checks BEGIN before
+                           any DATA of the request) -> one step per pushed layer range -> finish
+        TCP                DATA frames (segments of coalesced block runs, <= max_frame_bytes), then END
+        NIXL               one WRITE per layer range with coalesced descriptors; finish waits for all to
+                           be DONE, then a NIXL notification {done, rid, bytes} (attached to the WRITE
+                           itself when everything went in one range)
+    DONE from receiver     -> state "done"; wait() returns {request_id, bytes, seconds, backend}
+    error/abort/timeout    -> "failed"/"aborted": in-flight NIXL writes are cancelled or waited out
+                           before the handle settles (so the source blocks may be reused), the
+                           receiver is told (ABORT), a receiver-initiated abort is acknowledged
+
+Layer-wise streaming: start_send(..., layers=range(0, 4)) sends those layers and leaves the handle
+open; push_layers(range(4, 8)) as layers are computed; finish() once all were pushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+
+from .blocks import merge_regions, pair_runs, plan_segments, validate_layers
+from .errors import InvalidTransfer, PeerUnavailable, TransferAborted, TransferError, TransferTimeout
+from .protocol import Msg, notif_message
+
+log = logging.getLogger("kvtransfer.tx")
+_FINISH = ("finish",)
+
+
+class SendHandle:
+    def __init__(self, transport, rid: str, endpoint: dict, src: tuple[int, ...], dst: tuple[int, ...],
+                 timeout: float) -> None:
+        self.t = transport
+        self.request_id = rid
+        self.endpoint = endpoint
+        self.src, self.dst = src, dst
+        self.runs = pair_runs(src, dst)
+        self.nbytes = transport.layout.num_layers * len(dst) * transport.layout.block_bytes
+        self.state = "connecting"
+        self.backend: str | None = None
+        self.started = time.monotonic()
+        self._deadline = self.started + timeout
+        self._pushed: set[int] = set()
+        self._finished = False
+        self._ops: asyncio.Queue = asyncio.Queue()
+        self._peer = None
+        self._xfers: list = []
+        self._notif_attached = False
+        self._began = False
+        self._settling = False
+        self._begin_ok: asyncio.Future = transport.loop.create_future()
+        self._done: asyncio.Future = transport.loop.create_future()
+        self._future: asyncio.Future = transport.loop.create_future()
+        for fut in (self._begin_ok, self._done, self._future):
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._cancel_exc: TransferError | None = None
+        self._ack_remote_abort = False
+        self._task = transport.loop.create_task(self._run(), name=f"kvtransfer-send-{rid}")
+
+    # -- public ------------------------------------------------------------------------------------
+    def push_layers(self, layers, *, final: bool = False) -> None:
+        """Queue these layers' blocks for sending (layer-wise streaming)."""
+        if self._finished:
+            raise InvalidTransfer(f"transfer {self.request_id!r} already finished")
+        todo = validate_layers(layers, self.t.layout.num_layers)
+        again = sorted(self._pushed.intersection(todo))
+        if again:
+            raise InvalidTransfer(f"layers {again[:8]} of {self.request_id!r} were already pushed")
+        self._pushed.update(todo)
+        if final:
+            self._check_all_pushed()
+            self._finished = True
+        self._ops.put_nowait(("layers", todo, final))
+
+    def finish(self) -> None:
+        """All layers were pushed: signal completion to the receiver."""
+        if self._finished:
+            return
+        self._check_all_pushed()
+        self._finished = True
+        self._ops.put_nowait(_FINISH)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception() if self._future.done() else None
+
+    async def wait(self) -> dict:
+        return await asyncio.shield(self._future)
+
+    async def abort(self, reason: str = "aborted by sender") -> None:
+        """Stop; returns once nothing of this transfer is in flight any more."""
+        if not self._task.done():
+            self._cancel(TransferAborted(f"transfer {self.request_id!r} {reason}"))
+        await asyncio.wait([self._task])
+
+    # -- callbacks from the peer's reader ----------------------------------------------------------
+    def _on_begin_ok(self) -> None:
+        if not self._begin_ok.done():
+            self._begin_ok.set_result(None)
+
+    def _on_done(self) -> None:
+        if not self._done.done():
+            self._done.set_result(None)
+
+    def _on_error(self, exc: TransferError) -> None:
+        self._cancel(exc)
+
+    def _remote_abort(self, reason: str) -> None:
+        self._ack_remote_abort = True
+        self._cancel(TransferAborted(f"transfer {self.request_id!r} aborted by receiver: {reason}"))
+
+    def _cancel(self, exc: TransferError) -> None:
+        if self._cancel_exc is None and not self._settling and not self._task.done():
+            self._cancel_exc = exc
+            self._task.cancel()
+
+    def _check_all_pushed(self) -> None:
+        missing = sorted(set(range(self.t.layout.num_layers)) - self._pushed)
+        if missing:
+            raise InvalidTransfer(f"finish() of {self.request_id!r} with layers {missing[:8]} never pushed")
+
+    # -- worker ------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        self._began = False
+        try:
+            await asyncio.wait_for(self._body(), max(0.0, self._deadline - time.monotonic()))
+            self.state = "done"
+            self._future.set_result({"request_id": self.request_id, "bytes": self.nbytes,
+                                     "backend": self.backend, "seconds": time.monotonic() - self.started})
+        except asyncio.CancelledError:
+            exc = self._cancel_exc or TransferAborted(f"transfer {self.request_id!r} cancelled")
+            await self._settle(exc, self._began)
+        except asyncio.TimeoutError:
+            exc = TransferTimeout(f"transfer {self.request_id!r} to {self.endpoint['host']}:"
+                                  f"{self.endpoint['port']} not acknowledged before its deadline "
+                                  f"(state {self.state})")
+            await self._settle(exc, self._began)
+        except TransferError as exc:
+            await self._settle(exc, self._began)
+        except Exception as exc:  # a bug: still settle so nothing leaks, then surface it
+            log.exception("kvtransfer: send %s crashed", self.request_id)
+            await self._settle(TransferError(f"internal error: {exc!r}"), self._began)
+        finally:
+            if self._peer is not None and self._peer.handles.get(self.request_id) is self:
+                del self._peer.handles[self.request_id]
+            self.t._sends.pop(self.request_id, None)
+
+    async def _body(self) -> None:
+        peer = self._peer = await self.t._peer_for(self.endpoint)
+        if self.request_id in peer.handles:
+            raise InvalidTransfer(f"request {self.request_id!r} is already being sent to {peer.name}")
+        peer.handles[self.request_id] = self
+        self.backend, self.state = peer.backend, "sending"
+        meta = {"rid": self.request_id, "dst": list(self.dst), "nbytes": self.nbytes,
+                "backend": peer.backend}
+        if peer.backend == "nixl":
+            meta["agent"] = self.t.nixl.name
+        self._began = True
+        await peer.send_frame(Msg.BEGIN, meta)
+        if peer.backend == "nixl":
+            await self._begin_ok
+        while True:
+            op = await self._ops.get()
+            if op is _FINISH:
+                await self._finish(peer, notified=False)
+                break
+            _, layers, final = op
+            await self._send_layers(peer, layers, final)
+            if final:
+                await self._finish(peer, notified=True)
+                break
+        self.state = "completing"
+        await self._done
+
+    async def _send_layers(self, peer, layers: tuple[int, ...], final: bool) -> None:
+        bb = self.t.layout.block_bytes
+        mem = self.t.memory
+        if peer.backend == "tcp":
+            for frame in plan_segments(layers, self.runs, bb, self.t.config.max_frame_bytes):
+                segs = [(mem.offset(layer, s), n * bb, layer) for layer, s, _d, n in frame]
+                views = mem.send_views(segs)
+                meta = {"rid": self.request_id, "segs": [[layer, d, n] for layer, _s, d, n in frame]}
+                if self.t.config.checksum:
+                    crc = 0
+                    for v in views:
+                        crc = zlib.crc32(v, crc)
+                    meta["crc"] = crc
+                await peer.send_frame(Msg.DATA, meta, views, sum(len(v) for v in views))
+            return
+        rnb = peer.num_blocks
+        regions = merge_regions(
+            (mem.offset(layer, s), (layer * rnb + d) * bb, n * bb) for layer in layers for s, d, n in self.runs)
+        if not regions:
+            return
+        notif = notif_message("done", rid=self.request_id, n=self.nbytes) if final else b""
+        self._notif_attached = final
+        remote = peer.remote
+        handle, _state = self.t.nixl.post_write(peer.remote_agent, remote["base"], remote["dev"], remote["mem"],
+                                                regions, notif)
+        self._xfers.append(handle)
+
+    async def _finish(self, peer, notified: bool) -> None:
+        if peer.backend == "tcp":
+            await peer.send_frame(Msg.END, {"rid": self.request_id, "nbytes": self.nbytes})
+            return
+        nixl, interval = self.t.nixl, self.t.config.nixl_poll_interval_s
+        for handle in list(self._xfers):
+            while (state := nixl.state(handle)) == "PROC":
+                await asyncio.sleep(interval)
+            if state != "DONE":
+                raise PeerUnavailable(f"NIXL WRITE of {self.request_id!r} to {peer.name} failed ({state})")
+            nixl.release(handle)
+            self._xfers.remove(handle)
+        if not (notified and self._notif_attached):
+            nixl.send_notif(peer.remote_agent, notif_message("done", rid=self.request_id, n=self.nbytes))
+
+    async def _settle(self, exc: TransferError, began: bool) -> None:
+        """Leave nothing in flight: cancel/wait out NIXL writes, tell the receiver, then fail the handle."""
+        self._settling = True  # a peer failing now must not cancel this cleanup
+        self.state = "aborted" if isinstance(exc, TransferAborted) else "failed"
+        nixl = self.t.nixl
+        deadline = time.monotonic() + self.t.config.abort_ack_timeout_s
+        for handle in list(self._xfers):
+            while not nixl.release(handle):  # release cancels a WRITE still in flight, if it can
+                if time.monotonic() > deadline:
+                    log.error("kvtransfer: NIXL WRITE of %s still in flight after abort", self.request_id)
+                    break
+                await asyncio.sleep(0.001)
+            else:
+                self._xfers.remove(handle)
+        peer = self._peer
+        if began and peer is not None and not peer.closed:
+            msg = Msg.ABORT_ACK if self._ack_remote_abort else Msg.ABORT
+            try:
+                await asyncio.wait_for(peer.send_frame(msg, {"rid": self.request_id, "reason": str(exc)}), 2.0)
+            except (TransferError, asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+        if not self._future.done():
+            self._future.set_exception(exc)
