@@ -31,7 +31,7 @@ import time
 
 from router.metrics import RouterMetrics
 from router.placement.config import PlacerConfig
-from router.placement.scoring import Candidate, choose_pair, overloaded, tie_key
+from router.placement.scoring import Candidate, choose_pair, overloaded
 from router.placement.session_sync import SessionSync
 from router.placement.types import (
     NoWorkersAvailable,
@@ -155,9 +155,9 @@ class Placer:
                 raise NoWorkersAvailable(f"no healthy {role} worker (known: {len(self.view.workers)}, "
                                          f"excluded: {len(exclude)})")
         if cfg.policy == "round_robin":
-            return self._simple(req, pp, dp, "round_robin", lambda pool, role: self._round_robin(pool, role))
+            return self._simple(req, pp, dp, "round_robin", self._round_robin)
         if cfg.policy == "least_loaded":
-            return self._simple(req, pp, dp, "least_loaded", lambda pool, role: self._least_loaded(pool))
+            return self._simple(req, pp, dp, "least_loaded", self._least_loaded)
         matches = self.index.match(req.block_hashes)
         moved_from = None
         move_reason = ""
@@ -234,13 +234,16 @@ class Placer:
         self._rr[role] += 1
         return w
 
-    def _least_loaded(self, pool: list[WorkerInfo]) -> WorkerInfo:
-        def key(w: WorkerInfo):
+    def _least_loaded(self, pool: list[WorkerInfo], role: str) -> WorkerInfo:
+        n, start = len(pool), self._rr[role]
+        self._rr[role] += 1
+
+        def key(i: int):
+            w = pool[i]
             rep = self.view.fresh_load(w.worker_id)
             free = rep.free_blocks / rep.total_blocks if rep and rep.total_blocks else 1.0
-            return (self.view.load_of(w.worker_id), -free, tie_key(w.worker_id, self._rr["prefill"]))
-        self._rr["prefill"] += 1
-        return min(pool, key=key)
+            return (self.view.load_of(w.worker_id), -free, (i - start) % n)  # ties rotate
+        return pool[min(range(n), key=key)]
 
     def _placement(self, req, p, d, reason, matches, *, session_hit=False, moved_from=None,
                    move_reason="", score=0.0) -> Placement:

@@ -59,7 +59,7 @@ def tie_key(worker_id: str, salt: int) -> int:
         h = zlib.crc32(worker_id.encode())
         if len(_TIE_CACHE) < 100_000:
             _TIE_CACHE[worker_id] = h
-    return (h ^ salt) & 0xFFFFFFFF
+    return ((h ^ salt) * 0x9E3779B1) & 0xFFFFFFFF  # multiplicative mix: salt permutes the order
 
 
 def load_cap(loads: Sequence[int], epsilon: float) -> int:
