@@ -30,7 +30,8 @@ def build_engine(settings: ServeSettings):
     """An LLMEngine for a worker role, from the serve settings."""
     from engine.engine import EngineConfig, LLMEngine
 
-    kwargs = dict(model=settings.model, dtype=settings.dtype, device=settings.device,
+    kwargs = dict(model=settings.model, dtype=None if settings.dtype == "auto" else settings.dtype,
+                  device=settings.device,
                   block_size=settings.block_size, max_num_seqs=settings.max_num_seqs)
     if settings.num_blocks is not None:
         kwargs["num_blocks"] = settings.num_blocks

@@ -116,6 +116,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code(), exc.details() or ""
+    code_name = getattr(type(exc), "code", None)  # kvtransfer errors name their status
+    if isinstance(code_name, str) and code_name in grpc.StatusCode.__members__:
+        return grpc.StatusCode[code_name], str(exc)
     if isinstance(exc, (KVCacheFull, QueueFull)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, UnknownRequest):

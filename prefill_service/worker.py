@@ -48,7 +48,7 @@ class PrefillResult:
 class PrefillWorker:
     def __init__(self, *, engine: AsyncEngine, kv: Any, worker_id: str, block_size: int) -> None:
         self.engine = engine
-        self.kv = kv  # kvtransfer adapter: async send(endpoint, rid, src, dst) -> bytes, name
+        self.kv = kv  # kvtransfer adapter: async send(endpoint, rid, src, dst) -> (bytes, backend)
         self.worker_id = worker_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.block_size = block_size
@@ -76,13 +76,13 @@ class PrefillWorker:
                 src, dst = table[skip:], list(target.block_ids[skip:])
                 if len(src) != len(dst):
                     raise RuntimeError(f"block table has {len(table)} blocks, target {len(target.block_ids)}")
-                nbytes = 0
+                nbytes, backend = 0, target.transport or self.kv.name
                 if src:
-                    nbytes = await self.kv.send(target.kv_endpoint, request_id, src, dst)
+                    nbytes, backend = await self.kv.send(target.kv_endpoint, request_id, src, dst)
                 return PrefillResult(
                     first_token_id=int(out.new_token_ids[0]), first_logprob=first_logprob(out),
                     num_prompt_tokens=len(prompt_ids), num_cached_tokens=int(out.num_cached_tokens or 0),
-                    kv_blocks_sent=len(src), kv_bytes_sent=int(nbytes), transport=self.kv.name)
+                    kv_blocks_sent=len(src), kv_bytes_sent=int(nbytes), transport=backend)
             finally:
                 await asyncio.shield(self.engine.release(request_id))
         finally:

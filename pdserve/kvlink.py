@@ -1,0 +1,83 @@
+"""The services' view of ``kvtransfer``: one started transport per worker process, bytes on the wire.
+
+The decode worker publishes ``endpoint()`` (JSON bytes, carried opaquely in Allocate / GetStats and
+PrefillRequest.target), registers the blocks it expects, and awaits KV-complete; the prefill worker
+pushes blocks into such an endpoint and awaits the receiver's acknowledgement. Cancelling a send
+aborts the transfer before returning, so a cancelled prefill never leaves writes in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+MAX_ENDPOINT_BYTES = 64 * 1024
+
+
+class KVLink:
+    def __init__(self, transport: Any, *, lease_s: float) -> None:
+        self.transport = transport
+        self.lease_s = lease_s
+        self.transports = list(transport.backends)
+        self.name = self.transports[0] if self.transports else ""
+        self._endpoint: bytes | None = None
+        self._expected: dict[str, Any] = {}
+
+    def endpoint(self) -> bytes:
+        if self._endpoint is None:
+            self._endpoint = json.dumps(self.transport.endpoint(), separators=(",", ":")).encode()
+        return self._endpoint
+
+    # ---- receiver (decode) ----------------------------------------------------------------------
+    def expect(self, request_id: str, block_ids: list[int]) -> None:
+        # Keep the handle: a completed expectation leaves the transport's table at once.
+        self._expected[request_id] = self.transport.expect(request_id, block_ids, timeout=self.lease_s)
+
+    async def wait(self, request_id: str) -> dict:
+        exp = self._expected.get(request_id)
+        if exp is None:
+            return await self.transport.wait_complete(request_id)
+        return await exp.wait()
+
+    def release(self, request_id: str) -> None:
+        self._expected.pop(request_id, None)
+        self.transport.release(request_id)
+
+    @property
+    def num_expected(self) -> int:
+        return len(self._expected)
+
+    # ---- sender (prefill) -----------------------------------------------------------------------
+    async def send(self, endpoint: bytes, request_id: str, src: list[int], dst: list[int]) -> tuple[int, str]:
+        """Push ``src`` blocks into the endpoint's ``dst`` blocks; returns (bytes sent, backend used)."""
+        if len(endpoint) > MAX_ENDPOINT_BYTES:
+            raise ValueError("kv_endpoint too large")
+        try:
+            ep = json.loads(endpoint)
+        except (UnicodeDecodeError, ValueError):
+            raise ValueError("kv_endpoint is not a kvtransfer endpoint (bad JSON)") from None
+        handle = self.transport.start_send(request_id, ep, src, dst)
+        try:
+            info = await handle.wait()
+        except asyncio.CancelledError:
+            await asyncio.shield(handle.abort("prefill cancelled"))
+            raise
+        nbytes = int(info.get("bytes", 0)) if isinstance(info, dict) else 0
+        backend = str(info.get("backend", "")) if isinstance(info, dict) else ""
+        return nbytes, backend or self.transport.peer_backend(ep) or self.name
+
+    async def close(self) -> None:
+        await self.transport.close()
+
+
+async def make_kv_link(settings: Any, engine: Any, *, sender: bool) -> KVLink:
+    from kvtransfer.transport import make_transport
+
+    transport = make_transport(settings.transport, engine.kv_layout, engine.kv_cache,
+                               listen_host=settings.host, listen_port=settings.kv_port,
+                               advertise_host=settings.advertise_host)
+    await transport.start()
+    return KVLink(transport, lease_s=settings.lease_ms / 1000.0)
