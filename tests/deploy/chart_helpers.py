@@ -69,7 +69,7 @@ def render(preset: str = "default", sets: tuple[str, ...] = ()) -> list[dict]:
 def render_fails(preset: str = "default", sets: tuple[str, ...] = ()) -> str:
     """Render that must fail; returns helm's error output."""
     proc = run_helm(*template_args(preset, sets), check=False)
-    assert proc.returncode != 0, f"expected helm template to fail with {sets}, it rendered:\n{proc.stdout[:400]}"
+    assert proc.returncode != 0, f"helm template should fail with {sets}; it rendered:\n{proc.stdout[:400]}"
     return proc.stderr
 
 

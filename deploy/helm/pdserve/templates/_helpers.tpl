@@ -113,6 +113,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     - {{ .Values.model.init.preset | quote }}
     - --out
     - {{ include "pdserve.modelDir" . | quote }}
+    - --seed
+    - {{ .Values.model.init.seed | quote }}
     {{- range .Values.model.init.extraArgs }}
     - {{ . | quote }}
     {{- end }}
