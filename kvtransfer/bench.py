@@ -1,0 +1,165 @@
+"""KV transfer benchmark: GB/s and per-transfer latency per backend, next to raw baselines.
+
+    python -m kvtransfer.bench [--json OUT] [--quick] [--backends tcp,nixl,nixl_ucx_tcp]
+
+Layout: Llama-3.1-8B-shaped (32 layers, 8 KV heads, head_dim 128, bf16, block 16): one 16-token
+block is 2 MiB over all layers, a 4096-token prompt 512 MiB. For every backend a receiver and a sender
+run in two separate processes (children, so each gets its own UCX environment); each row times
+start_send() -> receiver acknowledged complete, from the sender's side, for the first N blocks.
+
+Baselines, measured in the same run and process pair: a plain blocking-socket blast (8-byte length +
+sendall straight from the KV tensor, recv_into one buffer, 1-byte ack) for TCP-carried backends, and a
+same-host memcpy (torch copy_) for every row. ``baseline_gbps`` is the socket blast for tcp and
+nixl_ucx_tcp, memcpy for nixl with UCX's default (shared-memory capable) transports. Timings are
+reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.kv_layout import KVLayout
+
+from .client import PeerClient, PeerError
+
+LLAMA8B = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16",
+                   model_fingerprint="bench-llama-3.1-8b")
+BACKENDS = {
+    "tcp": ("tcp", {}),
+    "nixl": ("nixl", {}),
+    "nixl_ucx_tcp": ("nixl", {"UCX_TLS": "tcp"}),
+}
+
+
+def _iters(nbytes: int, quick: bool) -> int:
+    budget = (128 if quick else 1024) << 20  # bytes moved per row and method, roughly
+    return max(2, min(20 if quick else 30, budget // nbytes))
+
+
+def memcpy_seconds(nbytes: int, iters: int) -> list[float]:
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in first
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+async def bench_backend(name: str, tokens: list[int], quick: bool) -> list[dict]:
+    kind, env = BACKENDS[name]
+    max_blocks = max(tokens) // LLAMA8B.block_size
+    layout = LLAMA8B.to_dict()
+    env = {"UCX_TLS": None, **env}
+    rx = await PeerClient.spawn(env=env)
+    tx = await PeerClient.spawn(env=env)
+    rows = []
+    try:
+        r = await rx.call("init", kind=kind, layout=layout, num_blocks=max_blocks)
+        t = await tx.call("init", kind=kind, layout=layout, num_blocks=max_blocks)
+        await tx.call("fill", tid=t["tid"], seed=1)
+        endpoint = r["endpoint"]
+        raw = None
+        if name != "nixl":
+            raw = await rx.call("raw_listen", max_bytes=max_blocks * LLAMA8B.block_bytes * LLAMA8B.num_layers)
+        # Warm-up: connect, handshake, first-touch of the destination pages.
+        await _timed(rx, tx, r["tid"], t["tid"], endpoint, max_blocks, 1, "warm")
+        for ntok in tokens:
+            nblocks = ntok // LLAMA8B.block_size
+            nbytes = nblocks * LLAMA8B.block_bytes * LLAMA8B.num_layers
+            iters = _iters(nbytes, quick)
+            secs, backend = await _timed(rx, tx, r["tid"], t["tid"], endpoint, nblocks, iters, f"{name}-{ntok}")
+            mem = memcpy_seconds(nbytes, iters)
+            sock = None
+            if raw is not None:
+                sock = (await tx.call("raw_send", tid=t["tid"], host="127.0.0.1", port=raw["port"], nbytes=nbytes,
+                                      iters=iters, wait_s=900))["seconds"]
+            rows.append(_row(name, backend, ntok, nbytes, iters, secs, mem, sock))
+            print(_fmt(rows[-1]), flush=True)
+    finally:
+        await tx.close()
+        await rx.close()
+    return rows
+
+
+async def _timed(rx, tx, rtid, ttid, endpoint, nblocks, iters, tag):
+    rids = [f"{tag}-{i}" for i in range(iters)]
+    blocks = list(range(nblocks))
+    for rid in rids:
+        await rx.call("expect", tid=rtid, rid=rid, dst=blocks, timeout=900)
+    reply = await tx.call("send_many", tid=ttid, rids=rids, endpoint=endpoint, src=blocks, dst=blocks,
+                          timeout=900, wait_s=1800)
+    for rid in rids:
+        await rx.call("wait", tid=rtid, rid=rid)
+    return reply["seconds"], reply["backend"]
+
+
+def _gbps(nbytes: int, secs: list[float] | None) -> float | None:
+    return round(nbytes / statistics.median(secs) / 1e9, 3) if secs else None
+
+
+def _row(name, backend, ntok, nbytes, iters, secs, mem, sock) -> dict:
+    gbps, mem_gbps, sock_gbps = _gbps(nbytes, secs), _gbps(nbytes, mem), _gbps(nbytes, sock)
+    baseline = mem_gbps if name == "nixl" else sock_gbps
+    return {"backend": name, "transport_backend": backend, "tokens": ntok, "bytes": nbytes, "iters": iters,
+            "gbps": gbps, "baseline": "memcpy" if name == "nixl" else "socket", "baseline_gbps": baseline,
+            "ratio": round(gbps / baseline, 3) if baseline else None,
+            "latency_ms_p50": round(statistics.median(secs) * 1e3, 3), "latency_ms_min": round(min(secs) * 1e3, 3),
+            "latency_ms_max": round(max(secs) * 1e3, 3), "memcpy_gbps": mem_gbps, "socket_gbps": sock_gbps,
+            "socket_latency_ms_p50": round(statistics.median(sock) * 1e3, 3) if sock else None}
+
+
+_HEAD = (f"{'backend':<13} {'tokens':>6} {'MiB':>7} {'GB/s':>7} {'base':>6} {'base GB/s':>9} {'ratio':>6} "
+         f"{'p50 ms':>9} {'min ms':>9} {'memcpy':>7} {'socket':>7}")
+
+
+def _fmt(r: dict) -> str:
+    def f(v, spec):
+        return format(v, spec) if v is not None else format("-", spec[:-4] if "." in spec else spec)
+    return (f"{r['backend']:<13} {r['tokens']:>6} {r['bytes'] / 2**20:>7.1f} {f(r['gbps'], '>7.3f')} "
+            f"{r['baseline']:>6} {f(r['baseline_gbps'], '>9.3f')} {f(r['ratio'], '>6.2f')} "
+            f"{r['latency_ms_p50']:>9.3f} {r['latency_ms_min']:>9.3f} {f(r['memcpy_gbps'], '>7.2f')} "
+            f"{f(r['socket_gbps'], '>7.3f')}")
+
+
+async def main_async(args) -> list[dict]:
+    tokens = [16, 256, 1024] if args.quick else [16, 64, 256, 1024, 4096]
+    print(f"layout: {LLAMA8B.describe()}  ({LLAMA8B.block_bytes * LLAMA8B.num_layers / 2**20:.0f} MiB per "
+          f"16-token block over all layers)")
+    print(_HEAD, flush=True)
+    rows = []
+    for name in args.backends.split(","):
+        if name not in BACKENDS:
+            raise SystemExit(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
+        try:
+            rows += await bench_backend(name, tokens, args.quick)
+        except PeerError as exc:
+            print(f"{name:<13} FAILED: {exc}", flush=True)
+            rows.append({"backend": name, "error": str(exc), "bytes": 0, "gbps": None, "baseline_gbps": None})
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write rows as a JSON list here")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset of " + ",".join(BACKENDS))
+    args = ap.parse_args(argv)
+    rows = asyncio.run(main_async(args))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

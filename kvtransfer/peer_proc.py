@@ -1,0 +1,197 @@
+"""A KV-transfer peer in its own OS process, driven by JSON lines on stdin/stdout.
+
+Used by the two-process integration tests and by the benchmark: the parent starts
+``python -m kvtransfer.peer_proc`` (possibly under ``ip netns exec`` or with ``UCX_TLS`` set), then sends
+one JSON object per line ``{"id": n, "op": ..., ...}`` and reads ``{"id": n, "ok": true, ...}`` or
+``{"id": n, "ok": false, "kind": ..., "error": ...}``. Commands run as concurrent tasks, so a ``wait``
+does not block a later ``send``. Only JSON crosses the pipe.
+
+ops: init (new transport; returns tid + endpoint), fill (seeded random KV), expect, wait, send, push,
+finish, send_wait, digest, stats, close, raw_listen (plain-socket baseline receiver), exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+
+import torch
+
+from engine.kv_layout import KVLayout
+
+from .errors import TransferError
+from .transport import make_transport
+
+
+def fill_random(kv: torch.Tensor, seed: int) -> None:
+    """Deterministic random bytes in every block (the same seed gives the same cache anywhere)."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = kv.view(-1).view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def block_digest(kv: torch.Tensor, blocks: list[int]) -> str:
+    """sha256 over (every layer of) the given blocks, in the given order."""
+    h = hashlib.sha256()
+    for b in blocks:
+        h.update(kv[:, b].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _raw_server(nbytes_list_port: list) -> None:
+    """Plain blocking socket receiver: per message, read an 8-byte length then that many bytes with
+    recv_into into one preallocated buffer, reply one byte. The TCP baseline."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((nbytes_list_port[0], 0))
+    srv.listen(1)
+    nbytes_list_port.append(srv.getsockname()[1])
+    buf = memoryview(bytearray(nbytes_list_port[1]))
+    while True:
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while True:
+                head = conn.recv(8, socket.MSG_WAITALL)
+                if len(head) < 8:
+                    break
+                n, pos = int.from_bytes(head, "big"), 0
+                while pos < n:
+                    got = conn.recv_into(buf[pos:n])
+                    if not got:
+                        break
+                    pos += got
+                conn.sendall(b"k")
+
+
+def _raw_send(kv: torch.Tensor, host: str, port: int, nbytes: int, iters: int) -> list[float]:
+    """Plain blocking sendall of nbytes straight from the KV tensor's memory, one ack per message."""
+    import time
+
+    src = memoryview(kv.view(-1).view(torch.uint8).numpy())[:nbytes]
+    sock = socket.create_connection((host, port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        sock.sendall(nbytes.to_bytes(8, "big"))
+        sock.sendall(src)
+        if sock.recv(1) != b"k":
+            raise ConnectionError("raw receiver went away")
+        times.append(time.perf_counter() - t0)
+    sock.close()
+    return times
+
+
+class PeerProcess:
+    def __init__(self) -> None:
+        self.transports: dict[int, object] = {}
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.sends: dict[str, object] = {}
+        self.exps: dict[str, object] = {}
+        self.out_lock = asyncio.Lock()
+
+    async def handle(self, cmd: dict) -> dict:
+        op = cmd["op"]
+        if op == "init":
+            layout = KVLayout.from_dict(cmd["layout"])
+            kv = layout.allocate(cmd["num_blocks"])
+            t = make_transport(cmd.get("kind", "auto"), layout, kv, **cmd.get("config", {}))
+            await t.start()
+            tid = len(self.transports) + 1
+            self.transports[tid], self.tensors[tid] = t, kv
+            return {"tid": tid, "endpoint": t.endpoint(), "backends": list(t.backends)}
+        if op == "raw_listen":
+            box = [cmd.get("host", "127.0.0.1"), cmd["max_bytes"]]
+            threading.Thread(target=_raw_server, args=(box,), daemon=True).start()
+            while len(box) < 3:
+                await asyncio.sleep(0.005)
+            return {"port": box[2]}
+        if op == "exit":
+            for t in self.transports.values():
+                await t.close()
+            return {"bye": True}
+        t, kv = self.transports[cmd["tid"]], self.tensors[cmd["tid"]]
+        if op == "fill":
+            fill_random(kv, cmd["seed"])
+            return {}
+        if op == "digest":
+            blocks = cmd["blocks"]
+            others = [b for b in range(kv.shape[1]) if b not in set(blocks)]
+            untouched = bool((kv[:, others].view(-1).view(torch.uint8) == 0).all()) if others else True
+            return {"digest": block_digest(kv, blocks), "others_zero": untouched}
+        if op == "expect":
+            self.exps[cmd["rid"]] = t.expect(cmd["rid"], cmd["dst"], timeout=cmd.get("timeout", 30.0))
+            return {}
+        if op == "wait":
+            return {"result": await self.exps.pop(cmd["rid"]).wait()}
+        if op == "send":
+            self.sends[cmd["rid"]] = t.start_send(cmd["rid"], cmd["endpoint"], cmd["src"], cmd["dst"],
+                                                  cmd.get("layers"), timeout=cmd.get("timeout"))
+            return {}
+        if op == "push":
+            self.sends[cmd["rid"]].push_layers(cmd["layers"])
+            return {}
+        if op == "finish":
+            self.sends[cmd["rid"]].finish()
+            return {}
+        if op == "send_wait":
+            return {"result": await self.sends.pop(cmd["rid"]).wait()}
+        if op == "send_many":
+            times = []
+            for rid in cmd["rids"]:
+                handle = t.start_send(rid, cmd["endpoint"], cmd["src"], cmd["dst"], timeout=cmd.get("timeout"))
+                result = await handle.wait()
+                times.append(result["seconds"])
+            return {"seconds": times, "backend": result["backend"]}
+        if op == "raw_send":
+            return {"seconds": await asyncio.to_thread(_raw_send, kv, cmd["host"], cmd["port"], cmd["nbytes"],
+                                                       cmd["iters"])}
+        if op == "abort":
+            return {"safe": await t.abort(cmd["rid"], cmd.get("reason", "test"))}
+        if op == "stats":
+            return {"stats": t.stats()}
+        if op == "close":
+            await t.close()
+            return {"stats": t.stats()}
+        raise ValueError(f"unknown op {op!r}")
+
+    async def run_one(self, cmd: dict) -> None:
+        try:
+            reply = {"id": cmd.get("id"), "ok": True, **await self.handle(cmd)}
+        except TransferError as exc:
+            reply = {"id": cmd.get("id"), "ok": False, "kind": type(exc).__name__, "code": exc.code,
+                     "error": str(exc)}
+        except Exception as exc:
+            reply = {"id": cmd.get("id"), "ok": False, "kind": type(exc).__name__, "error": repr(exc)}
+        async with self.out_lock:
+            sys.stdout.write(json.dumps(reply) + "\n")
+            sys.stdout.flush()
+        if cmd.get("op") == "exit":
+            os._exit(0)
+
+    async def main(self) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=1 << 24)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        sys.stdout.write(json.dumps({"id": 0, "ok": True, "pid": os.getpid()}) + "\n")
+        sys.stdout.flush()
+        tasks = set()
+        while line := await reader.readline():
+            task = loop.create_task(self.run_one(json.loads(line)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        for t in self.transports.values():
+            await t.close()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=os.environ.get("KVTRANSFER_LOG", "WARNING"), stream=sys.stderr,
+                        format="%(asctime)s peer %(name)s %(levelname)s %(message)s")
+    asyncio.run(PeerProcess().main())

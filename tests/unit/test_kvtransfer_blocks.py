@@ -1,0 +1,70 @@
+"""kvtransfer pure pieces: block-id validation, run coalescing, frame planning, framing, config."""
+
+import pytest
+
+from kvtransfer.blocks import merge_regions, pair_runs, plan_segments, validate_block_ids, validate_layers
+from kvtransfer.config import TransportConfig
+from kvtransfer.errors import InvalidTransfer, ProtocolError
+from kvtransfer.protocol import HEADER, MAGIC, Msg, decode_header, decode_meta, encode
+
+
+def test_validate_block_ids_rejects_range_duplicates_and_non_ints():
+    assert validate_block_ids([3, 0, 7], 8, "dst") == (3, 0, 7)
+    with pytest.raises(InvalidTransfer, match=r"out of range \[0, 8\).*\[8, -1\]"):
+        validate_block_ids([1, 8, -1], 8, "dst")
+    with pytest.raises(InvalidTransfer, match=r"duplicate dst block ids: \[2\]"):
+        validate_block_ids([2, 5, 2], 8, "dst")
+    with pytest.raises(InvalidTransfer, match="not an integer"):
+        validate_block_ids([1.5], 8, "src")
+    with pytest.raises(InvalidTransfer):
+        validate_layers([0, 4], 4)
+    with pytest.raises(InvalidTransfer, match="duplicate layers"):
+        validate_layers([1, 1], 4)
+    assert validate_layers(None, 3) == (0, 1, 2)
+
+
+def test_pair_runs_coalesce_only_when_both_sides_advance():
+    assert pair_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
+    assert pair_runs([1, 2], [5, 3]) == [(1, 5, 1), (2, 3, 1)]
+    assert pair_runs([], []) == []
+    with pytest.raises(InvalidTransfer):
+        pair_runs([1], [1, 2])
+
+
+def test_merge_regions_joins_runs_contiguous_on_both_sides():
+    assert merge_regions([(0, 100, 10), (10, 110, 5), (15, 200, 5)]) == [(0, 100, 15), (15, 200, 5)]
+
+
+def test_plan_segments_bounds_frames_and_covers_every_block_once():
+    runs = [(0, 10, 5), (7, 3, 2)]
+    frames = plan_segments([0, 1], runs, block_bytes=100, max_frame_bytes=300)
+    assert all(sum(seg[3] for seg in f) <= 3 for f in frames)
+    covered = [(layer, d + i) for f in frames for layer, _s, d, n in f for i in range(n)]
+    assert sorted(covered) == sorted((layer, d + i) for layer in (0, 1) for _s, d, n in runs for i in range(n))
+
+
+def test_framing_roundtrip_and_rejections():
+    frame = encode(Msg.BEGIN, {"rid": "r", "dst": [1, 2]})
+    msg, flags, meta_len, payload_len = decode_header(frame[:HEADER.size])
+    assert (msg, flags, payload_len) == (Msg.BEGIN, 0, 0)
+    assert decode_meta(frame[HEADER.size:HEADER.size + meta_len]) == {"rid": "r", "dst": [1, 2]}
+    with pytest.raises(ProtocolError, match="magic"):
+        decode_header(HEADER.pack(b"XXXX", 1, 5, 0, 2, 0))
+    with pytest.raises(ProtocolError, match="version"):
+        decode_header(HEADER.pack(MAGIC, 99, 5, 0, 2, 0))
+    with pytest.raises(ProtocolError, match="carry no payload|payload"):
+        decode_header(HEADER.pack(MAGIC, 1, int(Msg.BEGIN), 0, 2, 10))
+    with pytest.raises(ProtocolError, match="unknown frame type"):
+        decode_header(HEADER.pack(MAGIC, 1, 200, 0, 2, 0))
+    with pytest.raises(ProtocolError, match="JSON object"):
+        decode_meta(b"[1, 2]")
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="kind"):
+        TransportConfig(kind="rdma")
+    with pytest.raises(ValueError, match="advertise_host"):
+        TransportConfig(listen_host="0.0.0.0")
+    with pytest.raises(ValueError, match="max_frame_bytes"):
+        TransportConfig(max_frame_bytes=10)
+    assert TransportConfig(listen_host="0.0.0.0", advertise_host="10.0.0.2").host_for_endpoint == "10.0.0.2"
