@@ -41,6 +41,18 @@ class RouterMetrics:
         self.discovery_errors = Counter("pdserve_router_discovery_errors", "Discovery list/watch errors",
                                         ["source"], registry=r)
 
+        # Label children resolved once: ``labels()`` costs microseconds on the decision path.
+        self.predicted_prefill = self.predicted_cached_blocks.labels(pool="prefill")
+        self.predicted_decode = self.predicted_cached_blocks.labels(pool="decode")
+        self._placed: dict[tuple[str, str, str], object] = {}
+
+    def placed(self, policy: str, pool: str, worker: str):
+        key = (policy, pool, worker)
+        c = self._placed.get(key)
+        if c is None:
+            c = self._placed[key] = self.placements.labels(policy=policy, pool=pool, worker=worker)
+        return c
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

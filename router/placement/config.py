@@ -29,6 +29,8 @@ class PlacerConfig:
     min_bandwidth_sample_bytes: int = 64 * 1024  # smaller transfers are latency, not bandwidth
     # Router-side approximate prefix index: blocks remembered per worker (LRU beyond that).
     index_blocks_per_worker: int = 32_768
+    # Blocks beyond the matched prefix added to the index at placement time (the rest on the outcome).
+    optimistic_blocks: int = 32
     # Pair search considers the best top_k of each pool (pruning keeps 64-worker decisions cheap).
     top_k: int = 6
     unhealthy_cooldown_s: float = 5.0
@@ -42,8 +44,8 @@ class PlacerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.epsilon < 0 or self.session_epsilon < 0:
             raise ValueError("epsilon and session_epsilon must be >= 0")
-        if self.session_min_load < 0:
-            raise ValueError("session_min_load must be >= 0")
+        if self.session_min_load < 0 or self.optimistic_blocks < 0:
+            raise ValueError("session_min_load and optimistic_blocks must be >= 0")
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
         if self.session_ttl_s <= 0 or self.max_sessions <= 0:

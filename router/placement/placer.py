@@ -175,7 +175,7 @@ class Placer:
             epsilon=cfg.epsilon, prefill_tokens_per_s=cfg.prefill_tokens_per_s,
             queue_cost_s=cfg.queue_cost_s, kv_pressure_cost_s=cfg.kv_pressure_cost_s,
             bytes_per_block=self.links.bytes_per_block, default_bw=cfg.default_bandwidth_Bps,
-            bandwidth=self.links.bandwidth, top_k=cfg.top_k,
+            bandwidth_rows=self.links.rows, top_k=cfg.top_k,
             salt=req.block_hashes[0] & 0xFFFFFFFF if req.block_hashes else 0)
         p = self.view.workers[choice.prefill_id]
         d = self.view.workers[choice.decode_id]
@@ -208,14 +208,8 @@ class Placer:
         return True, ""
 
     def _candidates(self, pool: list[WorkerInfo], matches: dict[str, int]) -> list[Candidate]:
-        out = []
-        for w in pool:
-            rep = self.view.fresh_load(w.worker_id)
-            out.append(Candidate(worker_id=w.worker_id, load=self.view.load_of(w.worker_id),
-                                 cached_blocks=matches.get(w.worker_id, 0),
-                                 free_blocks=rep.free_blocks if rep and rep.total_blocks else -1,
-                                 total_blocks=rep.total_blocks if rep else 0))
-        return out
+        return [(wid, load, matches.get(wid, 0), free, total)
+                for wid, load, free, total in self.view.snapshot(pool)]
 
     def _bind(self, req: PlacementRequest, p: WorkerInfo, d: WorkerInfo) -> SessionBinding | None:
         if not (self.config.session_aware and req.session_id):
@@ -264,17 +258,22 @@ class Placer:
         self.view.add_inflight(d_id, 1)
         limit = self._limit(req)
         if self.config.policy in ("prefix", "session+prefix") and limit:
-            reusable = req.block_hashes[:limit]
-            self.index.add(p_id, reusable)
-            self.index.add(d_id, reusable)
+            # Optimistic: a follower sharing this prompt's prefix should see it before the outcome
+            # arrives. Only the next few blocks beyond what each side already holds, to bound the
+            # cost of a decision; on_result adds the rest.
+            hs, k = req.block_hashes, self.config.optimistic_blocks
+            start = pl.predicted_prefill_cached_blocks
+            self.index.add(p_id, hs[start:min(limit, start + k)])
+            start = pl.predicted_decode_cached_blocks
+            self.index.add(d_id, hs[start:min(limit, start + k)])
         if binding is not None and req.session_id:
             self.sessions.put(req.session_id, binding)
         m = self.metrics
-        m.placements.labels(policy=pl.policy, pool="prefill", worker=p_id).inc()
-        m.placements.labels(policy=pl.policy, pool="decode", worker=d_id).inc()
+        m.placed(pl.policy, "prefill", p_id).inc()
+        m.placed(pl.policy, "decode", d_id).inc()
         m.prompt_tokens.inc(req.prompt_len)
-        m.predicted_cached_blocks.labels(pool="prefill").inc(pl.predicted_prefill_cached_blocks)
-        m.predicted_cached_blocks.labels(pool="decode").inc(pl.predicted_decode_cached_blocks)
+        m.predicted_prefill.inc(pl.predicted_prefill_cached_blocks)
+        m.predicted_decode.inc(pl.predicted_decode_cached_blocks)
         if pl.session_hit:
             m.affinity_hits.inc()
         if pl.session_moved:

@@ -27,17 +27,12 @@ from __future__ import annotations
 import heapq
 import math
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Candidate:
-    worker_id: str
-    load: int
-    cached_blocks: int
-    free_blocks: int  # -1 = unknown
-    total_blocks: int  # 0 = unknown
+# A candidate is a plain tuple on the hot path (dataclass construction costs more than the scoring):
+# (worker_id, load, cached_blocks, free_blocks or -1 if unknown, total_blocks or 0 if unknown)
+Candidate = tuple[str, int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -53,13 +48,17 @@ class PairChoice:
 _TIE_CACHE: dict[str, int] = {}
 
 
-def tie_key(worker_id: str, salt: int) -> int:
+def _worker_hash(worker_id: str) -> int:
     h = _TIE_CACHE.get(worker_id)
     if h is None:
         h = zlib.crc32(worker_id.encode())
         if len(_TIE_CACHE) < 100_000:
             _TIE_CACHE[worker_id] = h
-    return ((h ^ salt) * 0x9E3779B1) & 0xFFFFFFFF  # multiplicative mix: salt permutes the order
+    return h
+
+
+def tie_key(worker_id: str, salt: int) -> int:
+    return ((_worker_hash(worker_id) ^ salt) * 0x9E3779B1) & 0xFFFFFFFF  # the salt permutes the order
 
 
 def load_cap(loads: Sequence[int], epsilon: float) -> int:
@@ -69,8 +68,8 @@ def load_cap(loads: Sequence[int], epsilon: float) -> int:
 
 
 def eligible(cands: list[Candidate], epsilon: float) -> tuple[list[Candidate], bool]:
-    cap = load_cap([c.load for c in cands], epsilon)
-    ok = [c for c in cands if c.load + 1 <= cap]
+    cap = load_cap([c[1] for c in cands], epsilon)
+    ok = [c for c in cands if c[1] + 1 <= cap]
     if ok:
         return ok, False
     return cands, True
@@ -89,50 +88,63 @@ def choose_pair(
     kv_pressure_cost_s: float,
     bytes_per_block: float,
     default_bw: float,
-    bandwidth: Callable[[str, str], float],
+    bandwidth_rows: dict[str, dict[str, float]],
     top_k: int,
     salt: int,
 ) -> PairChoice:
+    """Best pair; ``bandwidth_rows[prefill_id][decode_id]`` = measured link bandwidth (else default)."""
     ps, p_lifted = eligible(prefill, epsilon)
     ds, d_lifted = eligible(decode, epsilon)
-    roomy = [c for c in ds if c.free_blocks < 0 or c.free_blocks >= n_blocks - c.cached_blocks]
+    roomy = [c for c in ds if c[3] < 0 or c[3] >= n_blocks - c[2]]
     if roomy:
         ds = roomy
+    ties = _TIE_CACHE
+    mix = 0x9E3779B1
 
-    def p_cost(c: Candidate) -> float:
-        uncached = max(0, prompt_len - c.cached_blocks * block_size)
-        return uncached / prefill_tokens_per_s + queue_cost_s * c.load
-
-    def d_cost(c: Candidate) -> float:
-        used = 0.0
-        if c.total_blocks > 0 and c.free_blocks >= 0:
-            used = 1.0 - c.free_blocks / c.total_blocks
-        return queue_cost_s * c.load + kv_pressure_cost_s * used * used
-
-    pk = [(p_cost(c), tie_key(c.worker_id, salt), c) for c in ps]
+    pk = []
+    for c in ps:
+        uncached = prompt_len - c[2] * block_size
+        h = ties.get(c[0])
+        if h is None:
+            h = _worker_hash(c[0])
+        pk.append(((uncached if uncached > 0 else 0) / prefill_tokens_per_s + queue_cost_s * c[1],
+                   ((h ^ salt) * mix) & 0xFFFFFFFF, c))
     dk = []
     for c in ds:
-        miss_bytes = max(0, n_blocks - c.cached_blocks) * bytes_per_block
-        dk.append((d_cost(c) + miss_bytes / default_bw, tie_key(c.worker_id, salt), c, miss_bytes))
+        used = 1.0 - c[3] / c[4] if c[4] > 0 and c[3] >= 0 else 0.0
+        own = queue_cost_s * c[1] + kv_pressure_cost_s * used * used
+        miss = n_blocks - c[2]
+        miss_bytes = miss * bytes_per_block if miss > 0 else 0.0
+        h = ties.get(c[0])
+        if h is None:
+            h = _worker_hash(c[0])
+        dk.append((own + miss_bytes / default_bw, ((h ^ salt) * mix) & 0xFFFFFFFF, c, own, miss_bytes))
+    if not any(p[2][0] in bandwidth_rows for p in pk):
+        # No measured link from any candidate: the cost separates, each pool's best is the answer.
+        pc, _, p = min(pk)
+        dc, _, d, _, _ = min(dk)
+        return PairChoice(prefill_id=p[0], decode_id=d[0], cost=pc + dc, prefill_cached=p[2],
+                          decode_cached=d[2], bounded=p_lifted or d_lifted)
     if len(pk) > top_k:
-        pk = heapq.nsmallest(top_k, pk, key=lambda t: (t[0], t[1]))
+        pk = heapq.nsmallest(top_k, pk)
     if len(dk) > top_k:
-        dk = heapq.nsmallest(top_k, dk, key=lambda t: (t[0], t[1]))
-
-    best: tuple | None = None
+        dk = heapq.nsmallest(top_k, dk)
+    best = None
+    best_key = None
     for pc, pt, p in pk:
-        for dcost_default, dt, d, miss_bytes in dk:
-            dc = dcost_default - miss_bytes / default_bw
-            bw = bandwidth(p.worker_id, d.worker_id)
-            total = pc + dc + (miss_bytes / bw if miss_bytes else 0.0)
+        row = bandwidth_rows.get(p[0], _EMPTY)
+        for _, dt, d, own, miss_bytes in dk:
+            total = pc + own + (miss_bytes / row.get(d[0], default_bw) if miss_bytes else 0.0)
             key = (total, pt, dt)
-            if best is None or key < best[0]:
-                best = (key, p, d)
-    assert best is not None  # callers never pass empty pools
-    (total, _, _), p, d = best
-    return PairChoice(prefill_id=p.worker_id, decode_id=d.worker_id, cost=total,
-                      prefill_cached=p.cached_blocks, decode_cached=d.cached_blocks,
-                      bounded=p_lifted or d_lifted)
+            if best_key is None or key < best_key:
+                best_key, best = key, (p, d)
+    assert best is not None and best_key is not None  # callers never pass empty pools
+    p, d = best
+    return PairChoice(prefill_id=p[0], decode_id=d[0], cost=best_key[0], prefill_cached=p[2],
+                      decode_cached=d[2], bounded=p_lifted or d_lifted)
+
+
+_EMPTY: dict[str, float] = {}
 
 
 def overloaded(load: int, loads: Sequence[int], epsilon: float, min_load: int = 0) -> bool:

@@ -14,13 +14,14 @@ class LinkStats:
         self.alpha = alpha
         self.min_sample_bytes = min_sample_bytes
         self.bytes_per_block = float(bytes_per_block)
-        self._bw: dict[tuple[str, str], float] = {}
+        # rows[prefill_id][decode_id] = bytes/s; nested so scoring looks up a prefill's row once.
+        self.rows: dict[str, dict[str, float]] = {}
 
     def bandwidth(self, prefill_id: str, decode_id: str) -> float:
-        return self._bw.get((prefill_id, decode_id), self.default_Bps)
+        return self.rows.get(prefill_id, {}).get(decode_id, self.default_Bps)
 
     def measured(self, prefill_id: str, decode_id: str) -> bool:
-        return (prefill_id, decode_id) in self._bw
+        return decode_id in self.rows.get(prefill_id, {})
 
     def observe(self, prefill_id: str, decode_id: str, *, bytes_sent: int, seconds: float,
                 blocks_sent: int) -> None:
@@ -30,10 +31,11 @@ class LinkStats:
         if bytes_sent < self.min_sample_bytes or seconds <= 0:
             return
         sample = bytes_sent / seconds
-        key = (prefill_id, decode_id)
-        old = self._bw.get(key)
-        self._bw[key] = sample if old is None else old + self.alpha * (sample - old)
+        row = self.rows.setdefault(prefill_id, {})
+        old = row.get(decode_id)
+        row[decode_id] = sample if old is None else old + self.alpha * (sample - old)
 
     def forget(self, worker_id: str) -> None:
-        for key in [k for k in self._bw if worker_id in k]:
-            del self._bw[key]
+        self.rows.pop(worker_id, None)
+        for p in [p for p, row in self.rows.items() if row.pop(worker_id, None) is not None and not row]:
+            del self.rows[p]

@@ -38,6 +38,8 @@ class WorkerView:
         self.inflight: dict[str, int] = {}
         self._unhealthy_until: dict[str, float] = {}
         self.version = 0  # bumps on every membership change; pool caches key on it
+        self._pools: dict[str, list[WorkerInfo]] = {}
+        self._rep: dict[str, tuple[int, int, int, float]] = {}
 
     def update(self, workers: list[WorkerInfo]) -> ViewChange:
         new = {}
@@ -53,12 +55,15 @@ class WorkerView:
         for k in removed | reinc:
             self.loads.pop(k, None)
             self._load_at.pop(k, None)
+            self._rep.pop(k, None)
             self.inflight.pop(k, None)
             # A new incarnation is a fresh process: a failure of its predecessor says nothing about it.
             self._unhealthy_until.pop(k, None)
         if added or removed or reinc or new != old:
             self.version += 1
         self.workers = new
+        self._pools = {role: sorted((w for w in new.values() if w.role == role), key=lambda w: w.worker_id)
+                       for role in ("prefill", "decode")}
         return ViewChange(added=added, removed=removed, reincarnated=reinc)
 
     def set_load(self, worker_id: str, load: WorkerLoad) -> bool:
@@ -69,7 +74,11 @@ class WorkerView:
             return False
         age = (self._wall() - load.reported_at) if load.reported_at else 0.0
         self.loads[worker_id] = load
-        self._load_at[worker_id] = self._clock() - max(age, 0.0)
+        at = self._clock() - max(age, 0.0)
+        self._load_at[worker_id] = at
+        # What the hot path needs, in one tuple: (queue + running, free or -1, total, at).
+        self._rep[worker_id] = (load.queue_depth + load.num_running,
+                                load.free_blocks if load.total_blocks else -1, load.total_blocks, at)
         return True
 
     def fresh_load(self, worker_id: str) -> WorkerLoad | None:
@@ -104,9 +113,25 @@ class WorkerView:
 
     def pool(self, role: str, exclude: frozenset[str] | set[str] = frozenset()) -> list[WorkerInfo]:
         """Healthy, non-excluded workers of ``role`` in worker-id order (deterministic across replicas)."""
-        return sorted((w for w in self.workers.values()
-                       if w.role == role and w.worker_id not in exclude and self.healthy(w.worker_id)),
-                      key=lambda w: w.worker_id)
+        base = self._pools.get(role, [])
+        if not exclude and not self._unhealthy_until:
+            return base  # the common case costs nothing; callers never mutate it
+        return [w for w in base if w.worker_id not in exclude and self.healthy(w.worker_id)]
+
+    def snapshot(self, pool: list[WorkerInfo]) -> list[tuple[str, int, int, int]]:
+        """(worker_id, load, free_blocks or -1, total_blocks or 0) per worker, with one clock read."""
+        oldest = self._clock() - self.load_stale_s
+        reps, inflight = self._rep, self.inflight
+        out = []
+        for w in pool:
+            wid = w.worker_id
+            own = inflight.get(wid, 0)
+            rep = reps.get(wid)
+            if rep is None or rep[3] < oldest:
+                out.append((wid, own, -1, 0))
+            else:
+                out.append((wid, rep[0] if rep[0] > own else own, rep[1], rep[2]))
+        return out
 
     def current(self, worker_id: str, incarnation: str) -> WorkerInfo | None:
         """The worker if it is known, healthy and still under ``incarnation``."""
