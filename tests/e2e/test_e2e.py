@@ -1,0 +1,205 @@
+"""End-to-end: the same tests against every deployment lane (see conftest.py / e2e_targets.py).
+
+1. Greedy output through the disaggregated cluster is token-identical to the single engine.
+2. Every turn of a session lands on the same decode worker.
+3. Scaling the decode pool up and down while requests flow loses no request.
+4. Killing (up) / deleting (kind) a decode worker under load hangs no request and the service goes on.
+
+Tests run in file order on one deployment per lane; the kill test is last since it shrinks the pool.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from e2e_targets import PDSERVE, run
+
+from pdserve.client import Client
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away, there lived a",
+    " ".join(str(i) for i in range(1, 60)),
+    "Hello",
+]
+MAX_TOKENS = 12
+REQUEST_TIMEOUT = 90.0  # a request still running after this is a hang
+OK_FINISH = {"length", "stop"}
+# What an in-flight request may end with when its decode worker dies: a clear status, never a hang.
+WORKER_LOSS_CODES = {"UNAVAILABLE", "ABORTED"}
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    """Greedy single-engine answers: `pdserve generate --json` on the same checkpoint."""
+
+    @functools.cache
+    def answer(prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[int, ...]:
+        out = run([*PDSERVE, "generate", "--model", str(tiny_model), "--prompt", prompt,
+                   "--max-tokens", str(max_tokens), "--json"], timeout=300).stdout
+        data = json.loads(out.strip().splitlines()[-1])
+        if isinstance(data, list):
+            data = data[0]
+        data = data.get("outputs", [data])[0] if "token_ids" not in data else data
+        return tuple(data["token_ids"])
+
+    return answer
+
+
+def generate(router: str, prompt: str, *, max_tokens: int = MAX_TOKENS, session: str = "",
+             ignore_eos: bool = False):
+    with Client(router) as c:
+        return c.generate(prompt=prompt, max_tokens=max_tokens, session_id=session, temperature=0.0,
+                          ignore_eos=ignore_eos, timeout=REQUEST_TIMEOUT)
+
+
+def decode_workers(router: str) -> list[dict]:
+    with Client(router, timeout=10) as c:
+        return [w for w in c.list_workers() if w.get("role") == "decode" and w.get("healthy", False)]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except grpc.RpcError as exc:  # the router itself must stay up, but tolerate a transient blip
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+class Load:
+    """Closed-loop clients sending requests until stopped; every outcome is recorded."""
+
+    def __init__(self, router: str, *, clients: int = 3, max_tokens: int = 16,
+                 ignore_eos: bool = True) -> None:
+        self.router, self.max_tokens, self.ignore_eos = router, max_tokens, ignore_eos
+        self.results: list[tuple[float, object]] = []  # (end time, Result | grpc code name)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(clients)]
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _loop(self, i: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            prompt = f"Client {i} request {n}: {PROMPTS[n % len(PROMPTS)]}"
+            try:
+                outcome: object = generate(self.router, prompt, max_tokens=self.max_tokens,
+                                           ignore_eos=self.ignore_eos)
+            except grpc.RpcError as exc:
+                outcome = exc.code().name
+            with self._lock:
+                self.results.append((time.monotonic(), outcome))
+
+    def done(self) -> int:
+        with self._lock:
+            return len(self.results)
+
+    def wait_done(self, n: int, timeout: float = REQUEST_TIMEOUT) -> None:
+        wait_until(lambda: self.done() >= n, timeout, f"{n} completed requests under load")
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=REQUEST_TIMEOUT + 10)
+        hung = [t.name for t in self._threads if t.is_alive()]
+        assert not hung, f"requests still hanging after {REQUEST_TIMEOUT}s: {hung}"
+
+    def errors(self) -> list[str]:
+        return [o for _, o in self.results if isinstance(o, str)]
+
+    def ok(self) -> list:
+        return [o for _, o in self.results if not isinstance(o, str)]
+
+
+def test_greedy_output_matches_single_engine_reference(target, reference) -> None:
+    expected = {p: reference(p) for p in PROMPTS}
+    batch = PROMPTS * 2  # 8 concurrent requests of mixed lengths
+    with ThreadPoolExecutor(len(batch)) as pool:
+        results = list(pool.map(lambda p: generate(target.router, p), batch))
+    for prompt, r in zip(batch, results, strict=True):
+        assert tuple(r.token_ids) == expected[prompt], f"{target.name}: output differs for {prompt[:30]!r}"
+        assert r.finish_reason in OK_FINISH
+        assert r.final["prefill_worker"] and r.final["decode_worker"]
+        assert r.final["transport"] == target.transport
+    assert len({r.final["decode_worker"] for r in results}) >= 1
+
+
+def test_session_affinity_same_decode_worker_every_turn(target, reference) -> None:
+    session = f"e2e-{uuid.uuid4().hex[:8]}"
+    history = "System: you are a terse assistant."
+    placements, last = [], None
+    for turn in range(4):
+        prompt = f"{history}\nUser: turn {turn}, tell me more.\nAssistant:"
+        last = generate(target.router, prompt, max_tokens=8, session=session)
+        assert last.finish_reason in OK_FINISH
+        placements.append(last.final["decode_worker"])
+        assert not last.final.get("session_moved"), f"turn {turn} moved: {placements}"
+        history = prompt + last.text
+    assert len(set(placements)) == 1, f"{target.name}: session visited {placements}"
+    # KV reuse across turns must not change the answer: the last turn equals the single engine's.
+    assert tuple(last.token_ids) == reference(prompt, 8)
+
+
+def test_scale_decode_pool_while_requests_flow(target) -> None:
+    before = {w["worker_id"] for w in decode_workers(target.router)}
+    assert len(before) == 2, before
+    with Load(target.router) as load:
+        load.wait_done(3)
+        target.scale_decode(3)
+        grown = wait_until(lambda: len(decode_workers(target.router)) == 3 and decode_workers(target.router),
+                           180, "router to see 3 healthy decode workers")
+        mark = load.done()
+        load.wait_done(mark + 3)
+        target.scale_decode(2)
+        wait_until(lambda: len(decode_workers(target.router)) == 2, 180, "router to see 2 decode workers")
+        mark = load.done()
+        load.wait_done(mark + 3)
+    assert {w["worker_id"] for w in grown} > before
+    assert load.errors() == [], f"{target.name}: requests failed while scaling: {load.errors()}"
+    assert len(load.ok()) >= 9
+    assert all(r.finish_reason in OK_FINISH for r in load.ok())
+
+
+def test_losing_a_decode_worker_under_load(target) -> None:
+    workers = decode_workers(target.router)
+    assert len(workers) >= 2, workers
+    victim = workers[0]["worker_id"]
+    with Load(target.router, clients=4, max_tokens=48) as load:
+        load.wait_done(4)
+        target.kill_decode_worker(victim)
+        wait_until(lambda: victim not in {w["worker_id"] for w in decode_workers(target.router)}, 120,
+                   f"router to drop decode worker {victim}")
+        mark = load.done()
+        load.wait_done(mark + 4)
+    # No hang (Load.stop asserted every request returned); failures only with a worker-loss status.
+    unexpected = [e for e in load.errors() if e not in WORKER_LOSS_CODES]
+    assert unexpected == [], f"{target.name}: unexpected failures {unexpected}"
+    assert len(load.ok()) >= 4
+    # The service continues on the remaining workers.
+    after = [generate(target.router, p) for p in PROMPTS]
+    assert all(r.finish_reason in OK_FINISH for r in after)
+    assert victim not in {r.final["decode_worker"] for r in after}
