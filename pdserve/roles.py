@@ -43,11 +43,14 @@ def build_engine(settings: ServeSettings):
 
 
 async def run_role(settings: ServeSettings) -> None:
-    server = GrpcServer(host=settings.host, port=settings.port, service_full_names=SERVICE_NAMES[settings.role],
+    server = GrpcServer(host=settings.host, port=settings.port,
+                        service_full_names=SERVICE_NAMES[settings.role],
                         drain_timeout=settings.drain_timeout)
-    setup = {"prefill": _prefill, "decode": _decode, "router": _router, "colocated": _colocated}[settings.role]
+    setup = {"prefill": _prefill, "decode": _decode, "router": _router,
+             "colocated": _colocated}[settings.role]
     # Servicers must be registered before the server starts, so roles register first and load after.
     finish = await setup(settings, server)
+    server.install_signal_handlers()  # a SIGTERM during loading still drains instead of killing
     port = await server.start()
     settings = _with_port(settings, port)
     await finish(settings)
@@ -89,7 +92,8 @@ async def _prefill(settings: ServeSettings, server: GrpcServer):
     from prefill_service.worker import PrefillWorker
 
     holder = _Late()
-    prefill_pb2_grpc.add_PrefillServicer_to_server(_Delegate(holder, prefill_pb2_grpc.PrefillServicer), server.server)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(_Delegate(holder, prefill_pb2_grpc.PrefillServicer),
+                                                   server.server)
 
     async def finish(settings: ServeSettings) -> None:
         engine, aengine = await _load_engine(settings)
@@ -110,7 +114,8 @@ async def _decode(settings: ServeSettings, server: GrpcServer):
     from pdserve.v1 import decode_pb2_grpc
 
     holder = _Late()
-    decode_pb2_grpc.add_DecodeServicer_to_server(_Delegate(holder, decode_pb2_grpc.DecodeServicer), server.server)
+    decode_pb2_grpc.add_DecodeServicer_to_server(_Delegate(holder, decode_pb2_grpc.DecodeServicer),
+                                                 server.server)
 
     async def finish(settings: ServeSettings) -> None:
         engine, aengine = await _load_engine(settings)
@@ -132,7 +137,8 @@ async def _colocated(settings: ServeSettings, server: GrpcServer):
     from router.colocated import ColocatedServicer, ColocatedStats
 
     holder, stats_holder = _Late(), _Late()
-    router_pb2_grpc.add_RouterServicer_to_server(_Delegate(holder, router_pb2_grpc.RouterServicer), server.server)
+    router_pb2_grpc.add_RouterServicer_to_server(_Delegate(holder, router_pb2_grpc.RouterServicer),
+                                                 server.server)
     decode_pb2_grpc.add_DecodeServicer_to_server(_Delegate(stats_holder, decode_pb2_grpc.DecodeServicer),
                                                  server.server)
 
@@ -142,7 +148,8 @@ async def _colocated(settings: ServeSettings, server: GrpcServer):
         limits = ModelLimits(vocab_size=cfg.vocab_size, max_model_len=cfg.max_position_embeddings,
                              tokenizer=engine.tokenizer)
         holder.target = ColocatedServicer(engine=aengine, limits=limits, worker_id=settings.worker_id,
-                                          incarnation=uuid.uuid4().hex[:12], address=settings.advertise_address)
+                                          incarnation=uuid.uuid4().hex[:12],
+                                          address=settings.advertise_address)
         stats_holder.target = ColocatedStats(holder.target)
         server.on_stop(aengine.stop)
 
@@ -158,7 +165,8 @@ async def _router(settings: ServeSettings, server: GrpcServer):
     from router.service import RouterServicer
 
     holder = _Late()
-    router_pb2_grpc.add_RouterServicer_to_server(_Delegate(holder, router_pb2_grpc.RouterServicer), server.server)
+    router_pb2_grpc.add_RouterServicer_to_server(_Delegate(holder, router_pb2_grpc.RouterServicer),
+                                                 server.server)
 
     async def finish(settings: ServeSettings) -> None:
         if not settings.model:
@@ -168,16 +176,25 @@ async def _router(settings: ServeSettings, server: GrpcServer):
                                      block_size=settings.block_size))
         await placer.start()
         directory = WorkerDirectory(placer, interval=settings.stats_interval)
-        await directory.set_addresses("prefill", settings.prefill)
-        await directory.set_addresses("decode", settings.decode)
-        poller = asyncio.get_running_loop().create_task(directory.poll_forever())
+        tasks = [asyncio.get_running_loop().create_task(directory.poll_forever())]
+        if settings.discovery == "static":
+            await directory.set_addresses("prefill", settings.prefill)
+            await directory.set_addresses("decode", settings.decode)
+        elif settings.discovery == "file":
+            from router.file_discovery import watch_workers_file
+
+            tasks.append(asyncio.get_running_loop().create_task(
+                watch_workers_file(settings.workers_file, directory, settings.stats_interval)))
+        else:
+            raise SystemExit(f"--discovery {settings.discovery} is not wired into the router yet")
         pipeline = Pipeline(directory, placer, block_size=settings.block_size, lease_ms=settings.lease_ms)
         holder.target = RouterServicer(pipeline=pipeline, directory=directory, limits=limits)
 
         async def stop() -> None:
-            poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await poller
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await directory.close()
             await placer.close()
 

@@ -82,11 +82,14 @@ class GrpcServer:
     def request_stop(self) -> None:
         self._stopping.set()
 
-    async def serve_until_signal(self) -> None:
+    def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._stopping.set)
+
+    async def serve_until_signal(self) -> None:
+        self.install_signal_handlers()
         await self._stopping.wait()
         await self.shutdown()
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 
 ROLES = ("prefill", "decode", "router", "colocated")
 TRANSPORTS = ("auto", "nixl", "tcp")
-DISCOVERY = ("static", "redis", "k8s")
+DISCOVERY = ("static", "redis", "k8s", "file")
 POLICIES = ("round_robin", "least_loaded", "prefix", "session+prefix")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -70,6 +70,9 @@ class ServeSettings:
     decode_selector: str | None = None
     policy: str = "prefix"
     session_ttl: float = 600.0
+    # router, discovery "file": JSON {"prefill": [addr..], "decode": [addr..]}, re-read when it changes
+    # (the launcher's way of telling its router about `pdserve scale`)
+    workers_file: str | None = None
     # how long a decode reservation waits for its KV before it is released
     lease_ms: int = 30_000
     stats_interval: float = 0.5
@@ -105,6 +108,8 @@ class ServeSettings:
                                  "--decode ADDR[,..]")
             if self.discovery == "redis" and not self.redis:
                 raise ValueError("--discovery redis needs --redis URL")
+            if self.discovery == "file" and not self.workers_file:
+                raise ValueError("--discovery file needs --workers-file PATH")
         if not self.advertise_host:
             object.__setattr__(self, "advertise_host", default_advertise_host())
         if not self.worker_id:
@@ -186,5 +191,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--prefill-selector", help="router, k8s discovery: label selector of prefill pods")
     a("--decode-selector", help="router, k8s discovery: label selector of decode pods")
     a("--policy", choices=POLICIES, help="router placement policy (default prefix)")
+    a("--workers-file", help="router, discovery file: JSON {\"prefill\": [..], \"decode\": [..]}, watched")
     a("--session-ttl", type=float, help="router: seconds a session's affinity is kept (default 600)")
     a("--stats-interval", type=float, help="router: seconds between worker GetStats polls (default 0.5)")

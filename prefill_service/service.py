@@ -43,4 +43,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         w = self.worker
         return worker_stats(worker_id=w.worker_id, role="prefill", incarnation=w.incarnation,
                             engine=w.engine.engine, snapshot=w.engine.snapshot, transports=self.transports,
-                            kv_endpoint=b"", address=self.address)
+                            kv_endpoint=b"", address=self.address,
+                            num_running=max(w.engine.snapshot.num_running, len(w.in_flight)))

@@ -42,7 +42,8 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError:
         print("INVALID_ARGUMENT: --prompt-ids must be comma-separated integers", file=sys.stderr)
         return 1
-    req = build_request(prompt=args.prompt, prompt_ids=ids, max_tokens=args.max_tokens, session_id=args.session,
+    req = build_request(prompt=args.prompt, prompt_ids=ids, max_tokens=args.max_tokens,
+                        session_id=args.session,
                         request_id=args.request_id, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     col = _Collector()

@@ -68,9 +68,11 @@ def summarize(samples: Sequence[Sample], duration_s: float, *, ttft_slo_ms: floa
 
 def format_table(summary: dict, title: str = "") -> str:
     lines = [title] if title else []
-    lines.append(f"requests {summary['num_ok']}/{summary['num_requests']} ok in {summary['duration_s']:.2f}s   "
+    lines.append(f"requests {summary['num_ok']}/{summary['num_requests']} ok "
+                 f"in {summary['duration_s']:.2f}s   "
                  f"{summary['request_throughput']:.2f} req/s   "
-                 f"{summary['output_token_throughput']:.1f} out tok/s   goodput {summary['goodput']:.2f} req/s")
+                 f"{summary['output_token_throughput']:.1f} out tok/s   "
+                 f"goodput {summary['goodput']:.2f} req/s")
     lines.append(f"{'metric':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         m = summary[name]

@@ -35,7 +35,8 @@ def test_percentile_interpolates() -> None:
 def test_summarize_throughput_and_goodput() -> None:
     fast = Sample(ok=True, ttft_s=0.01, itl_s=[0.001] * 3, tpot_s=0.001, e2e_s=0.013, prompt_tokens=10,
                   output_tokens=4)
-    slow = Sample(ok=True, ttft_s=0.5, itl_s=[0.1] * 3, tpot_s=0.1, e2e_s=0.8, prompt_tokens=10, output_tokens=4)
+    slow = Sample(ok=True, ttft_s=0.5, itl_s=[0.1] * 3, tpot_s=0.1, e2e_s=0.8, prompt_tokens=10,
+                  output_tokens=4)
     err = Sample(ok=False, error="UNAVAILABLE")
     s = summarize([fast, slow, err], 2.0, ttft_slo_ms=100, tpot_slo_ms=50)
     assert s["num_ok"] == 2 and s["num_errors"] == 1 and s["errors"] == {"UNAVAILABLE": 1}

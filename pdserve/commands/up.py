@@ -1,0 +1,77 @@
+"""``pdserve up --model DIR --prefill N --decode M ...``: start a cluster and keep it running.
+
+Each pool runs as Ray actors (an embedded local Ray by default; ``--ray-address`` joins an existing
+cluster) supervising `pdserve serve` processes; ``--launcher process`` starts plain subprocesses
+instead (no Ray start-up cost; what `make run` uses). Prints ``router: HOST:PORT`` once every
+worker is healthy and the router sees them all, then runs until Ctrl-C / SIGTERM / `pdserve down`.
+State lives in ``--run-dir`` (default .run/cluster) for `pdserve down` and `pdserve scale`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+DEFAULT_RUN_DIR = ".run/cluster"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("up", help="start a prefill pool, a decode pool and a router")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
+    p.add_argument("--router-port", type=int, default=0, help="router port (default: a free one)")
+    p.add_argument("--policy", default="prefix", choices=["round_robin", "least_loaded", "prefix",
+                                                          "session+prefix"])
+    p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--launcher", default="ray", choices=["ray", "process"])
+    p.add_argument("--ray-num-cpus", type=int, default=2, help="CPUs of the embedded local Ray (default 2)")
+    p.add_argument("--num-blocks", type=int, help="KV blocks per worker")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--run-dir", default=DEFAULT_RUN_DIR)
+    p.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pdserve.launcher.backends import ProcessBackend, RayBackend
+    from pdserve.launcher.cluster import Cluster, ClusterSpec
+
+    worker_args = ["--device", args.device]
+    if args.num_blocks:
+        worker_args += ["--num-blocks", str(args.num_blocks)]
+    if args.max_num_seqs:
+        worker_args += ["--max-num-seqs", str(args.max_num_seqs)]
+    try:
+        spec = ClusterSpec(model=str(Path(args.model).resolve()), num_prefill=args.prefill,
+                           num_decode=args.decode, transport=args.transport, router_port=args.router_port,
+                           worker_args=tuple(worker_args), policy=args.policy,
+                           drain_timeout=args.drain_timeout)
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir).resolve()
+    if args.launcher == "ray":
+        backend = RayBackend(run_dir, address=args.ray_address, num_cpus=args.ray_num_cpus)
+    else:
+        backend = ProcessBackend(run_dir)
+    cluster = Cluster(spec=spec, backend=backend, run_dir=run_dir)
+    try:
+        address = cluster.up()
+        print(f"router: {address}", flush=True)
+        print(f"cluster up ({args.launcher}): {args.prefill} prefill, {args.decode} decode; "
+              f"`pdserve down --run-dir {args.run_dir}` stops it", flush=True)
+        cluster.serve()
+    except Exception as exc:
+        logging.getLogger(__name__).exception("cluster failed")
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.down()
+        print("cluster down", flush=True)
+    return 0

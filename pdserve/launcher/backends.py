@@ -1,0 +1,120 @@
+"""Where worker processes run: plain subprocesses on this host, or inside Ray actors.
+
+Both backends start a `pdserve serve` process through ``procs.spawn`` and return a ``WorkerHandle``
+with its role, worker id, address and a ``stop()`` that drains it (SIGTERM). The Ray backend wraps
+each serve process in a ``ServeActor`` (``num_cpus=0``: the actor only supervises; the process does
+the work), so pools can be placed on any node of a Ray cluster; the embedded local Ray is started
+with a small ``num_cpus`` so it fits a laptop or a 2-core CI box.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.launcher.procs import ServeProcess, spawn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerHandle:
+    role: str
+    worker_id: str
+    address: str
+    pid: int
+    backend: Any
+    ref: Any  # ServeProcess (process backend) or an actor handle (ray backend)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.backend.stop(self, timeout)
+
+    def alive(self) -> bool:
+        return self.backend.alive(self)
+
+
+class ProcessBackend:
+    name = "process"
+
+    def __init__(self, run_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.run_dir = run_dir
+        self.env = env or {}
+
+    def start(self, role: str, args: list[str], name: str) -> WorkerHandle:
+        p = spawn(role, args, self.run_dir / "logs" / f"{name}.log", env=self.env)
+        return WorkerHandle(role=role, worker_id=p.worker_id, address=p.address, pid=p.pid, backend=self,
+                            ref=p)
+
+    def stop(self, h: WorkerHandle, timeout: float) -> None:
+        h.ref.stop(timeout)
+
+    def alive(self, h: WorkerHandle) -> bool:
+        return h.ref.alive()
+
+    def close(self) -> None:
+        return None
+
+
+class RayBackend:
+    name = "ray"
+
+    def __init__(self, run_dir: Path, env: dict[str, str] | None = None, address: str | None = None,
+                 num_cpus: int = 2) -> None:
+        import ray
+
+        self.ray = ray
+        self.run_dir = run_dir
+        self.env = env or {}
+        if not ray.is_initialized():
+            if address:
+                ray.init(address=address, namespace="pdserve", log_to_driver=False)
+            else:
+                ray.init(num_cpus=num_cpus, include_dashboard=False, namespace="pdserve", log_to_driver=False)
+        self.address = ray.get_runtime_context().gcs_address
+        self._actor_cls = ray.remote(num_cpus=0)(ServeActor)
+
+    def start(self, role: str, args: list[str], name: str) -> WorkerHandle:
+        actor = self._actor_cls.options(name=f"pdserve-{name}", max_concurrency=4).remote()
+        info = self.ray.get(actor.start.remote(role, args, str(self.run_dir / "logs" / f"{name}.log"),
+                                               self.env))
+        return WorkerHandle(role=role, worker_id=info["worker_id"], address=info["address"], pid=info["pid"],
+                            backend=self, ref=actor)
+
+    def stop(self, h: WorkerHandle, timeout: float) -> None:
+        try:
+            self.ray.get(h.ref.stop.remote(timeout), timeout=timeout + 15)
+        except Exception:
+            log.warning("stopping %s through its actor failed; killing the actor", h.worker_id, exc_info=True)
+        self.ray.kill(h.ref)
+
+    def alive(self, h: WorkerHandle) -> bool:
+        try:
+            return bool(self.ray.get(h.ref.alive.remote(), timeout=10))
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+
+class ServeActor:
+    """A Ray actor supervising one `pdserve serve` process on its node."""
+
+    def __init__(self) -> None:
+        self.proc: ServeProcess | None = None
+
+    def start(self, role: str, args: list[str], log_path: str, env: dict[str, str]) -> dict:
+        import ray
+
+        # Bind everywhere, advertise the node's IP: pools may live on different Ray nodes.
+        self.proc = spawn(role, args, log_path, env=env, host="0.0.0.0",
+                          advertise_host=ray.util.get_node_ip_address())
+        return {"worker_id": self.proc.worker_id, "address": self.proc.address, "pid": self.proc.pid}
+
+    def stop(self, timeout: float) -> int:
+        return self.proc.stop(timeout) if self.proc else 0
+
+    def alive(self) -> bool:
+        return bool(self.proc and self.proc.alive())

@@ -1,0 +1,192 @@
+"""The cluster controller behind `pdserve up`: pools of workers, a router, a state directory.
+
+Lifecycle::
+
+    up()      start N prefill + M decode workers in parallel (Ray actors or processes); each is
+              healthy once it prints its ready line (model loaded, KV transport up, SERVING). Write
+              run_dir/workers.json, start the router with ``--discovery file`` on it, wait until the
+              router sees every worker healthy (ListWorkers), write run_dir/state.json.
+    serve()   loop until SIGTERM/SIGINT or `pdserve down`; apply scale requests that `pdserve scale`
+              drops into run_dir/scale-request.json.
+    scale()   grow: start workers, then add them to workers.json (the router picks them up);
+              shrink: drop them from workers.json first, wait until the router no longer lists them
+              and they are idle, then drain them (SIGTERM) — requests in flight are not cut.
+    down()    stop the router, then every worker (graceful drain), shut Ray down, remove state.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from pdserve.launcher.backends import WorkerHandle
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+from router.file_discovery import write_workers_file
+
+log = logging.getLogger(__name__)
+STATE_FILE = "state.json"
+WORKERS_FILE = "workers.json"
+SCALE_FILE = "scale-request.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    transport: str = "auto"
+    router_port: int = 0
+    worker_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    policy: str = "prefix"
+    drain_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("a cluster needs at least 1 prefill and 1 decode worker")
+        if self.transport not in ("auto", "nixl", "tcp"):
+            raise ValueError(f"--transport must be auto, nixl or tcp, got {self.transport!r}")
+
+
+@dataclass
+class Cluster:
+    spec: ClusterSpec
+    backend: object
+    run_dir: Path
+    workers: dict[str, list[WorkerHandle]] = field(default_factory=lambda: {"prefill": [], "decode": []})
+    router: WorkerHandle | None = None
+    _seq: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    # ---- bring-up -------------------------------------------------------------------------------
+    def up(self) -> str:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            futs = [pool.submit(self._start_worker, role)
+                    for role, n in (("prefill", self.spec.num_prefill), ("decode", self.spec.num_decode))
+                    for _ in range(n)]
+            for f in futs:
+                h = f.result()
+                self.workers[h.role].append(h)
+        self._write_members()
+        args = ["--discovery", "file", "--workers-file", str(self.run_dir / WORKERS_FILE), "--model",
+                self.spec.model, "--policy", self.spec.policy, "--port", str(self.spec.router_port),
+                "--drain-timeout", str(self.spec.drain_timeout), *self.spec.router_args]
+        self.router = self.backend.start("router", args, "router")
+        self.wait_router_sees(timeout=120)
+        self.write_state()
+        return self.router.address
+
+    def _start_worker(self, role: str) -> WorkerHandle:
+        self._seq += 1
+        name = f"{role}-{self._seq}"
+        args = ["--model", self.spec.model, "--transport", self.spec.transport, "--worker-id", name,
+                "--drain-timeout", str(self.spec.drain_timeout), *self.spec.worker_args]
+        return self.backend.start(role, args, name)
+
+    def _write_members(self) -> None:
+        write_workers_file(str(self.run_dir / WORKERS_FILE),
+                           {role: [h.address for h in hs] for role, hs in self.workers.items()})
+
+    def list_workers(self) -> list[router_pb2.WorkerEntry]:
+        assert self.router is not None
+        with grpc.insecure_channel(self.router.address) as ch:
+            resp = router_pb2_grpc.RouterStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5)
+        return list(resp.workers)
+
+    def wait_router_sees(self, timeout: float) -> None:
+        want = {h.address for hs in self.workers.values() for h in hs}
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                seen = {w.address for w in self.list_workers() if w.healthy}
+                if seen == want:
+                    return
+            except grpc.RpcError:
+                seen = set()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router sees {sorted(seen)}, expected {sorted(want)}")
+            time.sleep(0.2)
+
+    def write_state(self) -> None:
+        state = {"pid": os.getpid(), "backend": self.backend.name,
+                 "ray_address": getattr(self.backend, "address", None),
+                 "router": self.router.address if self.router else None,
+                 "workers": [{"role": h.role, "worker_id": h.worker_id, "address": h.address, "pid": h.pid}
+                             for hs in self.workers.values() for h in hs],
+                 "router_pid": self.router.pid if self.router else None, "updated": time.time()}
+        tmp = self.run_dir / f"{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(state, indent=2))
+        os.replace(tmp, self.run_dir / STATE_FILE)
+
+    # ---- scaling --------------------------------------------------------------------------------
+    def scale(self, role: str, n: int) -> None:
+        if role not in self.workers or n < 1:
+            raise ValueError(f"scale needs role prefill|decode and N >= 1, got {role} {n}")
+        current = self.workers[role]
+        if n > len(current):
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                new = list(pool.map(lambda _: self._start_worker(role), range(n - len(current))))
+            current.extend(new)
+            self._write_members()
+            self.wait_router_sees(timeout=60)
+        elif n < len(current):
+            gone = current[n:]
+            del current[n:]
+            self._write_members()
+            self.wait_router_sees(timeout=60)
+            for h in gone:
+                _wait_idle(h, timeout=self.spec.drain_timeout)
+                h.stop(self.spec.drain_timeout)
+        self.write_state()
+        log.info("scaled %s to %d", role, n)
+
+    # ---- run until stopped ----------------------------------------------------------------------
+    def serve(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+        req_path = self.run_dir / SCALE_FILE
+        while not self._stop.wait(0.3):
+            if req_path.exists():
+                try:
+                    req = json.loads(req_path.read_text())
+                    req_path.unlink()
+                    self.scale(req["role"], int(req["n"]))
+                    (self.run_dir / f"scale-done-{req.get('id', '')}").write_text("ok")
+                except Exception as exc:  # a bad request must not take the cluster down
+                    log.exception("scale request failed")
+                    (self.run_dir / f"scale-done-{req.get('id', '')}").write_text(f"error: {exc}")
+
+    def down(self) -> None:
+        if self.router is not None:
+            self.router.stop(10)
+        hs = [h for hs in self.workers.values() for h in hs]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(lambda h: h.stop(self.spec.drain_timeout), hs))
+        self.backend.close()
+        (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+
+
+def _wait_idle(h: WorkerHandle, timeout: float) -> None:
+    """Until a worker being removed has nothing running, queued or leased (or the timeout)."""
+    stub_cls = prefill_pb2_grpc.PrefillStub if h.role == "prefill" else decode_pb2_grpc.DecodeStub
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(h.address) as ch:
+        stub = stub_cls(ch)
+        while time.monotonic() < deadline:
+            try:
+                s = stub.GetStats(common_pb2.StatsRequest(), timeout=5)
+            except grpc.RpcError:
+                return
+            if s.num_running == 0 and s.queue_depth == 0 and s.num_leased == 0:
+                return
+            time.sleep(0.2)
