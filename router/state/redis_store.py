@@ -6,6 +6,7 @@ Keys (``ns`` defaults to ``pdserve``; see docs/router.md):
     {ns}:worker:{worker_id}    lease JSON (WorkerInfo) TTL = lease TTL, refreshed by heartbeat
     {ns}:workers               SET of worker ids       index for listing; pruned when a lease is gone
     {ns}:load:{worker_id}      load JSON               TTL = load TTL
+    {ns}:loads                 SET of worker ids       index of load reports; pruned likewise
 
 Availability: redis-py's own retries are switched off and every command has short socket
 timeouts, so a dead Redis costs one fast failure, never a stalled event loop. After a failure the
@@ -169,15 +170,22 @@ class RedisStore:
 
     # --- loads -------------------------------------------------------------------------------
     async def put_load(self, worker_id: str, load: WorkerLoad, ttl_s: float) -> None:
-        await self._call("put_load", self._r.set, self._k("load", worker_id), load_to_json(load),
-                         px=max(1, int(ttl_s * 1000)))
+        async def _do():
+            async with self._r.pipeline(transaction=True) as p:
+                p.set(self._k("load", worker_id), load_to_json(load), px=max(1, int(ttl_s * 1000)))
+                p.sadd(f"{self.ns}:loads", worker_id)
+                await p.execute()
+        await self._call("put_load", _do)
 
     async def get_loads(self) -> dict[str, WorkerLoad]:
-        ids = sorted(await self._call("get_loads", self._r.smembers, f"{self.ns}:workers"))
+        ids = sorted(await self._call("get_loads", self._r.smembers, f"{self.ns}:loads"))
         if not ids:
             return {}
         raws = await self._call("get_loads", self._r.mget, [self._k("load", i) for i in ids])
         out = {}
+        gone = [wid for wid, raw in zip(ids, raws, strict=True) if raw is None]
+        if gone:
+            await self._call("get_loads", self._r.srem, f"{self.ns}:loads", *gone)
         for wid, raw in zip(ids, raws, strict=True):
             if raw is not None:
                 try:

@@ -1,0 +1,35 @@
+"""Worker discovery: sources that yield the current ``list[WorkerInfo]`` to the Placer.
+
+Every source has ``async run(on_update)`` which calls ``on_update(workers)`` with the *whole*
+current list whenever it changes (and once at start), and keeps the last good list when its
+backend is unreachable. ``make_discovery`` builds one from the router's serve flags:
+``--discovery static|redis|k8s``.
+"""
+
+from __future__ import annotations
+
+from router.discovery.static import StaticDiscovery, parse_static
+
+__all__ = ["StaticDiscovery", "make_discovery", "parse_static"]
+
+
+def make_discovery(mode: str, *, prefill: str | list[str] = "", decode: str | list[str] = "",
+                   store=None, k8s_namespace: str = "default", prefill_selector: str = "",
+                   decode_selector: str = "", expected_layout_hash: str = "", k8s_api_client=None,
+                   k8s_port_name: str = ""):
+    """Discovery source for ``--discovery``; imports the backend lazily (kubernetes only for k8s)."""
+    if mode == "static":
+        return StaticDiscovery(prefill=prefill, decode=decode)
+    if mode == "redis":
+        from router.discovery.redis_leases import RedisLeaseDiscovery
+
+        if store is None or not getattr(store, "shared", False):
+            raise ValueError("--discovery redis needs --redis URL")
+        return RedisLeaseDiscovery(store, expected_layout_hash=expected_layout_hash)
+    if mode == "k8s":
+        from router.discovery.k8s import K8sDiscovery, K8sDiscoveryConfig
+
+        cfg = K8sDiscoveryConfig(namespace=k8s_namespace, prefill_selector=prefill_selector,
+                                 decode_selector=decode_selector, port_name=k8s_port_name)
+        return K8sDiscovery(cfg, api_client=k8s_api_client)
+    raise ValueError(f"unknown discovery mode {mode!r} (static, redis, k8s)")
