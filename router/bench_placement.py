@@ -18,7 +18,7 @@ import statistics
 import time
 
 from engine.prefix_hash import block_hashes
-from router.placement import Outcome, Placer, PlacerConfig, PlacementRequest, WorkerLoad
+from router.placement import Outcome, PlacementRequest, Placer, PlacerConfig, WorkerLoad
 from router.placement.fakes import workers
 
 BLOCK = 16
@@ -64,7 +64,8 @@ def bench(n_workers: int, policy: str, *, warm: int, measure: int, seed: int = 0
         t0 = time.perf_counter_ns()
         hs = block_hashes(prompt, BLOCK)
         hash_ns.append(time.perf_counter_ns() - t0)
-        hashed.append(PlacementRequest(request_id=rid, session_id=sid, block_hashes=hs, prompt_len=len(prompt)))
+        hashed.append(PlacementRequest(request_id=rid, session_id=sid, block_hashes=hs,
+                                       prompt_len=len(prompt)))
     place_ns = []
     inflight = []
     for i, req in enumerate(hashed):
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"host": platform.node(), "python": platform.python_version(), "results": rows}, f, indent=2)
+            json.dump({"host": platform.node(), "python": platform.python_version(), "results": rows},
+                      f, indent=2)
     return 0
 
 
