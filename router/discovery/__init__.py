@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from router.discovery.static import StaticDiscovery, parse_static
 
-__all__ = ["StaticDiscovery", "make_discovery", "parse_static"]
+__all__ = ["StaticDiscovery", "addresses_by_role", "make_discovery", "parse_static"]
+
+
+def addresses_by_role(workers) -> dict[str, list[str]]:
+    """``{"prefill": [addr..], "decode": [addr..]}`` for an address-keyed directory."""
+    out: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for w in workers:
+        out[w.role].append(w.address)
+    return out
 
 
 def make_discovery(mode: str, *, prefill: str | list[str] = "", decode: str | list[str] = "",

@@ -61,6 +61,8 @@ class Placer:
         self.config = cfg = config or PlacerConfig()
         self.store: StateStore = store if store is not None else InMemoryStore()
         self.metrics = metrics or RouterMetrics()
+        if hasattr(self.store, "_on_error") and self.store._on_error is None:
+            self.store._on_error = lambda op: self.metrics.redis_errors.labels(op=op).inc()
         self._wall = wall
         self.view = WorkerView(unhealthy_cooldown_s=cfg.unhealthy_cooldown_s, load_stale_s=cfg.load_stale_s,
                                clock=clock, wall=wall)

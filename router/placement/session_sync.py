@@ -32,15 +32,19 @@ class SessionSync:
         self._bg: set[asyncio.Task] = set()
         self._loads_out: dict[str, WorkerLoad] = {}
 
-    def _err(self, op: str) -> None:
+    def _err(self, op: str, exc: BaseException | None = None) -> None:
+        # A store with its own error hook (RedisStore wired by the Placer) counts its failures
+        # itself; here only what it cannot see: our timeouts, and stores without a hook.
+        if isinstance(exc, StoreUnavailable) and getattr(self._p.store, "_on_error", None) is not None:
+            return
         self._p.metrics.redis_errors.labels(op=op).inc()
 
     async def fetch(self, session_id: str) -> SessionBinding | None | bool:
         """The store's binding, None if it has none, False if the store could not answer."""
         try:
             b = await asyncio.wait_for(self._p.store.get_session(session_id), self._p.config.store_timeout_s)
-        except _STORE_ERRORS:
-            self._err("get_session")
+        except _STORE_ERRORS as e:
+            self._err("get_session", e)
             return False
         if b is not None and b.expires_at <= self._p.sessions._clock():
             return None
@@ -52,8 +56,8 @@ class SessionSync:
                 self._p.store.put_session(session_id, binding, self._p.config.session_ttl_s,
                                           only_if_absent=only_if_absent),
                 self._p.config.store_timeout_s)
-        except _STORE_ERRORS:
-            self._err("put_session")
+        except _STORE_ERRORS as e:
+            self._err("put_session", e)
             return None
 
     def refresh_later(self, session_id: str, binding: SessionBinding) -> None:
@@ -74,14 +78,14 @@ class SessionSync:
         for wid, load in out.items():
             try:
                 await asyncio.wait_for(self._p.store.put_load(wid, load, cfg.load_stale_s), 1.0)
-            except _STORE_ERRORS:
-                self._err("put_load")
+            except _STORE_ERRORS as e:
+                self._err("put_load", e)
                 # Keep the newest unsent report for the next round unless a newer one arrived.
                 self._loads_out.setdefault(wid, load)
         try:
             loads = await asyncio.wait_for(self._p.store.get_loads(), 1.0)
-        except _STORE_ERRORS:
-            self._err("get_loads")
+        except _STORE_ERRORS as e:
+            self._err("get_loads", e)
             return
         view = self._p.view
         for wid, load in loads.items():
