@@ -70,6 +70,7 @@ test: setup tools
 
 bench: setup
 	$(PY) -m engine.bench --json bench/results/engine-cpu.json
+	$(PY) -m router.bench_placement --json bench/results/router-placement.json
 
 kind-test: setup tools
 	deploy/kind/kind-test.sh
