@@ -1,0 +1,95 @@
+"""A whole cluster on this host as plain processes, for tests and benchmarks.
+
+    with LocalCluster(model_dir, prefill=1, decode=1, transport="tcp", run_dir=tmp) as c:
+        Client(c.router).generate(prompt="hi")
+        assert c.free_blocks() == start
+
+Wraps ``Cluster`` + ``ProcessBackend`` (the same code `pdserve up --launcher process` runs) and adds
+direct GetStats access to every worker for leak checks. ``colocated(...)`` starts one colocated
+server the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import grpc
+
+from pdserve.launcher.backends import ProcessBackend, WorkerHandle
+from pdserve.launcher.cluster import Cluster, ClusterSpec
+from pdserve.launcher.procs import ServeProcess, spawn
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+QUIET_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def get_stats(address: str, role: str, timeout: float = 10.0) -> common_pb2.WorkerStats:
+    with grpc.insecure_channel(address) as ch:
+        stub = prefill_pb2_grpc.PrefillStub(ch) if role == "prefill" else decode_pb2_grpc.DecodeStub(ch)
+        return stub.GetStats(common_pb2.StatsRequest(), timeout=timeout)
+
+
+class LocalCluster:
+    def __init__(self, model: str | Path, *, prefill: int = 1, decode: int = 1, transport: str = "tcp",
+                 run_dir: str | Path, worker_args: tuple[str, ...] = ("--num-blocks", "256"),
+                 env: dict[str, str] | None = None, policy: str = "round_robin",
+                 drain_timeout: float = 10.0) -> None:
+        self.spec = ClusterSpec(model=str(model), num_prefill=prefill, num_decode=decode, transport=transport,
+                                worker_args=tuple(worker_args), policy=policy, drain_timeout=drain_timeout,
+                                router_args=("--stats-interval", "0.2"))
+        self.env = {**QUIET_ENV, **(env or {})}
+        self.cluster = Cluster(spec=self.spec, backend=ProcessBackend(Path(run_dir), self.env),
+                               run_dir=Path(run_dir))
+        self.router = ""
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.router = self.cluster.up()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.cluster.down()
+
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        return [h for hs in self.cluster.workers.values() for h in hs]
+
+    def stats(self) -> dict[str, common_pb2.WorkerStats]:
+        return {h.worker_id: get_stats(h.address, h.role) for h in self.workers if h.alive()}
+
+    def free_blocks(self) -> dict[str, int]:
+        return {wid: s.free_blocks for wid, s in self.stats().items()}
+
+    def wait_idle(self, expected_free: dict[str, int], timeout: float = 30.0) -> dict[str,
+                                                                                      common_pb2.WorkerStats]:
+        """Poll until every worker is back to ``expected_free`` with nothing running/leased; return stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            ok = all(stats[w].free_blocks == n and stats[w].num_running == 0 and stats[w].num_leased == 0
+                     and stats[w].queue_depth == 0 for w, n in expected_free.items() if w in stats)
+            if ok or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.2)
+
+    def kill(self, worker: WorkerHandle) -> None:
+        """SIGKILL a worker (no drain): simulates a crashed process."""
+        worker.ref.kill()
+
+
+def colocated(model: str | Path, *, log_path: str | Path, args: tuple[str, ...] = ("--num-blocks", "256"),
+              env: dict[str, str] | None = None) -> ServeProcess:
+    return spawn("colocated", ["--model", str(model), *args], log_path, env={**QUIET_ENV, **(env or {})})
+
+
+def ucx_tcp_env() -> dict[str, str]:
+    """NIXL over UCX restricted to TCP: simulated RDMA on a machine without an RDMA NIC."""
+    return {"UCX_TLS": os.environ.get("PDSERVE_TEST_UCX_TLS", "tcp")}

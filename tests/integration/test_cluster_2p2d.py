@@ -1,0 +1,90 @@
+"""Two prefill + two decode workers, KV over NIXL (UCX restricted to TCP: simulated RDMA).
+
+Greedy output through the cluster equals the in-process engine for concurrent requests spread
+over both pools; then a decode worker is SIGKILLed while it serves a request: that request ends
+with UNAVAILABLE (no hang) and the cluster keeps serving on the remaining workers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from test_cluster_1p1d import MAX_TOKENS, prompts, reference, run_concurrently
+
+from pdserve.client import Client
+from pdserve.launcher.local import LocalCluster, get_stats, ucx_tcp_env
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(make_checkpoint, tmp_path_factory):
+    model = make_checkpoint("llama")
+    with LocalCluster(model, prefill=2, decode=2, transport="nixl", env=ucx_tcp_env(),
+                      run_dir=tmp_path_factory.mktemp("c2p2d")) as c:
+        c.model = model
+        c.start_free = c.free_blocks()
+        yield c
+
+
+def test_greedy_matches_engine_over_nixl(cluster) -> None:
+    ps = prompts() * 2
+    mt = MAX_TOKENS * 2
+    want = reference(cluster.model, ps, mt)
+    got = run_concurrently(cluster.router, ps, mt)
+    assert [r.token_ids for r in got] == want
+    assert {r.final["transport"] for r in got} == {"nixl"}
+    # round robin spreads the 12 requests over both workers of each pool
+    assert len({r.final["prefill_worker"] for r in got}) == 2
+    assert len({r.final["decode_worker"] for r in got}) == 2
+    stats = cluster.wait_idle(cluster.start_free)
+    assert {w: s.free_blocks for w, s in stats.items()} == cluster.start_free
+
+
+def test_killed_decode_worker_fails_its_request_and_cluster_keeps_serving(cluster) -> None:
+    outcome: dict = {}
+    started = threading.Event()
+
+    def long_request() -> None:
+        try:
+            with Client(cluster.router, timeout=120) as c:
+                for msg in c.stream(prompt_ids=prompts()[4], max_tokens=1500, ignore_eos=True):
+                    if msg.token_ids and "decode" not in outcome:
+                        outcome["first"] = True
+                        started.set()
+                outcome["finished"] = True
+        except grpc.RpcError as exc:
+            outcome["code"] = exc.code()
+            started.set()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    assert started.wait(60)
+    # find the decode worker that holds it and kill it without a drain
+    victim = None
+    deadline = time.monotonic() + 30
+    while victim is None and time.monotonic() < deadline:
+        for h in cluster.workers:
+            if h.role == "decode" and h.alive():
+                s = get_stats(h.address, "decode")
+                if s.num_running + s.num_leased > 0:
+                    victim = h
+        time.sleep(0.05)
+    assert victim is not None, "no decode worker holds the request"
+    cluster.kill(victim)
+    t.join(60)
+    assert not t.is_alive(), "the request hung after its decode worker died"
+    assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE, outcome
+    # new requests are served by the surviving decode worker
+    survivors = [h for h in cluster.workers if h.role == "decode" and h.alive()]
+    assert len(survivors) == 1
+    with Client(cluster.router, timeout=60) as c:
+        for p in prompts()[:4]:
+            r = c.generate(prompt_ids=p, max_tokens=3)
+            assert len(r.token_ids) == 3 and r.final["decode_worker"] == survivors[0].worker_id
+    start = {w: n for w, n in cluster.start_free.items() if w != victim.worker_id}
+    stats = cluster.wait_idle(start)
+    assert {w: s.free_blocks for w, s in stats.items()} == start
