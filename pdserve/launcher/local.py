@@ -68,8 +68,8 @@ class LocalCluster:
     def free_blocks(self) -> dict[str, int]:
         return {wid: s.free_blocks for wid, s in self.stats().items()}
 
-    def wait_idle(self, expected_free: dict[str, int], timeout: float = 30.0) -> dict[str,
-                                                                                      common_pb2.WorkerStats]:
+    def wait_idle(self, expected_free: dict[str, int],
+                  timeout: float = 30.0) -> dict[str, common_pb2.WorkerStats]:
         """Poll until every worker is back to ``expected_free`` with nothing running/leased; return stats."""
         deadline = time.monotonic() + timeout
         while True:

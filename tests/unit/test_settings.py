@@ -1,0 +1,45 @@
+"""Serve settings: flag > PDSERVE_* env > default, validation messages."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pdserve.settings import ServeSettings, add_serve_arguments
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> ServeSettings:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return ServeSettings.from_args(parser.parse_args(argv), env=env or {})
+
+
+def test_defaults_env_and_flag_precedence() -> None:
+    s = parse(["--role", "decode"], {"PDSERVE_MODEL": "/m", "PDSERVE_PORT": "6000",
+                                     "PDSERVE_KV_PORT": "7000"})
+    assert (s.model, s.port, s.kv_port, s.block_size, s.transport) == ("/m", 6000, 7000, 16, "auto")
+    assert s.worker_id.startswith("decode-") and s.advertise_host
+    s = parse(["--role", "decode", "--model", "/flag", "--port", "1"], {"PDSERVE_MODEL": "/env"})
+    assert s.model == "/flag" and s.port == 1
+    r = parse([], {"PDSERVE_ROLE": "router", "PDSERVE_PREFILL": "a:1, b:2", "PDSERVE_DECODE": "c:3",
+                   "PDSERVE_POLICY": "least_loaded", "PDSERVE_DRAIN_TIMEOUT": "2.5"})
+    assert r.prefill == ("a:1", "b:2") and r.decode == ("c:3",)
+    assert r.policy == "least_loaded" and r.drain_timeout == 2.5
+
+
+@pytest.mark.parametrize("argv,env,needle", [
+    ([], {}, "--role"),
+    (["--role", "prefill"], {}, "--model"),
+    (["--role", "router"], {}, "--prefill"),
+    (["--role", "router", "--discovery", "redis"], {}, "--redis"),
+    (["--role", "router", "--discovery", "file"], {}, "--workers-file"),
+    (["--role", "decode", "--model", "m", "--num-blocks", "0"], {}, "--num-blocks"),
+    (["--role", "decode", "--model", "m", "--num-blocks", "4", "--kv-memory-gb", "1"], {}, "not both"),
+    (["--role", "decode", "--model", "m"], {"PDSERVE_PORT": "abc"}, "not a number"),
+    (["--role", "decode", "--model", "m"], {"PDSERVE_TRANSPORT": "rdma"}, "--transport"),
+    (["--role", "decode", "--model", "m", "--port", "70000"], {}, "--port"),
+])
+def test_invalid_settings_name_the_problem(argv, env, needle) -> None:
+    with pytest.raises(ValueError, match=needle):
+        parse(argv, env)
