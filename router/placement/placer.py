@@ -233,13 +233,12 @@ class Placer:
     def _least_loaded(self, pool: list[WorkerInfo], role: str) -> WorkerInfo:
         n, start = len(pool), self._rr[role]
         self._rr[role] += 1
-
-        def key(i: int):
-            w = pool[i]
-            rep = self.view.fresh_load(w.worker_id)
-            free = rep.free_blocks / rep.total_blocks if rep and rep.total_blocks else 1.0
-            return (self.view.load_of(w.worker_id), -free, (i - start) % n)  # ties rotate
-        return pool[min(range(n), key=key)]
+        best, best_key = 0, None
+        for i, (_, load, free, total) in enumerate(self.view.snapshot(pool)):
+            key = (load, -(free / total) if total > 0 and free >= 0 else -1.0, (i - start) % n)  # ties rotate
+            if best_key is None or key < best_key:
+                best, best_key = i, key
+        return pool[best]
 
     def _placement(self, req, p, d, reason, matches, *, session_hit=False, moved_from=None,
                    move_reason="", score=0.0) -> Placement:

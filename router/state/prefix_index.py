@@ -36,10 +36,12 @@ class PrefixIndex:
         lru = self._lru.get(worker_id)
         return len(lru) if lru else 0
 
-    def add(self, worker_id: str, hashes: Iterable[int]) -> None:
+    def add(self, worker_id: str, hashes: Sequence[int]) -> None:
+        """Insert/refresh ``hashes`` (a prefix chain, first block first). They are stamped last to
+        first, so the LRU evicts a chain's tail before its head and what stays is still a prefix."""
         lru = self._lru.setdefault(worker_id, OrderedDict())
         holders = self._holders
-        for h in hashes:
+        for h in reversed(hashes):
             if h in lru:
                 lru.move_to_end(h)
                 continue
@@ -103,6 +105,6 @@ class PrefixIndex:
         """Mark blocks recently used (a hit keeps them from LRU eviction on the router's side too)."""
         lru = self._lru.get(worker_id)
         if lru:
-            for h in hashes:
+            for h in reversed(hashes):
                 if h in lru:
                     lru.move_to_end(h)

@@ -153,3 +153,13 @@ def test_wire_json_roundtrip_and_make_store():
     r = make_store("redis://127.0.0.1:1/0")
     assert r.shared and r.ns == "pdserve"
     asyncio.run(r.close())
+
+
+def test_prefix_index_evicts_a_chains_tail_before_its_head():
+    idx = PrefixIndex(capacity=6)
+    a = block_hashes(list(range(64)), 16)  # 4 blocks
+    b = block_hashes(list(range(500, 564)), 16)  # 4 blocks, pushes 2 of a's out
+    idx.add("w", a)
+    idx.add("w", b)
+    assert idx.match(a) == {"w": 2}  # a's head survives, so the match is still a usable prefix
+    assert idx.match(b) == {"w": 4}
