@@ -1,0 +1,98 @@
+"""The colocated baseline behind the same Router API, the AsyncEngine driver, and `pdserve bench`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from test_cluster_1p1d import MAX_TOKENS, prompts, reference, run_concurrently
+
+from pdserve.client import Client
+from pdserve.launcher.local import colocated, get_stats
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(make_checkpoint, tmp_path_factory):
+    model = make_checkpoint("llama")
+    proc = colocated(model, log_path=tmp_path_factory.mktemp("coloc") / "colocated.log")
+    proc.model = model
+    proc.start_free = get_stats(proc.address, "decode").free_blocks
+    yield proc
+    assert proc.stop(30) == 0  # graceful drain exits 0
+    assert "draining" in open(proc.log_path).read()
+
+
+def test_colocated_greedy_matches_engine(server) -> None:
+    ps = prompts()
+    want = reference(server.model, ps, MAX_TOKENS)
+    got = run_concurrently(server.address, ps, MAX_TOKENS)
+    assert [r.token_ids for r in got] == want
+    assert {r.final["transport"] for r in got} == {"local"}
+    assert get_stats(server.address, "decode").free_blocks == server.start_free
+
+
+def test_colocated_validation_and_cancel(server) -> None:
+    with Client(server.address, timeout=30) as c:
+        with pytest.raises(grpc.RpcError) as info:
+            c.generate(prompt_ids=[1, 2], temperature=-0.5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        call = c.stream(prompt_ids=prompts()[5], max_tokens=1000, ignore_eos=True)
+        next(call)
+        call.cancel()
+    for _ in range(100):
+        s = get_stats(server.address, "decode")
+        if s.free_blocks == server.start_free and s.num_running == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert s.free_blocks == server.start_free and s.num_running == 0
+
+
+def test_bench_against_colocated(server, tmp_path, capsys) -> None:
+    from pdserve.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--router", server.address, "--rate", "50", "--num-requests", "6", "--input-len",
+                 "uniform:8:40", "--output-len", "4", "--ttft-slo-ms", "60000", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["num_ok"] == 6 and summary["goodput"] > 0
+    assert summary["output_token_throughput"] > 0 and summary["ttft_ms"]["p50"] > 0
+    assert "ttft_ms" in capsys.readouterr().out
+    assert main(["bench", "--router", server.address, "--sessions", "2", "--turns", "2", "--input-len", "10",
+                 "--output-len", "3", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["num_ok"] == 4
+
+
+def test_async_engine_stream_cancel_and_idle(make_checkpoint) -> None:
+    from engine.async_engine import AsyncEngine
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(make_checkpoint("llama")), num_blocks=64, device="cpu"))
+    start_free = engine.num_free_blocks
+    want = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=5))[0]
+
+    async def scenario() -> None:
+        ae = AsyncEngine(engine)
+        ae.start()
+        got = []
+        async for out in ae.generate("a", [5, 6, 7], SamplingParams(max_tokens=5)):
+            got.extend(out.new_token_ids)
+        assert got == want
+        # consumer goes away after one token: the request is aborted and its blocks come back
+        agen = ae.generate("b", [5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True))
+        await agen.__anext__()
+        await agen.aclose()
+        out, table = await ae.prefill("c", list(range(5, 40)), SamplingParams(max_tokens=4))
+        assert out.finish_reason == "prefilled" and len(table) == 3
+        await ae.release("c")
+        await asyncio.sleep(0.1)
+        assert ae.snapshot.num_streams == 0 and not engine.has_unfinished()
+        assert engine.num_free_blocks == start_free
+        await ae.stop()
+
+    asyncio.run(scenario())
+    assert engine.leak_report() is None
