@@ -24,8 +24,12 @@ def addresses_by_role(workers) -> dict[str, list[str]]:
 def make_discovery(mode: str, *, prefill: str | list[str] = "", decode: str | list[str] = "",
                    store=None, k8s_namespace: str = "default", prefill_selector: str = "",
                    decode_selector: str = "", expected_layout_hash: str = "", k8s_api_client=None,
-                   k8s_port_name: str = ""):
-    """Discovery source for ``--discovery``; imports the backend lazily (kubernetes only for k8s)."""
+                   k8s_port_name: str = "", kubeconfig: str = "", metrics=None):
+    """Discovery source for ``--discovery``; imports the backend lazily (kubernetes only for k8s).
+    ``metrics`` (RouterMetrics) counts list/watch failures in ``discovery_errors``."""
+    on_error = None
+    if metrics is not None:
+        on_error = lambda src: metrics.discovery_errors.labels(source=src).inc()
     if mode == "static":
         return StaticDiscovery(prefill=prefill, decode=decode)
     if mode == "redis":
@@ -33,11 +37,12 @@ def make_discovery(mode: str, *, prefill: str | list[str] = "", decode: str | li
 
         if store is None or not getattr(store, "shared", False):
             raise ValueError("--discovery redis needs --redis URL")
-        return RedisLeaseDiscovery(store, expected_layout_hash=expected_layout_hash)
+        return RedisLeaseDiscovery(store, expected_layout_hash=expected_layout_hash, on_error=on_error)
     if mode == "k8s":
         from router.discovery.k8s import K8sDiscovery, K8sDiscoveryConfig
 
         cfg = K8sDiscoveryConfig(namespace=k8s_namespace, prefill_selector=prefill_selector,
-                                 decode_selector=decode_selector, port_name=k8s_port_name)
-        return K8sDiscovery(cfg, api_client=k8s_api_client)
+                                 decode_selector=decode_selector, port_name=k8s_port_name,
+                                 kubeconfig=kubeconfig)
+        return K8sDiscovery(cfg, api_client=k8s_api_client, on_error=on_error)
     raise ValueError(f"unknown discovery mode {mode!r} (static, redis, k8s)")
