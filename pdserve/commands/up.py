@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 DEFAULT_RUN_DIR = ".run/cluster"
+_PASS_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "UCX_TLS", "CUDA_VISIBLE_DEVICES", "PDSERVE_LEASE_MS")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,10 +58,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir).resolve()
+    # Ray actors do not inherit the driver's environment: pass on what tunes the workers.
+    env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
     if args.launcher == "ray":
-        backend = RayBackend(run_dir, address=args.ray_address, num_cpus=args.ray_num_cpus)
+        backend = RayBackend(run_dir, env=env, address=args.ray_address, num_cpus=args.ray_num_cpus)
     else:
-        backend = ProcessBackend(run_dir)
+        backend = ProcessBackend(run_dir, env=env)
     cluster = Cluster(spec=spec, backend=backend, run_dir=run_dir)
     try:
         address = cluster.up()
