@@ -264,3 +264,19 @@ def test_worker_info_and_config_validation():
         WorkerLoad(free_blocks=5, total_blocks=4)
     with pytest.raises(ValueError):
         make().update_workers([WorkerInfo("w", "prefill", "a"), WorkerInfo("w", "decode", "b")])
+
+
+def test_metrics_exposed_in_prometheus_text():
+    pl = make("session+prefix")
+    r = request("a", toks(64), session_id="s")
+    p = pl.place(r)
+    pl.on_result(r, p, Outcome(success=True, prefill_cached_blocks=2, decode_cached_blocks=3, bytes_sent=4096,
+                               fallback="tcp"))
+    pl.place(request("b", toks(64), session_id="s"))
+    text = pl.metrics.render().decode()
+    assert 'pdserve_router_placements_total{policy="session+prefix",pool="decode"' in text
+    assert "pdserve_router_affinity_hits_total 1.0" in text
+    assert 'pdserve_router_cache_hit_tokens_total{pool="decode"} 48.0' in text
+    assert 'pdserve_router_fallbacks_total{kind="tcp"} 1.0' in text
+    assert "pdserve_router_kv_bytes_sent_total 4096.0" in text
+    assert 'pdserve_router_workers{pool="prefill"} 2.0' in text
