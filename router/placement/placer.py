@@ -184,9 +184,8 @@ class Placer:
         reason = f"score {choice.cost * 1000:.2f}ms" + (" (load bound lifted: pool saturated)"
                                                         if choice.bounded else "")
         if moved_from is not None:
+            # Even back onto the same ids (a restarted worker) this is a move: the KV it held is gone.
             reason = f"moved ({move_reason}); " + reason
-            if moved_from == (p.worker_id, d.worker_id):
-                moved_from = None  # same pair again (e.g. a re-incarnated worker): not a move
         placement = self._placement(req, p, d, reason, matches, moved_from=moved_from,
                                     move_reason=move_reason, score=choice.cost)
         return placement, self._bind(req, p, d) if cfg.session_aware and req.session_id else None

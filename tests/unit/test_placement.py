@@ -211,7 +211,7 @@ def test_restart_with_new_incarnation_fences_old_state():
     assert pl.index.blocks_of(d) == 0
     q = pl.place(request("b", toks(112), session_id="s"))
     assert q.decode.incarnation == "i2" or q.decode.worker_id != d
-    assert q.move_reason == "" or q.move_reason == f"{d} restarted"
+    assert q.session_moved and q.move_reason == f"{d} restarted" and q.moved_from[1] == d
     # Whatever the new pair is, it is bound under current incarnations only.
     b = pl.sessions.get("s")
     assert b is not None and pl.view.workers[b.decode_id].incarnation == b.decode_incarnation
