@@ -93,11 +93,11 @@ def test_chart_refuses_a_grace_period_shorter_than_the_drain() -> None:
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_rbac_is_read_only_pods_and_endpointslices_in_namespace(preset: str) -> None:
+def test_rbac_is_read_only_endpointslices_in_namespace(preset: str) -> None:
     docs = render(preset)
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
     (role,) = by_kind(docs, "Role")
-    allowed = {("discovery.k8s.io", "endpointslices"), ("", "pods")}
+    allowed = {("discovery.k8s.io", "endpointslices")}  # what router/discovery/k8s.py lists/watches
     seen = set()
     for rule in role["rules"]:
         assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
@@ -308,20 +308,22 @@ def test_network_policies_open_only_the_request_flow() -> None:
     assert not by_kind(render("default"), "NetworkPolicy")
 
 
-def test_router_discovery_selectors_match_the_pool_pods() -> None:
+def test_router_discovery_selects_each_pools_endpointslices() -> None:
+    """The router lists/watches EndpointSlices by label; Kubernetes labels every slice of a Service with
+    kubernetes.io/service-name, so the selector must name exactly that pool's (headless) Service."""
     docs = render("default")
     env = env_of(container(docs, "router"))
     assert env["PDSERVE_DISCOVERY"] == "k8s"
     assert env["PDSERVE_K8S_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    services = {component(s): s for s in by_kind(docs, "Service")}
     for role in ("prefill", "decode"):
-        selector = dict(kv.split("=") for kv in env[f"PDSERVE_{role.upper()}_SELECTOR"].split(","))
-        pod_labels = deployment(docs, role)["spec"]["template"]["metadata"]["labels"]
-        assert selector.items() <= pod_labels.items()
-        (svc,) = [s for s in by_kind(docs, "Service") if component(s) == role]  # EndpointSlices copy these
-        assert selector.items() <= svc["metadata"]["labels"].items()
-        other = "decode" if role == "prefill" else "prefill"
-        other_labels = deployment(docs, other)["spec"]["template"]["metadata"]["labels"]
-        assert not selector.items() <= other_labels.items()
+        svc = services[role]
+        selector = env[f"PDSERVE_{role.upper()}_SELECTOR"]
+        assert selector == f"kubernetes.io/service-name={svc['metadata']['name']}"
+        assert svc["spec"]["selector"].items() <= (
+            deployment(docs, role)["spec"]["template"]["metadata"]["labels"].items())
+        # the gRPC port comes first: discovery uses the slice's first port unless told a port name
+        assert svc["spec"]["ports"][0]["name"] == "grpc"
 
 
 @pytest.mark.parametrize("preset", PRESETS)

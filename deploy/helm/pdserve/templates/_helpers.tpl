@@ -33,9 +33,10 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
-{{/* Comma-separated label selector string of one component (what the router's k8s discovery watches). */}}
+{{/* Label selector of one pool's EndpointSlices (what the router's k8s discovery lists/watches): the
+label Kubernetes itself puts on every EndpointSlice of the pool's headless Service. */}}
 {{- define "pdserve.selectorString" -}}
-{{- printf "app.kubernetes.io/name=%s,app.kubernetes.io/instance=%s,app.kubernetes.io/component=%s" (include "pdserve.name" .root) .root.Release.Name .component }}
+{{- printf "kubernetes.io/service-name=%s-%s" (include "pdserve.fullname" .root) .component }}
 {{- end }}
 
 {{/* Metadata labels of one component. */}}
