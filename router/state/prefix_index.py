@@ -19,12 +19,19 @@ from collections.abc import Iterable, Sequence
 
 
 class PrefixIndex:
+    """Holders of a block are a bitmask of worker slots (an int, not a set): matching is a few
+    integer ANDs per block, and millions of entries add no containers for the garbage collector
+    to walk (which would show up as latency spikes in routing decisions)."""
+
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
             raise ValueError("capacity must be positive")
         self.capacity = capacity
-        self._holders: dict[int, set[str]] = {}
+        self._holders: dict[int, int] = {}  # block hash -> bitmask of worker slots
         self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._slot: dict[str, int] = {}  # worker id -> bit position
+        self._by_slot: list[str | None] = []
+        self._free_slots: list[int] = []
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._lru.values())
@@ -36,20 +43,41 @@ class PrefixIndex:
         lru = self._lru.get(worker_id)
         return len(lru) if lru else 0
 
+    def _bit(self, worker_id: str) -> int:
+        slot = self._slot.get(worker_id)
+        if slot is None:
+            if self._free_slots:
+                slot = self._free_slots.pop()
+                self._by_slot[slot] = worker_id
+            else:
+                slot = len(self._by_slot)
+                self._by_slot.append(worker_id)
+            self._slot[worker_id] = slot
+        return 1 << slot
+
     def add(self, worker_id: str, hashes: Sequence[int]) -> None:
         """Insert/refresh ``hashes`` (a prefix chain, first block first). They are stamped last to
         first, so the LRU evicts a chain's tail before its head and what stays is still a prefix."""
-        lru = self._lru.setdefault(worker_id, OrderedDict())
+        lru = self._lru.get(worker_id)
+        if lru is None:
+            lru = self._lru[worker_id] = OrderedDict()
+        bit = self._bit(worker_id)
         holders = self._holders
         for h in reversed(hashes):
             if h in lru:
                 lru.move_to_end(h)
                 continue
             lru[h] = None
-            holders.setdefault(h, set()).add(worker_id)
-        while len(lru) > self.capacity:
-            old, _ = lru.popitem(last=False)
-            self._unhold(old, worker_id)
+            holders[h] = holders.get(h, 0) | bit
+        if len(lru) > self.capacity:
+            keep = ~bit
+            while len(lru) > self.capacity:
+                old, _ = lru.popitem(last=False)
+                m = holders.get(old, 0) & keep
+                if m:
+                    holders[old] = m
+                else:
+                    holders.pop(old, None)
 
     def remove(self, worker_id: str, hashes: Iterable[int]) -> None:
         lru = self._lru.get(worker_id)
@@ -65,40 +93,45 @@ class PrefixIndex:
         if lru:
             for h in lru:
                 self._unhold(h, worker_id)
+        slot = self._slot.pop(worker_id, None)
+        if slot is not None:
+            self._by_slot[slot] = None
+            self._free_slots.append(slot)
 
     def _unhold(self, h: int, worker_id: str) -> None:
-        s = self._holders.get(h)
-        if s is not None:
-            s.discard(worker_id)
-            if not s:
+        m = self._holders.get(h)
+        if m is not None:
+            m &= ~(1 << self._slot[worker_id])
+            if m:
+                self._holders[h] = m
+            else:
                 del self._holders[h]
+
+    def _emit(self, bits: int, n: int, out: dict[str, int]) -> None:
+        by_slot = self._by_slot
+        while bits:
+            low = bits & -bits
+            out[by_slot[low.bit_length() - 1]] = n
+            bits ^= low
 
     def match(self, hashes: Sequence[int], limit: int | None = None) -> dict[str, int]:
         """Leading blocks of ``hashes`` (at most ``limit``) each worker holds; absent = 0."""
         n = len(hashes) if limit is None else min(limit, len(hashes))
         if n == 0:
             return {}
-        holders = self._holders
-        first = holders.get(hashes[0])
-        if not first:
+        get = self._holders.get
+        alive = get(hashes[0], 0)
+        if not alive:
             return {}
-        alive = set(first)
         out: dict[str, int] = {}
         for i in range(1, n):
-            s = holders.get(hashes[i])
-            if s is None:
-                for w in alive:
-                    out[w] = i
-                return out
-            if not alive <= s:
-                gone = alive - s
-                for w in gone:
-                    out[w] = i
-                alive -= gone
-                if not alive:
+            nxt = alive & get(hashes[i], 0)
+            if nxt != alive:
+                self._emit(alive ^ nxt, i, out)
+                if not nxt:
                     return out
-        for w in alive:
-            out[w] = n
+                alive = nxt
+        self._emit(alive, n, out)
         return out
 
     def touch(self, worker_id: str, hashes: Sequence[int]) -> None:
