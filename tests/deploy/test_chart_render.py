@@ -9,6 +9,7 @@ After an intended chart change, regenerate them and review the diff:
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from pathlib import Path
 
@@ -22,6 +23,9 @@ PRESETS = sorted(VALUES)
 K8S_VERSIONS = ("1.27.0", kubernetes_validate.utils.latest_version())
 # Custom resources: no upstream schema; checked structurally below.
 CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+# kubernetes-validate re-reads and re-parses the multi-megabyte _definitions.json on every call; the
+# schema files are read-only data, so parse each once (keeps this module's runtime to a few seconds).
+kubernetes_validate.utils.schema_contents = functools.cache(kubernetes_validate.utils.schema_contents)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
