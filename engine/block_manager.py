@@ -1,0 +1,157 @@
+"""Paged KV block allocator: reference counts, chained prefix hashes, LRU reuse of cached blocks.
+
+Lifecycle of a block id::
+
+    free (no hash) ──allocate──▶ in use (ref ≥ 1) ──release, ref→0──▶ free (no hash)
+                                     │  ▲
+                             register│  │hit (ref 0→1)
+                                     ▼  │
+                          in use + hashed ──release, ref→0──▶ cached (hash kept, evictable, LRU)
+                                                                   │
+                                            allocate, nothing else free: evict ──▶ in use (no hash)
+
+* A block is *hashed* once it is full and its KV is computed; its hash is the chained prefix hash
+  of ``engine.prefix_hash``, so a hit on block ``i`` implies the whole prefix up to ``i`` matches.
+* A hashed block whose reference count drops to zero is not wiped: it waits in an LRU list and a
+  later request with the same prefix takes it back (``ref 0 → 1``) instead of recomputing it.
+  Fresh allocations prefer never-hashed blocks and only then evict the least recently used
+  cached one.
+* "Free" for admission purposes means ``ref == 0``: plain free blocks plus evictable cached ones.
+
+The manager knows nothing about sequences; ``engine.scheduler`` owns the per-request block tables.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from engine.errors import KVCacheFull
+
+
+class BlockManager:
+    """Owns the reference counts and the prefix-hash index of ``num_blocks`` KV blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._ref = [0] * num_blocks
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._block_of: dict[int, int] = {}  # prefix hash -> block id
+        # Popping from the end hands out low ids first (nice for debugging, no other meaning).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref-0 hashed blocks, LRU first
+        self.hits = 0  # blocks served from the prefix cache, for metrics
+        self.evictions = 0
+
+    # ---- queries ------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take right now (never-hashed free + evictable cached)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def block_hash(self, block_id: int) -> int | None:
+        return self._hash_of[block_id]
+
+    def match_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """Block ids of the longest run of leading ``hashes`` that are cached (does not take them)."""
+        out: list[int] = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    # ---- mutations ----------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks with ref 1 and no hash; raises ``KVCacheFull`` (taking none) if short."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > self.num_free_blocks:
+            raise KVCacheFull(f"need {n} KV blocks, only {self.num_free_blocks} of {self.num_blocks} free")
+        out: list[int] = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.pop()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                del self._block_of[self._hash_of[block]]
+                self._hash_of[block] = None
+                self.evictions += 1
+            self._ref[block] = 1
+            out.append(block)
+        return out
+
+    def acquire(self, blocks: Iterable[int]) -> None:
+        """Take one more reference on each block (a prefix hit, or a second owner of a block)."""
+        for block in blocks:
+            if self._ref[block] == 0:
+                if block not in self._evictable:
+                    raise ValueError(f"block {block} is free and not cached; it cannot be shared")
+                del self._evictable[block]
+                self.hits += 1
+            self._ref[block] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference on each block. Pass a block table in order: its *tail* blocks end up
+        evicted first, so the most shareable leading blocks of a prefix stay cached longest."""
+        for block in reversed(blocks):
+            ref = self._ref[block]
+            if ref <= 0:
+                raise ValueError(f"double free of KV block {block}")
+            self._ref[block] = ref - 1
+            if ref == 1:
+                if self._hash_of[block] is None:
+                    self._free.append(block)
+                else:
+                    self._evictable[block] = None
+
+    def register(self, block_id: int, block_hash: int) -> bool:
+        """Publish a full, computed, in-use block under its prefix hash.
+
+        Returns False (and leaves the block unhashed) when another block already holds that hash,
+        e.g. two identical prompts prefilled at the same time; the first one stays canonical.
+        """
+        if self._ref[block_id] <= 0:
+            raise ValueError(f"block {block_id} is not in use; only in-use blocks can be registered")
+        current = self._hash_of[block_id]
+        if current is not None:
+            return current == block_hash
+        if block_hash in self._block_of:
+            return False
+        self._hash_of[block_id] = block_hash
+        self._block_of[block_hash] = block_id
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every evictable cached block (e.g. after weights change); returns how many."""
+        n = len(self._evictable)
+        while self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._hash_of[block]]
+            self._hash_of[block] = None
+            self._free.append(block)
+        return n
+
+    # ---- checks -------------------------------------------------------------------------------
+    def leak_report(self) -> str | None:
+        """None when every block is free or evictable-cached with ref 0; otherwise what leaked."""
+        held = [b for b, r in enumerate(self._ref) if r != 0]
+        if held or self.num_free_blocks != self.num_blocks:
+            return (f"{len(held)} KV blocks still referenced (e.g. {held[:8]}); "
+                    f"{self.num_free_blocks}/{self.num_blocks} free")
+        return None

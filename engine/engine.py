@@ -1,0 +1,415 @@
+"""``LLMEngine``: requests in, tokens out, one ``step()`` (one forward pass) at a time.
+
+The engine is single-threaded; callers (``engine.async_engine``, the services, the CLI) add
+requests and call ``step()`` in a loop while ``has_unfinished()``. Each step the scheduler picks a
+batch (decodes, prompt chunks, admissions; see ``engine.scheduler``), the model runner computes it,
+and every request that got a token — or finished for another reason (stop, length, abort,
+rejection) — gets one ``StepOutput``.
+
+Disaggregation hooks (see docs/engine-contract.md): ``add_prefill_request`` runs a prompt and pins
+its KV for the caller ("prefilled"); ``reserve`` / ``commit_prefilled`` take blocks for a prompt
+whose KV another worker writes, then decode from the first token it sampled; ``release`` drops a
+pinned or reserved request at any stage. Finished requests' full blocks stay in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import ModelConfig
+from engine.errors import DuplicateRequest, KVCacheFull, QueueFull, RequestTooLong, UnknownRequest
+from engine.kv_layout import KVLayout, dtype_name
+from engine.model import CausalLM, build_model
+from engine.model_runner import ModelRunner, TokenLogprob
+from engine.sampler import make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How to run a model. ``model`` is a Hugging Face-style directory (or None with ``LLMEngine(model=)``).
+
+    KV cache size: ``num_blocks`` if given, else ``kv_cache_bytes``, else on CUDA
+    ``gpu_memory_utilization`` of the device minus what is in use after loading, else (CPU) enough for
+    ``max_num_seqs`` full-context sequences capped at 1 GiB.
+    """
+
+    model: str | None = None
+    dtype: str | None = None  # None: the checkpoint's
+    device: str = "auto"  # "auto": cuda when available
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_queue: int = 1024
+    attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    seed: int | None = None  # for requests without their own seed
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs})")
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefilled" | "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    # Finished requests with stop strings: the output text cut before the matched stop string.
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class Reservation:
+    block_ids: list[int]
+    num_cached_tokens: int  # leading prompt tokens whose KV is already in those blocks
+
+
+@dataclass
+class _Counters:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    finish_reasons: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, model: CausalLM | None = None, tokenizer=None) -> None:
+        self.config = config
+        self.device = _resolve_device(config.device)
+        if model is None:
+            if config.model is None:
+                raise ValueError("EngineConfig.model (a model directory) is required without model=")
+            model, tokenizer = _load(config, self.device)
+        else:
+            model = model.to(self.device, dtype=_dtype(config.dtype) or next(model.parameters()).dtype)
+        self.model = model.eval()
+        self.model_config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        dtype = next(model.parameters()).dtype
+        cfg = self.model_config
+        self.kv_layout = KVLayout(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                  head_dim=cfg.head_dim, block_size=config.block_size,
+                                  dtype=dtype_name(dtype), memory=self.device.type,
+                                  model_fingerprint=cfg.fingerprint())
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        num_blocks = self._num_blocks()
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   enable_prefix_caching=config.enable_prefix_caching)
+        self.runner = ModelRunner(model, self.kv_layout, num_blocks, device=self.device,
+                                  attention_backend=config.attention_backend, seed=config.seed)
+        self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        self._requests: dict[str, Sequence] = {}
+        self._pending: list[StepOutput] = []  # outputs decided outside step() (abort, commit)
+        self._arrivals = 0
+        self.stats = _Counters()
+        log.info("engine ready: %s on %s, %d KV blocks (%s), backend %s", cfg.architecture, self.device,
+                 num_blocks, self.kv_layout.describe(), self.runner.backend.name)
+
+    # ---- properties ---------------------------------------------------------------------------
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.runner.kv_cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_work()
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: Seq[int],
+                    params: SamplingParams | None = None) -> None:
+        """Queue a full generation; raises RequestTooLong, QueueFull, DuplicateRequest or ValueError."""
+        self._enqueue(self._new_sequence(request_id, prompt_ids, params or SamplingParams()))
+
+    def add_prefill_request(self, request_id: str, prompt_ids: Seq[int],
+                            params: SamplingParams | None = None) -> None:
+        """Run only the prompt; emits the first token with ``finish_reason="prefilled"`` and keeps the
+        KV blocks pinned (``block_table``) until ``release``."""
+        self._enqueue(self._new_sequence(request_id, prompt_ids, params or SamplingParams(),
+                                         prefill_only=True))
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self._get(request_id).block_table)
+
+    def reserve(self, request_id: str, prompt_ids: Seq[int],
+                params: SamplingParams | None = None) -> Reservation:
+        """Blocks for a prompt whose KV someone else writes; reuses locally cached full blocks."""
+        seq = self._new_sequence(request_id, prompt_ids, params or SamplingParams())
+        if not self.scheduler.reserve(seq):
+            need = self.scheduler.blocks_for(seq.num_tokens)
+            raise KVCacheFull(f"cannot reserve {need} KV blocks for request {request_id!r}: "
+                              f"{self.num_free_blocks} of {self.num_total_blocks} free")
+        self._requests[request_id] = seq
+        return Reservation(block_ids=list(seq.block_table), num_cached_tokens=seq.num_computed)
+
+    def commit_prefilled(self, request_id: str, first_token_id: int) -> None:
+        """The reserved request's prompt KV is written: decode on from ``first_token_id``."""
+        seq = self._get(request_id)
+        if seq.status is not Status.RESERVED:
+            raise ValueError(f"request {request_id!r} is {seq.status.value}, not reserved")
+        if not 0 <= int(first_token_id) < self.model_config.vocab_size:
+            raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
+        self.scheduler.commit_reserved(seq)
+        self._append_token(seq, int(first_token_id))
+        if seq.finish_reason is not None:
+            self._pending.append(self._finish(seq, []))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request at any stage; a queued or running one gets a final "abort" output."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return False
+        live = seq.status in (Status.WAITING, Status.RUNNING)
+        self.scheduler.remove(seq)
+        if live:
+            seq.finish_reason = "abort"
+            self._pending.append(self._output(seq, [], None))
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Drop a request (pinned, reserved, or anything else) and its blocks; idempotent."""
+        self.abort(request_id)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        for seq in sched.rejected:
+            self._requests.pop(seq.request_id, None)
+            outputs.append(self._output(seq, [], None))
+        if not sched.scheduled:
+            return outputs
+        self.stats.steps += 1
+        self.stats.preemptions += sched.num_preempted
+        tokens, logprobs = self.runner.execute(sched.scheduled)
+        sampled = []
+        for s in sched.scheduled:
+            s.seq.num_computed += s.num_tokens
+            self.scheduler.register_computed(s.seq)
+            if s.samples:
+                sampled.append(s.seq)
+            if s.num_tokens > 1 or s.context_len < s.seq.num_prompt_tokens:
+                self.stats.prompt_tokens += s.num_tokens
+        for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
+            self.stats.generated_tokens += 1
+            lps = [lp] if lp is not None else None
+            if seq.prefill_only:
+                seq.tokens.append(token)
+                self.scheduler.pin(seq)
+                seq.finish_reason = "prefilled"
+                outputs.append(self._output(seq, [token], lps))
+                continue
+            self._append_token(seq, token)
+            if seq.finish_reason is not None:
+                outputs.append(self._finish(seq, [token], lps))
+            else:
+                outputs.append(self._output(seq, [token], lps))
+        return outputs
+
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 ) -> list[list[int]]:
+        """Run prompts to completion in one continuous batch; the generated ids of each, in order."""
+        params = params or SamplingParams()
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"gen-{self._arrivals}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        errors = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+                    if out.error:
+                        errors[out.request_id] = out.error
+        if errors:
+            raise RuntimeError(f"{len(errors)} request(s) failed: {next(iter(errors.values()))}")
+        return [results[rid] for rid in ids]
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _get(self, request_id: str) -> Sequence:
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise UnknownRequest(f"request {request_id!r} is not held by this engine")
+        return seq
+
+    def _new_sequence(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, *,
+                      prefill_only: bool = False) -> Sequence:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise DuplicateRequest(f"request id {request_id!r} is already in use")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise RequestTooLong(f"prompt of {len(prompt)} tokens does not fit the model's context of "
+                                 f"{self.max_model_len} tokens (at least one token must be generated)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model directory has no tokenizer.json")
+        total = min(len(prompt) + (1 if prefill_only else params.max_tokens), self.max_model_len)
+        need = self.scheduler.blocks_for(total)
+        if need > self.num_total_blocks:
+            raise RequestTooLong(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs "
+                                 f"{need} KV blocks of {self.config.block_size} tokens; the cache has only "
+                                 f"{self.num_total_blocks}")
+        self._arrivals += 1
+        seq = Sequence(request_id, prompt, params, arrival=self._arrivals, prefill_only=prefill_only)
+        if params.seed is not None and not params.greedy:
+            seq.generator = make_generator(params.seed, self.device)
+        if params.stop:
+            from engine.tokenizer import IncrementalDecoder
+
+            seq.decoder = IncrementalDecoder(self.tokenizer, prompt_ids=prompt)
+        return seq
+
+    def _enqueue(self, seq: Sequence) -> None:
+        if self.num_waiting >= self.config.max_queue:
+            raise QueueFull(f"the engine queue is full ({self.config.max_queue} waiting requests); "
+                            f"retry later or elsewhere")
+        self._requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        """Add a generated token and decide whether the request is finished (sets finish_reason)."""
+        seq.tokens.append(token)
+        p = seq.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif seq.decoder is not None and self._hit_stop_string(seq, seq.decoder.push(token)):
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    @staticmethod
+    def _hit_stop_string(seq: Sequence, delta: str) -> bool:
+        if not delta:
+            return False
+        start = max(0, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)
+        seq.text += delta
+        hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
+        if hits:
+            seq.text = seq.text[:min(hits)]
+            return True
+        return False
+
+    def _finish(self, seq: Sequence, new_tokens: list[int], lps=None) -> StepOutput:
+        self._requests.pop(seq.request_id, None)
+        self.scheduler.remove(seq)
+        return self._output(seq, new_tokens, lps)
+
+    def _output(self, seq: Sequence, new_tokens: list[int], lps) -> StepOutput:
+        reason = seq.finish_reason
+        finished = reason is not None
+        if finished:
+            self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
+        text = seq.text if finished and seq.decoder is not None else None
+        return StepOutput(request_id=seq.request_id, new_token_ids=new_tokens, new_logprobs=lps,
+                          finished=finished, finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
+                          num_cached_tokens=seq.num_cached_tokens, error=seq.error, text=text)
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        per_block = self.kv_layout.cache_bytes(1)
+        if cfg.kv_cache_bytes is not None:
+            budget = cfg.kv_cache_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - (1 - cfg.gpu_memory_utilization) * total)
+        else:
+            want = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) * per_block
+            budget = min(want, _DEFAULT_CPU_KV_BYTES)
+        blocks = budget // per_block
+        if blocks < 1:
+            raise KVCacheFull(f"no memory left for the KV cache ({budget} bytes for blocks of {per_block})")
+        return int(blocks)
+
+    def leak_report(self) -> str | None:
+        """None when no request holds KV blocks and nothing is queued; otherwise what is left."""
+        problems = []
+        if self._requests or self.scheduler.running or self.scheduler.waiting or self.scheduler.held:
+            problems.append(f"requests still held: {sorted(self._requests)[:8]}")
+        bm = self.block_manager.leak_report()
+        if bm:
+            problems.append(bm)
+        return "; ".join(problems) or None
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, dtype_name(name))
+
+
+def _load(config: EngineConfig, device: torch.device):
+    from engine.tokenizer import Tokenizer
+    from engine.weights import load_weights
+
+    path = Path(config.model)
+    model_config = ModelConfig.from_pretrained(path)
+    dtype = _dtype(config.dtype) or model_config.torch_dtype
+    model = build_model(model_config, init="meta")
+    load_weights(model, path, dtype=dtype, device=device)
+    return model, Tokenizer.from_dir(path)

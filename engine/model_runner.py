@@ -1,0 +1,90 @@
+"""Runs one scheduled step on the device: flat batch in, sampled tokens out.
+
+Owns the KV cache tensor, the attention backend and the sampler. Per step it builds the flat
+``input_ids`` (one host->device copy), lets the backend ``plan`` the attention indices once, runs
+the model over all tokens, computes logits only for the rows that sample (the last token of each
+sequence whose known tokens are now all in KV; a prompt chunk that is not the last samples
+nothing) and samples them. The only device->host transfer is the sampled ids (plus logprobs when a
+request asked for them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import BatchSpec, get_backend
+from engine.kv_layout import KVLayout
+from engine.model import CausalLM
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of a generated token, with the top alternatives when requested."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, layout: KVLayout, num_blocks: int, *, device: torch.device,
+                 attention_backend: str = "auto", seed: int | None = None) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.layout = layout
+        self.kv_cache = layout.allocate(num_blocks, device=device)
+        self.backend = get_backend(attention_backend, device=device, num_heads=cfg.num_heads,
+                                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                   block_size=layout.block_size, sliding_window=cfg.sliding_window)
+        self.sampler = Sampler(device, seed=seed)
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Run ``batch``; returns the sampled token (and logprob entry) of each sampling row, in order."""
+        input_ids: list[int] = []
+        for s in batch:
+            input_ids.extend(s.seq.tokens[s.context_len:s.context_len + s.num_tokens])
+        spec = BatchSpec(query_lens=[s.num_tokens for s in batch],
+                         context_lens=[s.context_len for s in batch],
+                         block_tables=[s.seq.block_table for s in batch])
+        meta = self.backend.plan(spec)
+        hidden = self.model(self._to_device(input_ids), meta.positions, self.kv_cache, meta)
+
+        samplers = [s for s in batch if s.samples]
+        if not samplers:
+            return [], []
+        ends = np.cumsum(spec.query_lens) - 1
+        rows = [int(ends[i]) for i, s in enumerate(batch) if s.samples]
+        if len(rows) == len(batch) and rows[-1] == len(rows) - 1:
+            last = hidden  # pure decode step: every token samples
+        else:
+            last = hidden.index_select(0, self._to_device(rows))
+        logits = self.model.compute_logits(last)
+        out = self.sampler(logits, [s.seq.params for s in samplers], [s.seq.generator for s in samplers])
+        tokens = out.token_ids.tolist()
+        if out.logprobs is None:
+            return tokens, [None] * len(tokens)
+        lps = out.logprobs.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        entries: list[TokenLogprob | None] = []
+        for i, s in enumerate(samplers):
+            n = s.seq.params.logprobs
+            if n is None:
+                entries.append(None)
+                continue
+            top = tuple(zip(top_ids[i][:n], top_lps[i][:n], strict=True)) if n and top_ids else ()
+            entries.append(TokenLogprob(token_id=tokens[i], logprob=lps[i], top=top))
+        return tokens, entries

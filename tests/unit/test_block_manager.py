@@ -1,0 +1,111 @@
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.errors import KVCacheFull
+from engine.prefix_hash import block_hashes
+
+
+def assert_no_leaks(bm: BlockManager) -> None:
+    assert bm.leak_report() is None
+    assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_allocate_release_refcounts():
+    bm = BlockManager(8, 4)
+    a = bm.allocate(3)
+    assert len(set(a)) == 3 and bm.num_free_blocks == 5
+    assert all(bm.ref_count(b) == 1 for b in a)
+    bm.acquire(a[:2])  # a second owner shares the first two blocks
+    bm.release(a)
+    assert [bm.ref_count(b) for b in a] == [1, 1, 0]
+    assert bm.num_free_blocks == 6
+    bm.release(a[:2])
+    assert_no_leaks(bm)
+    with pytest.raises(ValueError, match="double free"):
+        bm.release(a[:1])
+
+
+def test_allocation_failure_takes_nothing():
+    bm = BlockManager(4, 4)
+    held = bm.allocate(3)
+    with pytest.raises(KVCacheFull, match="need 2 KV blocks, only 1 of 4 free"):
+        bm.allocate(2)
+    assert bm.num_free_blocks == 1
+    bm.release(held)
+    assert_no_leaks(bm)
+
+
+def test_prefix_hit_reuses_cached_blocks_after_release():
+    bm = BlockManager(8, 4)
+    toks = list(range(10))
+    hashes = block_hashes(toks, 4)  # two full blocks; the tail is never hashed
+    table = bm.allocate(3)
+    for block, h in zip(table, hashes, strict=False):  # the tail block has no hash
+        assert bm.register(block, h)
+    assert bm.match_prefix(hashes) == table[:2]
+    bm.release(table)
+    # Hashed blocks are kept as evictable cache, still counted as free.
+    assert bm.num_cached_free_blocks == 2 and bm.num_free_blocks == 8
+    hit = bm.match_prefix(block_hashes(toks + [99, 98], 4))
+    assert hit == table[:2]
+    bm.acquire(hit)
+    assert bm.hits == 2 and bm.num_cached_free_blocks == 0 and bm.num_free_blocks == 6
+    # A different first block changes every later hash: no hit at all.
+    assert bm.match_prefix(block_hashes([7] + toks[1:], 4)) == []
+    bm.release(hit)
+    assert_no_leaks(bm)
+
+
+def test_duplicate_hash_keeps_first_block_canonical():
+    bm = BlockManager(4, 2)
+    h = block_hashes([1, 2], 2)[0]
+    a, b = bm.allocate(2)
+    assert bm.register(a, h)
+    assert not bm.register(b, h)  # same content computed twice at once
+    assert bm.block_hash(b) is None and bm.match_prefix([h]) == [a]
+    bm.release([a, b])
+    assert bm.num_cached_free_blocks == 1  # only the canonical one is cached
+    assert_no_leaks(bm)
+
+
+def test_lru_eviction_prefers_plain_free_then_oldest_cached_tail_first():
+    bm = BlockManager(4, 2)
+    seq1 = block_hashes([1, 2, 3, 4], 2)
+    seq2 = block_hashes([5, 6], 2)
+    t1 = bm.allocate(2)
+    for b, h in zip(t1, seq1, strict=True):
+        bm.register(b, h)
+    bm.release(t1)  # cached: t1[1] (tail) is older in LRU order than t1[0]
+    t2 = bm.allocate(1)
+    bm.register(t2[0], seq2[0])
+    bm.release(t2)
+    assert bm.num_cached_free_blocks == 3
+    fresh = bm.allocate(1)  # the one never-hashed block goes first
+    assert bm.evictions == 0 and fresh[0] not in t1 + t2
+    evicted = bm.allocate(1)  # then the least recently used cached block: seq1's tail
+    assert evicted == [t1[1]] and bm.evictions == 1
+    assert bm.match_prefix(seq1) == [t1[0]]  # its head block is still cached
+    assert bm.match_prefix(seq2) == t2
+    bm.release(fresh + evicted)
+    assert_no_leaks(bm)
+
+
+def test_cannot_share_a_plain_free_block_or_register_a_free_one():
+    bm = BlockManager(2, 2)
+    with pytest.raises(ValueError, match="cannot be shared"):
+        bm.acquire([0])
+    with pytest.raises(ValueError, match="not in use"):
+        bm.register(0, 123)
+    assert_no_leaks(bm)
+
+
+def test_reset_prefix_cache_and_leak_report():
+    bm = BlockManager(3, 2)
+    t = bm.allocate(2)
+    bm.register(t[0], 11)
+    assert "2 KV blocks still referenced" in bm.leak_report()
+    bm.release(t)
+    assert bm.reset_prefix_cache() == 1
+    assert bm.match_prefix([11]) == [] and bm.num_cached_free_blocks == 0
+    assert_no_leaks(bm)
