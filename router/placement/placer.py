@@ -209,8 +209,7 @@ class Placer:
         return True, ""
 
     def _candidates(self, pool: list[WorkerInfo], matches: dict[str, int]) -> list[Candidate]:
-        return [(wid, load, matches.get(wid, 0), free, total)
-                for wid, load, free, total in self.view.snapshot(pool)]
+        return self.view.snapshot(pool, matches)
 
     def _bind(self, req: PlacementRequest, p: WorkerInfo, d: WorkerInfo) -> SessionBinding | None:
         if not (self.config.session_aware and req.session_id):
@@ -233,7 +232,7 @@ class Placer:
         n, start = len(pool), self._rr[role]
         self._rr[role] += 1
         best, best_key = 0, None
-        for i, (_, load, free, total) in enumerate(self.view.snapshot(pool)):
+        for i, (_, load, _, free, total) in enumerate(self.view.snapshot(pool)):
             key = (load, -(free / total) if total > 0 and free >= 0 else -1.0, (i - start) % n)  # ties rotate
             if best_key is None or key < best_key:
                 best, best_key = i, key

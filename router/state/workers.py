@@ -118,19 +118,21 @@ class WorkerView:
             return base  # the common case costs nothing; callers never mutate it
         return [w for w in base if w.worker_id not in exclude and self.healthy(w.worker_id)]
 
-    def snapshot(self, pool: list[WorkerInfo]) -> list[tuple[str, int, int, int]]:
-        """(worker_id, load, free_blocks or -1, total_blocks or 0) per worker, with one clock read."""
+    def snapshot(self, pool: list[WorkerInfo], cached: dict[str, int] | None = None) -> list[tuple]:
+        """Per worker ``(worker_id, load, cached, free_blocks or -1, total_blocks or 0)``, one clock
+        read, one pass: the decision's hot loop (``cached`` = the prefix index's match, or none)."""
         oldest = self._clock() - self.load_stale_s
         reps, inflight = self._rep, self.inflight
+        cget = (cached or {}).get
         out = []
         for w in pool:
             wid = w.worker_id
             own = inflight.get(wid, 0)
             rep = reps.get(wid)
             if rep is None or rep[3] < oldest:
-                out.append((wid, own, -1, 0))
+                out.append((wid, own, cget(wid, 0), -1, 0))
             else:
-                out.append((wid, rep[0] if rep[0] > own else own, rep[1], rep[2]))
+                out.append((wid, rep[0] if rep[0] > own else own, cget(wid, 0), rep[1], rep[2]))
         return out
 
     def current(self, worker_id: str, incarnation: str) -> WorkerInfo | None:
