@@ -8,9 +8,11 @@ backend is unreachable. ``make_discovery`` builds one from the router's serve fl
 
 from __future__ import annotations
 
+import asyncio
+
 from router.discovery.static import StaticDiscovery, parse_static
 
-__all__ = ["StaticDiscovery", "addresses_by_role", "make_discovery", "parse_static"]
+__all__ = ["StaticDiscovery", "addresses_by_role", "feed_directory", "make_discovery", "parse_static"]
 
 
 def addresses_by_role(workers) -> dict[str, list[str]]:
@@ -19,6 +21,33 @@ def addresses_by_role(workers) -> dict[str, list[str]]:
     for w in workers:
         out[w.role].append(w.address)
     return out
+
+
+async def feed_directory(source, directory) -> None:
+    """Run ``source`` and mirror each list into an address-keyed directory that has
+    ``async set_addresses(role, addrs)``. Only the newest list is applied if several arrive
+    while one is being applied. Runs until cancelled."""
+    latest: list = []
+    ready = asyncio.Event()
+
+    def on_update(workers) -> None:
+        latest[:] = [list(workers)]
+        ready.set()
+
+    async def apply() -> None:
+        while True:
+            await ready.wait()
+            ready.clear()
+            by_role = addresses_by_role(latest[0])
+            for role in ("prefill", "decode"):
+                await directory.set_addresses(role, by_role[role])
+
+    applier = asyncio.ensure_future(apply())
+    try:
+        await source.run(on_update)
+    finally:
+        applier.cancel()
+        await asyncio.gather(applier, return_exceptions=True)
 
 
 def make_discovery(mode: str, *, prefill: str | list[str] = "", decode: str | list[str] = "",

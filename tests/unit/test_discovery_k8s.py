@@ -298,3 +298,28 @@ def test_slice_parsing_and_factory():
         make_discovery("static", prefill="nohostport")
     with pytest.raises(ValueError):
         make_discovery("redis")
+
+
+def test_feed_directory_mirrors_static_lists():
+    from router.discovery import feed_directory
+
+    class Dir:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, list[str]]] = []
+
+        async def set_addresses(self, role, addrs):
+            self.calls.append((role, sorted(addrs)))
+
+    async def main():
+        d = Dir()
+        src = make_discovery("static", prefill="h:1", decode="h:2,h:3")
+        task = asyncio.ensure_future(feed_directory(src, d))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if len(d.calls) == 2:
+                break
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert d.calls == [("prefill", ["h:1"]), ("decode", ["h:2", "h:3"])]
+
+    asyncio.run(main())
