@@ -48,7 +48,11 @@ class PeerClient:
 
     async def _read(self) -> None:
         while line := await self.proc.stdout.readline():
-            reply = json.loads(line)
+            try:
+                reply = json.loads(line)
+            except ValueError:  # not ours (a library printing to stdout); never fatal
+                sys.stderr.write(f"peer {self.pid}: {line.decode(errors='replace')}")
+                continue
             fut = self._pending.pop(reply.get("id"), None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)

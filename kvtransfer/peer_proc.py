@@ -89,6 +89,9 @@ def _raw_send(kv: torch.Tensor, host: str, port: int, nbytes: int, iters: int) -
     return times
 
 
+_REPLIES = sys.stdout  # replaced by a private dup of fd 1 when run as a program
+
+
 class PeerProcess:
     def __init__(self) -> None:
         self.transports: dict[int, object] = {}
@@ -171,8 +174,8 @@ class PeerProcess:
         except Exception as exc:
             reply = {"id": cmd.get("id"), "ok": False, "kind": type(exc).__name__, "error": repr(exc)}
         async with self.out_lock:
-            sys.stdout.write(json.dumps(reply) + "\n")
-            sys.stdout.flush()
+            _REPLIES.write(json.dumps(reply) + "\n")
+            _REPLIES.flush()
         if cmd.get("op") == "exit":
             os._exit(0)
 
@@ -180,8 +183,8 @@ class PeerProcess:
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=1 << 24)
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        sys.stdout.write(json.dumps({"id": 0, "ok": True, "pid": os.getpid()}) + "\n")
-        sys.stdout.flush()
+        _REPLIES.write(json.dumps({"id": 0, "ok": True, "pid": os.getpid()}) + "\n")
+        _REPLIES.flush()
         tasks = set()
         while line := await reader.readline():
             task = loop.create_task(self.run_one(json.loads(line)))
@@ -192,6 +195,11 @@ class PeerProcess:
 
 
 if __name__ == "__main__":
+    # Keep the JSON channel clean: NIXL/UCX print to fd 1, so replies go to a private dup of it and
+    # fd 1 becomes stderr.
+    _REPLIES = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     logging.basicConfig(level=os.environ.get("KVTRANSFER_LOG", "WARNING"), stream=sys.stderr,
                         format="%(asctime)s peer %(name)s %(levelname)s %(message)s")
     asyncio.run(PeerProcess().main())

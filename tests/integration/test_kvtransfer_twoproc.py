@@ -1,0 +1,116 @@
+"""KV blocks between two OS processes, byte-exact, through TCP and NIXL (UCX default transports and
+UCX_TLS=tcp, i.e. simulated RDMA). Both sides run in child processes (kvtransfer.peer_proc) so each
+gets its own UCX environment; the test compares sha256 digests of the source and destination blocks
+and checks that every block outside the destination stayed zero. These tests never skip."""
+
+import asyncio
+import random
+
+import pytest
+
+from engine.kv_layout import KVLayout
+from kvtransfer.client import PeerClient, PeerError
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+LAYOUTS = [
+    KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype="float32"),
+    KVLayout(num_layers=5, num_kv_heads=4, head_dim=32, block_size=16, dtype="bfloat16"),
+    KVLayout(num_layers=32, num_kv_heads=1, head_dim=32, block_size=32, dtype="bfloat16"),
+]
+RX_BLOCKS, TX_BLOCKS = 40, 24
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 220))
+
+
+async def transfer(rx, tx, rtid, ttid, endpoint, rid, src, dst, layers=None, stream_rest=None):
+    await rx.call("expect", tid=rtid, rid=rid, dst=dst, timeout=60)
+    await tx.call("send", tid=ttid, rid=rid, endpoint=endpoint, src=src, dst=dst, layers=layers, timeout=60)
+    if stream_rest is not None:
+        await asyncio.sleep(0.02)
+        await tx.call("push", tid=ttid, rid=rid, layers=stream_rest)
+        await tx.call("finish", tid=ttid, rid=rid)
+    sent, got = await asyncio.gather(tx.call("send_wait", tid=ttid, rid=rid), rx.call("wait", tid=rtid, rid=rid))
+    return sent["result"], got["result"]
+
+
+async def check_matrix(env, kinds):
+    rx = await PeerClient.spawn(env=env)
+    tx = await PeerClient.spawn(env=env)
+    rng = random.Random(1234)
+    try:
+        for kind in kinds:
+            for n, lay in enumerate(LAYOUTS):
+                r = await rx.call("init", kind=kind, layout=lay.to_dict(), num_blocks=RX_BLOCKS)
+                t = await tx.call("init", kind=kind, layout=lay.to_dict(), num_blocks=TX_BLOCKS)
+                await tx.call("fill", tid=t["tid"], seed=n + 1)
+                ep = r["endpoint"]
+                # Scattered, non-contiguous ids, with one contiguous run so coalescing is exercised.
+                src = rng.sample(range(20), 6) + [20, 21, 22]
+                dst = rng.sample(range(RX_BLOCKS - 3), 6)
+                dst += [b for b in (37, 38, 39)]
+                sent, got = await transfer(rx, tx, r["tid"], t["tid"], ep, f"{kind}-{n}", src, dst)
+                assert sent["backend"] == got["backend"] == kind, (sent, got)
+                assert sent["bytes"] == got["bytes"] == lay.num_layers * len(dst) * lay.block_bytes
+                # Several transfers in flight at once, one of them streamed layer by layer.
+                free = [b for b in range(RX_BLOCKS) if b not in dst]
+                jobs = [transfer(rx, tx, r["tid"], t["tid"], ep, f"{kind}-{n}-c{i}", [i], [free[i]])
+                        for i in range(3)]
+                jobs.append(transfer(rx, tx, r["tid"], t["tid"], ep, f"{kind}-{n}-stream", [5, 6], free[3:5],
+                                     layers=[0], stream_rest=list(range(1, lay.num_layers))))
+                await asyncio.gather(*jobs)
+                all_src = src + [0, 1, 2, 5, 6]
+                all_dst = dst + free[:5]
+                want = await tx.call("digest", tid=t["tid"], blocks=all_src)
+                have = await rx.call("digest", tid=r["tid"], blocks=all_dst)
+                assert have["digest"] == want["digest"], f"{kind} {lay.describe()}: bytes differ"
+                assert have["others_zero"], f"{kind} {lay.describe()}: blocks outside the destination written"
+                for peer, tid in ((tx, t["tid"]), (rx, r["tid"])):
+                    stats = (await peer.call("stats", tid=tid))["stats"]
+                    assert stats["expectations"] == stats["sends"] == stats["nixl_xfers"] == 0, stats
+                    closed = (await peer.call("close", tid=tid))["stats"]
+                    assert all(v == 0 for v in closed.values()), closed
+    finally:
+        await tx.close()
+        await rx.close()
+
+
+def test_tcp_and_nixl_default_ucx_two_processes():
+    run(check_matrix({"UCX_TLS": None}, ["tcp", "nixl"]))
+
+
+def test_nixl_simulated_rdma_ucx_tls_tcp_two_processes():
+    run(check_matrix({"UCX_TLS": "tcp"}, ["nixl"]))
+
+
+def test_layout_mismatch_across_processes_is_refused_before_any_write():
+    async def main():
+        rx = await PeerClient.spawn(env={"UCX_TLS": None})
+        try:
+            r = await rx.call("init", kind="tcp", layout=LAYOUTS[1].to_dict(), num_blocks=8)
+            await rx.call("expect", tid=r["tid"], rid="m", dst=[1, 2], timeout=30)
+            other = KVLayout(**{**LAYOUTS[1].to_dict(), "dtype": "float16"})
+            from kvtransfer import LayoutMismatch, make_transport
+            from kvtransfer.peer_proc import fill_random
+
+            kv = other.allocate(4)
+            fill_random(kv, 1)
+            tx = await make_transport("tcp", other, kv).start()
+            ep = r["endpoint"]
+            with pytest.raises(LayoutMismatch) as err:
+                tx.start_send("m", ep, [0, 1], [1, 2])
+            assert LAYOUTS[1].compat_hash() in str(err.value) and other.compat_hash() in str(err.value)
+            lying = {**ep, "layout_hash": other.compat_hash()}  # the receiver's HELLO check catches it too
+            with pytest.raises(LayoutMismatch, match=LAYOUTS[1].compat_hash()):
+                await tx.start_send("m", lying, [0, 1], [1, 2]).wait()
+            await tx.close()
+            digest = await rx.call("digest", tid=r["tid"], blocks=[])
+            assert digest["others_zero"], "a refused transfer wrote into the receiver's KV"
+            await rx.call("abort", tid=r["tid"], rid="m")
+            with pytest.raises(PeerError):
+                await rx.call("wait", tid=r["tid"], rid="m")
+        finally:
+            await rx.close()
+    run(main())
