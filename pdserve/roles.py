@@ -8,7 +8,6 @@ transport comes up, and only then is the role marked SERVING. Shutdown runs in r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 
@@ -103,6 +102,7 @@ async def _prefill(settings: ServeSettings, server: GrpcServer):
         holder.target = PrefillServicer(worker, address=settings.advertise_address, transports=kv.transports)
         server.on_stop(aengine.stop)
         server.on_stop(kv.close)
+        await _worker_extras(settings, server, engine, aengine)
 
     return finish
 
@@ -127,6 +127,7 @@ async def _decode(settings: ServeSettings, server: GrpcServer):
         server.on_stop(aengine.stop)
         server.on_stop(kv.close)
         server.on_stop(worker.stop)
+        await _worker_extras(settings, server, engine, aengine)
 
     return finish
 
@@ -158,49 +159,49 @@ async def _colocated(settings: ServeSettings, server: GrpcServer):
 
 async def _router(settings: ServeSettings, server: GrpcServer):
     from pdserve.v1 import router_pb2_grpc
-    from router.admission import limits_from_model_dir
-    from router.directory import WorkerDirectory
-    from router.pipeline import Pipeline
-    from router.placement import Placer, PlacerConfig
-    from router.service import RouterServicer
+    from router.bootstrap import build_router
 
     holder = _Late()
     router_pb2_grpc.add_RouterServicer_to_server(_Delegate(holder, router_pb2_grpc.RouterServicer),
                                                  server.server)
 
     async def finish(settings: ServeSettings) -> None:
-        if not settings.model:
-            raise SystemExit("pdserve serve --role router needs --model DIR (tokenizer and context length)")
-        limits = await asyncio.to_thread(limits_from_model_dir, settings.model)
-        placer = Placer(PlacerConfig(policy=settings.policy, session_ttl_s=settings.session_ttl,
-                                     block_size=settings.block_size))
-        await placer.start()
-        directory = WorkerDirectory(placer, interval=settings.stats_interval)
-        tasks = [asyncio.get_running_loop().create_task(directory.poll_forever())]
-        if settings.discovery == "static":
-            await directory.set_addresses("prefill", settings.prefill)
-            await directory.set_addresses("decode", settings.decode)
-        elif settings.discovery == "file":
-            from router.file_discovery import watch_workers_file
-
-            tasks.append(asyncio.get_running_loop().create_task(
-                watch_workers_file(settings.workers_file, directory, settings.stats_interval)))
-        else:
-            raise SystemExit(f"--discovery {settings.discovery} is not wired into the router yet")
-        pipeline = Pipeline(directory, placer, block_size=settings.block_size, lease_ms=settings.lease_ms)
-        holder.target = RouterServicer(pipeline=pipeline, directory=directory, limits=limits)
-
-        async def stop() -> None:
-            for task in tasks:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await directory.close()
-            await placer.close()
-
+        holder.target, stop = await build_router(settings)
         server.on_stop(stop)
 
     return finish
+
+
+async def _worker_extras(settings: ServeSettings, server: GrpcServer, engine, aengine) -> None:
+    """Prometheus gauges (--metrics-port) and a Redis lease (--redis) for a prefill/decode worker."""
+    if settings.metrics_port:
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+        registry = CollectorRegistry()
+        labels = {"role": settings.role, "worker": settings.worker_id}
+        for name, help_, attr in (("pdserve_worker_free_blocks", "Free KV blocks", "free_blocks"),
+                                  ("pdserve_worker_total_blocks", "KV blocks", "total_blocks"),
+                                  ("pdserve_worker_running", "Requests in the batch", "num_running"),
+                                  ("pdserve_worker_queue_depth", "Requests waiting", "queue_depth")):
+            g = Gauge(name, help_, list(labels), registry=registry)
+            g.labels(**labels).set_function(lambda a=attr: getattr(aengine.snapshot, a))
+        start_http_server(settings.metrics_port, addr=settings.host, registry=registry)
+    if settings.redis:
+        from router.placement import WorkerLoad
+        from router.registry import WorkerRegistration
+        from router.state import make_store
+
+        def load() -> WorkerLoad:
+            s = aengine.snapshot
+            return WorkerLoad(queue_depth=s.queue_depth, num_running=s.num_running, free_blocks=s.free_blocks,
+                              total_blocks=s.total_blocks)
+
+        reg = WorkerRegistration(make_store(settings.redis), worker_id=settings.worker_id, role=settings.role,
+                                 address=settings.advertise_address,
+                                 layout_hash=engine.kv_layout.compat_hash(),
+                                 load_fn=load)
+        await reg.start()
+        server.on_stop(reg.stop)
 
 
 def _Delegate(holder: _Late, base: type):

@@ -1,0 +1,85 @@
+"""Build a router from its serve settings: limits, store, Placer, discovery, directory, pipeline.
+
+Discovery feeds *addresses* into the ``WorkerDirectory``; the directory learns each worker's id,
+incarnation and load from GetStats and is the only thing that tells the Placer who is healthy, so a
+worker that a discovery source still lists but that does not answer is never placed on.
+
+    static  --prefill/--decode lists          file   --workers-file (pdserve up / scale)
+    redis   worker leases in --redis           k8s    EndpointSlices (--*-selector)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from pdserve.settings import ServeSettings
+
+log = logging.getLogger(__name__)
+
+
+async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Awaitable[None]]]:
+    """(RouterServicer, async stop) for ``settings``."""
+    from router.admission import limits_from_model_dir
+    from router.directory import WorkerDirectory
+    from router.metrics import RouterMetrics, serve_metrics
+    from router.pipeline import Pipeline
+    from router.placement import Placer, PlacerConfig
+    from router.service import RouterServicer
+    from router.state import make_store
+
+    if not settings.model:
+        raise SystemExit("pdserve serve --role router needs --model DIR (tokenizer and context length)")
+    limits = await asyncio.to_thread(limits_from_model_dir, settings.model)
+    metrics = RouterMetrics()
+    if settings.metrics_port:
+        serve_metrics(metrics.registry, settings.metrics_port, addr=settings.host)
+    store = make_store(settings.redis, metrics=metrics)
+    placer = Placer(PlacerConfig(policy=settings.policy, session_ttl_s=settings.session_ttl,
+                                 block_size=settings.block_size), store, metrics=metrics)
+    await placer.start()
+    directory = WorkerDirectory(placer, interval=settings.stats_interval)
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(directory.poll_forever())]
+    if settings.discovery == "static":
+        await directory.set_addresses("prefill", settings.prefill)
+        await directory.set_addresses("decode", settings.decode)
+    elif settings.discovery == "file":
+        from router.file_discovery import watch_workers_file
+
+        tasks.append(loop.create_task(watch_workers_file(settings.workers_file, directory,
+                                                         settings.stats_interval)))
+    else:
+        from router.discovery import addresses_by_role, make_discovery
+
+        source = make_discovery(settings.discovery, store=store,
+                                k8s_namespace=settings.k8s_namespace or "default",
+                                prefill_selector=settings.prefill_selector or "",
+                                decode_selector=settings.decode_selector or "", metrics=metrics)
+        pending: list[asyncio.Task] = []
+
+        def on_update(workers) -> None:
+            members = addresses_by_role(workers)
+
+            async def apply() -> None:
+                for role, addrs in members.items():
+                    await directory.set_addresses(role, addrs)
+
+            pending.append(loop.create_task(apply()))
+            del pending[:-4]
+
+        tasks.append(loop.create_task(source.run(on_update)))
+    pipeline = Pipeline(directory, placer, block_size=settings.block_size, lease_ms=settings.lease_ms)
+    servicer = RouterServicer(pipeline=pipeline, directory=directory, limits=limits)
+
+    async def stop() -> None:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await directory.close()
+        await placer.close()
+
+    return servicer, stop
