@@ -72,45 +72,44 @@ async def check_matrix(env, kinds):
                     assert stats["expectations"] == stats["sends"] == stats["nixl_xfers"] == 0, stats
                     closed = (await peer.call("close", tid=tid))["stats"]
                     assert all(v == 0 for v in closed.values()), closed
+        if "tcp" in kinds:
+            await check_mismatch(rx, tx)
     finally:
         await tx.close()
         await rx.close()
 
 
-def test_tcp_and_nixl_default_ucx_two_processes():
+async def check_mismatch(rx, tx):
+    """Different layouts (dtype) on the two processes: refused before anything is written, and the
+    error names both sides' layout hashes."""
+    lay = LAYOUTS[1]
+    other = KVLayout(**{**lay.to_dict(), "dtype": "float16"})
+    r = await rx.call("init", kind="tcp", layout=lay.to_dict(), num_blocks=8)
+    t = await tx.call("init", kind="tcp", layout=other.to_dict(), num_blocks=8)
+    await tx.call("fill", tid=t["tid"], seed=5)
+    await rx.call("expect", tid=r["tid"], rid="mismatch", dst=[1, 2], timeout=30)
+    ep = r["endpoint"]
+    with pytest.raises(PeerError) as err:
+        await tx.call("send", tid=t["tid"], rid="mismatch", endpoint=ep, src=[0, 1], dst=[1, 2])
+    assert err.value.kind == "LayoutMismatch"
+    assert lay.compat_hash() in str(err.value) and other.compat_hash() in str(err.value)
+    # An endpoint lying about its hash gets past the sender's check; the receiver's HELLO refuses it.
+    lying = {**ep, "layout_hash": other.compat_hash()}
+    await tx.call("send", tid=t["tid"], rid="mismatch", endpoint=lying, src=[0, 1], dst=[1, 2])
+    with pytest.raises(PeerError) as err:
+        await tx.call("send_wait", tid=t["tid"], rid="mismatch")
+    assert err.value.kind == "LayoutMismatch" and lay.compat_hash() in str(err.value)
+    digest = await rx.call("digest", tid=r["tid"], blocks=[])
+    assert digest["others_zero"], "a refused transfer wrote into the receiver's KV"
+    await rx.call("abort", tid=r["tid"], rid="mismatch")
+    for peer, tid in ((tx, t["tid"]), (rx, r["tid"])):
+        closed = (await peer.call("close", tid=tid))["stats"]
+        assert all(v == 0 for v in closed.values()), closed
+
+
+def test_tcp_and_nixl_default_ucx_two_processes_and_layout_mismatch():
     run(check_matrix({"UCX_TLS": None}, ["tcp", "nixl"]))
 
 
 def test_nixl_simulated_rdma_ucx_tls_tcp_two_processes():
     run(check_matrix({"UCX_TLS": "tcp"}, ["nixl"]))
-
-
-def test_layout_mismatch_across_processes_is_refused_before_any_write():
-    async def main():
-        rx = await PeerClient.spawn(env={"UCX_TLS": None})
-        try:
-            r = await rx.call("init", kind="tcp", layout=LAYOUTS[1].to_dict(), num_blocks=8)
-            await rx.call("expect", tid=r["tid"], rid="m", dst=[1, 2], timeout=30)
-            other = KVLayout(**{**LAYOUTS[1].to_dict(), "dtype": "float16"})
-            from kvtransfer import LayoutMismatch, make_transport
-            from kvtransfer.peer_proc import fill_random
-
-            kv = other.allocate(4)
-            fill_random(kv, 1)
-            tx = await make_transport("tcp", other, kv).start()
-            ep = r["endpoint"]
-            with pytest.raises(LayoutMismatch) as err:
-                tx.start_send("m", ep, [0, 1], [1, 2])
-            assert LAYOUTS[1].compat_hash() in str(err.value) and other.compat_hash() in str(err.value)
-            lying = {**ep, "layout_hash": other.compat_hash()}  # the receiver's HELLO check catches it too
-            with pytest.raises(LayoutMismatch, match=LAYOUTS[1].compat_hash()):
-                await tx.start_send("m", lying, [0, 1], [1, 2]).wait()
-            await tx.close()
-            digest = await rx.call("digest", tid=r["tid"], blocks=[])
-            assert digest["others_zero"], "a refused transfer wrote into the receiver's KV"
-            await rx.call("abort", tid=r["tid"], rid="m")
-            with pytest.raises(PeerError):
-                await rx.call("wait", tid=r["tid"], rid="m")
-        finally:
-            await rx.close()
-    run(main())
