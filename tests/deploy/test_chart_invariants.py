@@ -24,6 +24,13 @@ SERVICE_NAMES = {"router": "pdserve.v1.Router", "prefill": "pdserve.v1.Prefill",
                  "decode": "pdserve.v1.Decode"}
 
 
+def served_health_names(role: str) -> list[str]:
+    """The grpc.health.v1 service names `pdserve serve --role ROLE` registers (the serving contract)."""
+    from pdserve.roles import SERVICE_NAMES as SERVED
+
+    return SERVED[role]
+
+
 def container(docs: list[dict], role: str) -> dict:
     (c,) = deployment(docs, role)["spec"]["template"]["spec"]["containers"]
     return c
@@ -72,6 +79,7 @@ def test_probes_are_native_grpc_health_checks(preset: str) -> None:
             assert c[probe]["grpc"]["port"] == 50051
         # readiness = the role's own service (SERVING only once model + KV transport are up)
         assert c["readinessProbe"]["grpc"]["service"] == SERVICE_NAMES[role]
+        assert SERVICE_NAMES[role] in served_health_names(role)
         assert c["livenessProbe"]["grpc"]["service"] == ""
 
 
