@@ -220,7 +220,7 @@ class KindTarget(Target):
     def scale_decode(self, n: int) -> None:
         run([self.helm, "upgrade", KIND_RELEASE, str(REPO / "deploy" / "helm" / "pdserve"),
              "--kube-context", f"kind-{KIND_CLUSTER}", "-n", KIND_NAMESPACE,
-             "-f", str(REPO / "deploy" / "helm" / "values-kind.yaml"), "--set", f"decode.replicas={n}",
+             "--reuse-values", "--set", f"decode.replicas={n}",  # only the decode Deployment changes
              "--wait", "--timeout", "10m"], timeout=660, env=self.env)
         self.kubectl("rollout", "status", f"deploy/{KIND_RELEASE}-decode", "--timeout=600s", timeout=620)
         self.decode_replicas = n
