@@ -160,9 +160,10 @@ def test_greedy_continuous_batch_matches_transformers_generate(make_checkpoint, 
 
 
 @pytest.mark.parametrize("arch, stored, target, tol", [
-    ("llama", "bfloat16", torch.bfloat16, 0.05),
-    ("qwen2", "float16", torch.float16, 0.01),
-    ("mistral", "float32", torch.bfloat16, 0.05),  # float32 checkpoint loaded as bf16
+    # Tolerance relative to the row's largest |logit|; measured worst cases: bf16 ~0.01, fp16 ~0.002.
+    ("llama", "bfloat16", torch.bfloat16, 0.03),
+    ("qwen2", "float16", torch.float16, 0.005),
+    ("mistral", "float32", torch.bfloat16, 0.03),  # float32 checkpoint loaded as bf16
 ])
 def test_half_precision_loading_close_to_transformers(make_checkpoint, arch, stored, target, tol):
     path = make_checkpoint(arch, dtype=stored)
