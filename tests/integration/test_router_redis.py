@@ -98,8 +98,9 @@ def _toks(n: int, seed: int) -> list[int]:
 
 
 def _replica(url: str, **kw) -> Placer:
-    cfg = PlacerConfig(policy="session+prefix", store_timeout_s=0.5, sync_interval_s=0.05, **kw)
-    pl = Placer(cfg, RedisStore(url, backoff_base_s=0.05, backoff_max_s=0.4))
+    # Generous timeouts: CI machines stall; a dead Redis still fails fast (connection refused).
+    cfg = PlacerConfig(policy="session+prefix", store_timeout_s=2.0, sync_interval_s=0.05, **kw)
+    pl = Placer(cfg, RedisStore(url, socket_timeout_s=2.0, backoff_base_s=0.05, backoff_max_s=0.4))
     pl.update_workers(_workers())
     return pl
 
@@ -161,11 +162,12 @@ def test_loads_are_shared_between_replicas(server):
 
 def test_lease_expiry_and_restart_with_new_incarnation(server):
     async def main():
-        store = RedisStore(server.url)
-        disc = RedisLeaseDiscovery(RedisStore(server.url), interval_s=0.05)
+        store = RedisStore(server.url, socket_timeout_s=2.0)
+        disc = RedisLeaseDiscovery(RedisStore(server.url, socket_timeout_s=2.0), interval_s=0.05)
         pl = Placer(PlacerConfig(policy="session+prefix"))
+        # Long leases for the live workers, so a stalled test machine never expires them by accident.
         regs = [WorkerRegistration(store, worker_id=w.worker_id, role=w.role, address=w.address,
-                                   layout_hash="L", ttl_s=0.6, interval_s=0.1) for w in _workers()]
+                                   layout_hash="L", ttl_s=10.0, interval_s=0.2) for w in _workers()]
         for r in regs:
             await r.start()
         pl.update_workers(await disc.poll())
@@ -176,9 +178,11 @@ def test_lease_expiry_and_restart_with_new_incarnation(server):
         victim = next(r for r in regs if r.info.worker_id == first.decode.worker_id)
         old_inc = victim.incarnation
 
-        # The decode worker dies without unregistering: its lease expires and it disappears.
+        # The decode worker dies without unregistering: its lease expires and it disappears. (Its
+        # last heartbeat is replayed with a short TTL so the test need not wait out 10 s.)
         await victim.stop(unregister=False)
-        for _ in range(60):
+        await store.register(victim.info, 0.3)
+        for _ in range(200):
             await asyncio.sleep(0.05)
             changed = await disc.poll()
             if changed is not None:
@@ -194,7 +198,7 @@ def test_lease_expiry_and_restart_with_new_incarnation(server):
         assert await store.heartbeat(victim.info, 5.0) == 0
         # ...the restarted process registers under a new incarnation and is routable again.
         reborn = WorkerRegistration(store, worker_id=victim.info.worker_id, role="decode",
-                                    address=victim.info.address, layout_hash="L", ttl_s=0.6, interval_s=0.1)
+                                    address=victim.info.address, layout_hash="L", ttl_s=10.0, interval_s=0.2)
         await reborn.start()
         assert reborn.incarnation != old_inc
         changed = await disc.poll()
@@ -222,7 +226,7 @@ def test_lease_expiry_and_restart_with_new_incarnation(server):
 
 def test_expired_lease_reregisters_under_new_incarnation(server):
     async def main():
-        store = RedisStore(server.url)
+        store = RedisStore(server.url, socket_timeout_s=2.0)
         seen = []
         reg = WorkerRegistration(store, worker_id="p9", role="prefill", address="h:1", ttl_s=0.3,
                                  interval_s=0.1, on_reincarnate=seen.append,
