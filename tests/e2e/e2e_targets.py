@@ -41,8 +41,11 @@ MODEL_SEED = 0  # the chart's model.init.seed default: pods and the local refere
 def write_tiny_model(out: Path) -> Path:
     """The same checkpoint the chart's init container writes (`pdserve model init --preset tiny --seed 0`)."""
     if not (out / "config.json").exists():
-        run([*PDSERVE, "model", "init", "--preset", MODEL_PRESET, "--seed", str(MODEL_SEED),
-             "--out", str(out)], timeout=300)
+        from pdserve.cli import main as cli_main  # in-process: torch is imported once per test session
+
+        code = cli_main(["model", "init", "--preset", MODEL_PRESET, "--seed", str(MODEL_SEED),
+                         "--out", str(out)])
+        assert code == 0, f"pdserve model init exited {code}"
     return out
 
 
