@@ -70,6 +70,8 @@ test: setup tools
 
 bench: setup
 	$(PY) -m engine.bench --json bench/results/engine-cpu.json
+	$(MAKE) $(MODEL)/config.json
+	OMP_NUM_THREADS=1 $(PY) -m pdserve.loadgen.compare --model $(MODEL) --json bench/results/cluster-cpu.json
 	$(PY) -m router.bench_placement --json bench/results/router-placement.json
 
 kind-test: setup tools
