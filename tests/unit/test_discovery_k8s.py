@@ -267,7 +267,7 @@ def test_api_errors_back_off_and_keep_last_view(fake_api):
         disc = K8sDiscovery(cfg)
         seen = []
         task = asyncio.get_running_loop().create_task(disc.run(seen.append))
-        for _ in range(100):
+        for _ in range(400):  # polls end as soon as the errors are in; the bound is for slow machines
             await asyncio.sleep(0.05)
             if disc.errors >= 4:
                 break
@@ -314,7 +314,7 @@ def test_feed_directory_mirrors_static_lists():
         d = Dir()
         src = make_discovery("static", prefill="h:1", decode="h:2,h:3")
         task = asyncio.ensure_future(feed_directory(src, d))
-        for _ in range(100):
+        for _ in range(1000):
             await asyncio.sleep(0.01)
             if len(d.calls) == 2:
                 break
