@@ -58,10 +58,46 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Normalise in float32, cast back, then scale: the order transformers uses.
+        return self.weight * _rms_norm(x.float(), self.eps).to(x.dtype)
+
+
+if hasattr(F, "rms_norm"):  # torch >= 2.4: one fused op
+    def _rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), eps=eps)
+else:  # pragma: no cover - older torch
+    def _rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class FusedLinears:
+    """One matmul for several bias-compatible projections of the same input (q/k/v, gate/up).
+
+    The Hugging Face-named parameters become views into one concatenated weight, so memory holds
+    one copy and in-place loads into the named parameters keep the fused weight current. If a named
+    parameter is later replaced (a new dtype or device), ``matches`` turns False and the caller falls
+    back to the separate projections.
+    """
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        with torch.no_grad():
+            self.weight = torch.cat([lin.weight for lin in linears])
+            has_bias = linears[0].bias is not None
+            self.bias = torch.cat([lin.bias for lin in linears]) if has_bias else None
+        self.sizes = [lin.out_features for lin in linears]
+        start = 0
+        for lin, n in zip(linears, self.sizes, strict=True):
+            lin.weight = nn.Parameter(self.weight[start:start + n], requires_grad=False)
+            if has_bias:
+                lin.bias = nn.Parameter(self.bias[start:start + n], requires_grad=False)
+            start += n
+        self._params = [lin.weight for lin in linears]
+
+    def matches(self, linears: tuple[nn.Linear, ...]) -> bool:
+        return all(lin.weight is p for lin, p in zip(linears, self._params, strict=True))
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 class Attention(nn.Module):
@@ -76,14 +112,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, h, bias=False)
+        self.fused: FusedLinears | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
         # x: [T, hidden]; cos/sin: [T, 1, head_dim]; kv_layer: [num_blocks, 2, block_size, kv_heads, head_dim]
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if self.fused is not None and self.fused.matches(projs):
+            q, k, v = self.fused(x)
+        else:
+            q, k, v = (proj(x) for proj in projs)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # a strided view when fused
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = attn.backend.forward(q, k, v, kv_layer, attn)  # [T, heads, head_dim]
@@ -97,9 +139,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        self.fused: FusedLinears | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        projs = (self.gate_proj, self.up_proj)
+        if self.fused is not None and self.fused.matches(projs):
+            gate, up = self.fused(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -139,6 +187,20 @@ class CausalLM(nn.Module):
         # Not a buffer: it must survive meta-device construction and never appears in a state dict.
         self._inv_freq = rope_inv_freq(config)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up into one matmul each (call once the weights are in place)."""
+        for layer in self.model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            att.fused = FusedLinears([att.q_proj, att.k_proj, att.v_proj])
+            mlp.fused = FusedLinears([mlp.gate_proj, mlp.up_proj])
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to()/.half()/... move the named parameters; the fused copies would go stale.
+        for module in self.modules():
+            if getattr(module, "fused", None) is not None:
+                module.fused = None
+        return super()._apply(fn, recurse)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, head_dim]`` for absolute ``positions [T]``, float32 math then cast."""

@@ -35,6 +35,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, layout: KVLayout, num_blocks: int, *, device: torch.device,
                  attention_backend: str = "auto", seed: int | None = None) -> None:
         cfg = model.config
+        model.fuse_projections()
         self.model = model
         self.device = device
         self.layout = layout

@@ -131,12 +131,13 @@ class Scheduler:
 
     def register_computed(self, seq: Sequence) -> None:
         """Publish newly completed full blocks to the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
+        full = seq.num_computed // self.block_size
+        if not self.enable_prefix_caching or full <= seq.num_registered:
+            return  # the common decode step: no block completed
         hashes = seq.full_block_hashes(self.block_size, seq.num_computed)
-        for i in range(seq.num_registered, len(hashes)):
+        for i in range(seq.num_registered, full):
             self.bm.register(seq.block_table[i], hashes[i])
-        seq.num_registered = len(hashes)
+        seq.num_registered = full
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -198,7 +199,7 @@ class Scheduler:
         if not self.enable_prefix_caching:
             return []
         limit = seq.num_tokens - 1 if leave_one else seq.num_tokens
-        return self.bm.match_prefix(seq.full_block_hashes(self.block_size, limit))
+        return self.bm.match_prefix(seq.full_block_hashes(self.block_size, limit)[:limit // self.block_size])
 
     def _take_blocks(self, seq: Sequence, hit: list[int], *, watermark: int) -> bool:
         """Blocks for all of ``seq``'s tokens: the cached ``hit`` prefix plus fresh ones."""

@@ -60,13 +60,14 @@ class Sequence:
         return self.tokens[self.num_prompt_tokens:]
 
     def full_block_hashes(self, block_size: int, upto_tokens: int | None = None) -> list[int]:
-        """Chained hashes of the full blocks among the first ``upto_tokens`` tokens (default: all)."""
+        """Chained hashes of (at least) the full blocks among the first ``upto_tokens`` tokens (default:
+        all), computed once and cached; index it, or slice to ``upto_tokens // block_size``."""
         n = (self.num_tokens if upto_tokens is None else upto_tokens) // block_size
         parent = self.hashes[-1] if self.hashes else ROOT_HASH
         for i in range(len(self.hashes), n):
             parent = hash_block(parent, self.tokens[i * block_size:(i + 1) * block_size])
             self.hashes.append(parent)
-        return self.hashes[:n]
+        return self.hashes
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

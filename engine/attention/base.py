@@ -81,5 +81,6 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """Once per layer. ``q [T, heads, head_dim]``, ``k``/``v [T, kv_heads, head_dim]`` (RoPE applied);
-        stores ``k``/``v`` into ``kv_layer`` and returns ``[T, heads, head_dim]``."""
+        """Once per layer. ``q [T, heads, head_dim]``, ``k``/``v [T, kv_heads, head_dim]`` (RoPE applied;
+        ``v`` may be a strided view, last dim contiguous); stores ``k``/``v`` into ``kv_layer`` and
+        returns ``[T, heads, head_dim]``."""

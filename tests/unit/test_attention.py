@@ -160,3 +160,22 @@ def test_plan_rejects_a_short_block_table():
         backend.plan(BatchSpec(query_lens=[3], context_lens=[2], block_tables=[[0]]))
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("nope", device="cpu", num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
+
+
+def test_fused_projections_keep_hf_names_and_results():
+    model = make_model("qwen2-bias-linear-rope")
+    names = {k: v.clone() for k, v in model.state_dict().items()}
+    seqs = random_seqs(dict(a=13, b=5), model.config.vocab_size, seed=4)
+    steps = [[("a", 13), ("b", 5)]]
+    plain = PagedRunner(model, seqs).step(steps[0])
+    model.fuse_projections()
+    assert model.model.layers[0].self_attn.fused is not None
+    fused_state = model.state_dict()
+    assert fused_state.keys() == names.keys()
+    assert all(torch.equal(fused_state[k], names[k]) for k in names)
+    fused = PagedRunner(model, seqs).step(steps[0])
+    for s in seqs:
+        assert (plain[s] - fused[s]).abs().max().item() <= 1e-5
+    check_against_reference(model, PagedRunner(model, seqs), steps)
+    model.to(dtype=torch.bfloat16)  # moving parameters drops the fused copies instead of going stale
+    assert all(layer.self_attn.fused is None and layer.mlp.fused is None for layer in model.model.layers)
