@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import select
 import socket
 
 from .errors import (
@@ -38,35 +39,45 @@ log = logging.getLogger("kvtransfer.tx")
 _IOV_MAX = 512
 
 
-async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    fut = loop.create_future()
-    fd = sock.fileno()
-    loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
-    try:
-        await fut
-    finally:
-        loop.remove_writer(fd)
+def _advance(views: list[memoryview], i: int, sent: int) -> int:
+    while sent:
+        head = views[i]
+        if sent >= len(head):
+            sent -= len(head)
+            i += 1
+        else:
+            views[i] = head[sent:]
+            sent = 0
+    return i
 
 
-async def sendmsg_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, bufs: list) -> None:
-    """Write every buffer with scatter-gather sendmsg, never copying them (the loop's own sock_sendall
-    would, for what does not fit in the socket buffer at once)."""
-    views = [memoryview(b).cast("B") for b in bufs if len(b)]
-    i = 0
+def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int) -> None:
+    """Finish a frame from a worker thread: sendmsg, and poll() for room when the socket buffer is full.
+    Both release the GIL, so a large payload costs the event loop nothing while it drains."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
     while i < len(views):
         try:
             sent = sock.sendmsg(views[i:i + _IOV_MAX])
         except (BlockingIOError, InterruptedError):
-            await _writable(loop, sock)
+            for _fd, ev in poller.poll(1000):
+                if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                    raise ConnectionResetError("socket closed while sending")
             continue
-        while sent:
-            head = views[i]
-            if sent >= len(head):
-                sent -= len(head)
-                i += 1
-            else:
-                views[i] = head[sent:]
-                sent = 0
+        i = _advance(views, i, sent)
+
+
+async def sendmsg_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, bufs: list) -> None:
+    """Write every buffer with scatter-gather sendmsg, never copying them (the loop's own sock_sendall
+    would, for what does not fit in the socket buffer at once). What does not go out at once -- a large
+    payload -- is finished by a worker thread instead of one event-loop wake-up per socket-buffer fill."""
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    try:
+        i = _advance(views, 0, sock.sendmsg(views[:_IOV_MAX]))
+    except (BlockingIOError, InterruptedError):
+        i = 0
+    if i < len(views):
+        await loop.run_in_executor(None, _sendmsg_blocking, sock, views, i)
 
 
 class Peer:
@@ -183,18 +194,36 @@ class Peer:
         return fut
 
     async def send_frame(self, msg: Msg, meta: dict, payload: list | None = None, payload_len: int = 0) -> None:
-        """Write one whole frame. A frame interrupted halfway poisons the stream: the peer is closed."""
+        await self.send_frames([(msg, meta, payload, payload_len)])
+
+    async def send_frames(self, frames: list[tuple[Msg, dict, list | None, int]]) -> None:
+        """Write whole frames, several per sendmsg while their payload stays within max_frame_bytes (a
+        small one-shot transfer is one write: BEGIN + DATA + END). Frames of concurrent transfers
+        interleave between writes. A write interrupted halfway poisons the stream: the peer is closed."""
+        limit = self.t.config.max_frame_bytes
+        batch: list = []
+        size = 0
+        for msg, meta, payload, payload_len in frames:
+            if batch and size + payload_len > limit:
+                await self._write(batch)
+                batch, size = [], 0
+            batch.append(encode(msg, meta, payload_len))
+            batch.extend(payload or ())
+            size += payload_len
+        if batch:
+            await self._write(batch)
+
+    async def _write(self, bufs: list) -> None:
         if self.closed:
             raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
-        head = encode(msg, meta, payload_len)
         async with self._lock:
             if self.closed:
                 raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
-            task = self.loop.create_task(sendmsg_all(self.loop, self.sock, [head, *(payload or ())]))
+            task = self.loop.create_task(sendmsg_all(self.loop, self.sock, bufs))
             try:
                 await asyncio.shield(task)
             except asyncio.CancelledError:
-                # Let the frame finish (the stream must stay in sync) unless it is stuck.
+                # Let the write finish (the stream must stay in sync) unless it is stuck.
                 try:
                     await asyncio.wait_for(task, 2.0)
                 except BaseException:

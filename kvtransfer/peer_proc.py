@@ -116,6 +116,9 @@ class PeerProcess:
             while len(box) < 3:
                 await asyncio.sleep(0.005)
             return {"port": box[2]}
+        if op == "cpu":
+            times = os.times()
+            return {"cpu_s": times.user + times.system}
         if op == "exit":
             for t in self.transports.values():
                 await t.close()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import select
 import socket
 
 from .errors import ProtocolError, TransferError, error_to_wire
@@ -20,6 +22,38 @@ from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
 
 log = logging.getLogger("kvtransfer.rx")
 _SCRATCH = 1 << 20
+# Payloads at least this large are received by a worker thread (reading paused on the event loop):
+# one readv() per socket-buffer fill, GIL released, instead of one loop iteration per recv.
+_THREAD_MIN = 1 << 20
+_IOV_MAX = 512
+
+
+def _readv_all(fd: int, views: list[memoryview], stop: list[bool]) -> None:
+    """Fill views from a (non-blocking) socket fd owned by the caller; raise on EOF/reset/stop."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    views = list(views)
+    i = 0
+    while i < len(views):
+        try:
+            got = os.readv(fd, views[i:i + _IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            for _fd, ev in poller.poll(100):
+                if ev & select.POLLNVAL:
+                    raise ConnectionResetError("socket closed while receiving")
+            if stop[0]:
+                raise ConnectionAbortedError("connection closed locally while receiving")
+            continue
+        if got == 0:
+            raise ConnectionResetError("sender closed the connection mid-frame")
+        while got:
+            head = views[i]
+            if got >= len(head):
+                got -= len(head)
+                i += 1
+            else:
+                views[i] = head[got:]
+                got = 0
 
 
 class RxConnection(asyncio.BufferedProtocol):
@@ -40,6 +74,8 @@ class RxConnection(asyncio.BufferedProtocol):
         self._ctx = None
         self._discard = 0
         self._scratch: memoryview | None = None
+        self._fd: int | None = None
+        self._stop = [False]
 
     # -- asyncio callbacks -------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -48,6 +84,8 @@ class RxConnection(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         if sock is not None:
+            # A private dup, so a worker thread never reads a reused fd number after asyncio closes its own.
+            self._fd = os.dup(sock.fileno())
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.rx.config.socket_buffer_bytes:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rx.config.socket_buffer_bytes)
@@ -55,6 +93,10 @@ class RxConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self._stop[0] = True
+        if self._fd is not None and self._state != "thread":
+            os.close(self._fd)
+            self._fd = None
         self.rx.conns.discard(self)
         for fut in self.abort_acks.values():
             if not fut.done():
@@ -132,9 +174,30 @@ class RxConnection(asyncio.BufferedProtocol):
             return
         self._ti, self._pos = 0, 0
         self._state = "payload" if self._targets else "header"
+        if self._payload_len >= _THREAD_MIN and self._fd is not None:
+            self._state = "thread"
+            self.transport.pause_reading()
+            fut = asyncio.get_running_loop().run_in_executor(None, _readv_all, self._fd, self._targets, self._stop)
+            fut.add_done_callback(self._thread_done)
         if not self._targets:
             ctx, self._ctx = self._ctx, None
             self.rx.on_data_complete(self, ctx)
+
+    def _thread_done(self, fut: asyncio.Future) -> None:
+        exc = fut.exception()
+        ctx, self._ctx, self._targets = self._ctx, None, []
+        self._reset()
+        if self.closed:  # connection_lost ran meanwhile and left the fd to us
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            return
+        if exc is not None:
+            log.warning("kvtransfer: connection from %s broke mid-frame: %s", self.peer, exc)
+            self.close()
+            return
+        self.transport.resume_reading()
+        self.rx.on_data_complete(self, ctx)
 
     # -- replies -----------------------------------------------------------------------------------
     def send(self, msg: Msg, meta: dict) -> None:

@@ -166,9 +166,11 @@ class SendHandle:
         if peer.backend == "nixl":
             meta["agent"] = self.t.nixl.name
         self._began = True
+        if peer.backend == "tcp":
+            await self._run_tcp(peer, meta)
+            return
         await peer.send_frame(Msg.BEGIN, meta)
-        if peer.backend == "nixl":
-            await self._begin_ok
+        await self._begin_ok
         while True:
             op = await self._ops.get()
             if op is _FINISH:
@@ -182,22 +184,44 @@ class SendHandle:
         self.state = "completing"
         await self._done
 
+    async def _run_tcp(self, peer, begin: dict) -> None:
+        # BEGIN is not acknowledged on TCP: the receiver checks it before taking any DATA of the request,
+        # so it rides along with the first data (one write for a small one-shot transfer).
+        pending = [(Msg.BEGIN, begin, None, 0)]
+        while True:
+            op = self._ops.get_nowait() if not self._ops.empty() else None
+            if op is None:
+                if pending:
+                    await peer.send_frames(pending)
+                    pending = []
+                op = await self._ops.get()
+            final = op is _FINISH or op[2]
+            frames = pending + ([] if op is _FINISH else self._tcp_frames(op[1]))
+            pending = []
+            if final:
+                frames.append((Msg.END, {"rid": self.request_id, "nbytes": self.nbytes}, None, 0))
+            await peer.send_frames(frames)
+            if final:
+                break
+        self.state = "completing"
+        await self._done
+
+    def _tcp_frames(self, layers: tuple[int, ...]) -> list:
+        bb, mem, frames = self.t.layout.block_bytes, self.t.memory, []
+        for frame in plan_segments(layers, self.runs, bb, self.t.config.max_frame_bytes):
+            segs = [(mem.offset(layer, s), n * bb, layer) for layer, s, _d, n in frame]
+            views = mem.send_views(segs)
+            meta = {"rid": self.request_id, "segs": [[layer, d, n] for layer, _s, d, n in frame]}
+            if self.t.config.checksum:
+                crc = 0
+                for v in views:
+                    crc = zlib.crc32(v, crc)
+                meta["crc"] = crc
+            frames.append((Msg.DATA, meta, views, sum(len(v) for v in views)))
+        return frames
+
     async def _send_layers(self, peer, layers: tuple[int, ...], final: bool) -> None:
-        bb = self.t.layout.block_bytes
-        mem = self.t.memory
-        if peer.backend == "tcp":
-            for frame in plan_segments(layers, self.runs, bb, self.t.config.max_frame_bytes):
-                segs = [(mem.offset(layer, s), n * bb, layer) for layer, s, _d, n in frame]
-                views = mem.send_views(segs)
-                meta = {"rid": self.request_id, "segs": [[layer, d, n] for layer, _s, d, n in frame]}
-                if self.t.config.checksum:
-                    crc = 0
-                    for v in views:
-                        crc = zlib.crc32(v, crc)
-                    meta["crc"] = crc
-                await peer.send_frame(Msg.DATA, meta, views, sum(len(v) for v in views))
-            return
-        rnb = peer.num_blocks
+        bb, mem, rnb = self.t.layout.block_bytes, self.t.memory, peer.num_blocks
         regions = merge_regions(
             (mem.offset(layer, s), (layer * rnb + d) * bb, n * bb) for layer in layers for s, d, n in self.runs)
         if not regions:
@@ -210,9 +234,6 @@ class SendHandle:
         self._xfers.append(handle)
 
     async def _finish(self, peer, notified: bool) -> None:
-        if peer.backend == "tcp":
-            await peer.send_frame(Msg.END, {"rid": self.request_id, "nbytes": self.nbytes})
-            return
         nixl, interval = self.t.nixl, self.t.config.nixl_poll_interval_s
         for handle in list(self._xfers):
             while (state := nixl.state(handle)) == "PROC":
