@@ -352,6 +352,7 @@ def test_env_matches_the_serve_settings_contract(preset: str) -> None:
         env = env_of(c)
         assert env["PDSERVE_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert env["PDSERVE_WORKER_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env["PDSERVE_BLOCK_SIZE"] == "16"  # router hashes prefixes with the workers' block size
 
 
 @pytest.mark.parametrize("preset", PRESETS)
