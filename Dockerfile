@@ -17,12 +17,14 @@ FROM ${CPU_BASE} AS base-cpu
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 FROM ${CUDA_BASE} AS base-cuda
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 
 # ---- build: a self-contained virtualenv in /opt/venv --------------------------------------------------
+# hadolint ignore=DL3006
 FROM base-${VARIANT} AS build
 ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -43,6 +45,7 @@ RUN pip install ".[nixl]" "kubernetes>=29" \
  && pdserve --version
 
 # ---- runtime ------------------------------------------------------------------------------------------
+# hadolint ignore=DL3006
 FROM base-${VARIANT} AS runtime
 ARG VARIANT
 LABEL org.opencontainers.image.title="pdserve" \
