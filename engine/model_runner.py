@@ -42,8 +42,17 @@ class ModelRunner:
         self.kv_cache = layout.allocate(num_blocks, device=device)
         self.backend = get_backend(attention_backend, device=device, num_heads=cfg.num_heads,
                                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                   block_size=layout.block_size, sliding_window=cfg.sliding_window)
+                                   block_size=layout.block_size, sliding_window=cfg.sliding_window,
+                                   dtype=layout.torch_dtype)
         self.sampler = Sampler(device, seed=seed)
+        self.cuda_graphs = None  # engine.cuda_graphs.DecodeGraphRunner once enable_cuda_graphs() captured
+
+    def enable_cuda_graphs(self, *, max_batch: int, max_model_len: int) -> None:
+        """Capture decode CUDA graphs when the backend can be captured on CUDA (see engine.cuda_graphs)."""
+        from engine.cuda_graphs import maybe_runner
+
+        self.cuda_graphs = maybe_runner(self.model, self.backend, self.kv_cache, max_batch=max_batch,
+                                        max_model_len=max_model_len)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.int64)
@@ -60,8 +69,11 @@ class ModelRunner:
         spec = BatchSpec(query_lens=[s.num_tokens for s in batch],
                          context_lens=[s.context_len for s in batch],
                          block_tables=[s.seq.block_table for s in batch])
-        meta = self.backend.plan(spec)
-        hidden = self.model(self._to_device(input_ids), meta.positions, self.kv_cache, meta)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(spec):
+            hidden = self.cuda_graphs.run(input_ids, spec)  # a replayed decode graph: [n, hidden]
+        else:
+            meta = self.backend.plan(spec)
+            hidden = self.model(self._to_device(input_ids), meta.positions, self.kv_cache, meta)
 
         samplers = [s for s in batch if s.samples]
         if not samplers:

@@ -10,13 +10,21 @@ from engine.attention.torch_backend import TorchAttentionBackend
 BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
 
 
-def get_backend(name: str, *, device: torch.device | str, **kwargs) -> AttentionBackend:
-    """``name``: ``"torch"`` or ``"auto"`` (the best registered backend for ``device``)."""
+def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype | None = None,
+                **kwargs) -> AttentionBackend:
+    """``name``: ``"torch"``, ``"flashinfer"`` or ``"auto"`` (the best backend for ``device``: flashinfer
+    on CUDA when it imports and supports the model's ``dtype``/head_dim, else torch)."""
+    from engine.attention import flashinfer_backend as fib  # imports flashinfer lazily
+
     if name == "auto":
-        name = "torch"  # flashinfer registers here when present, for CUDA devices
+        fits = dtype is not None and fib.supports(head_dim=kwargs.get("head_dim", 0), dtype=dtype)
+        name = "flashinfer" if torch.device(device).type == "cuda" and fits and fib.flashinfer_available() \
+            else "torch"
+    if name == "flashinfer":
+        return fib.FlashInferAttentionBackend(device=device, dtype=dtype, **kwargs)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} "
-                         f"(available: auto, {', '.join(sorted(BACKENDS))})")
+                         f"(available: auto, flashinfer, {', '.join(sorted(BACKENDS))})")
     return BACKENDS[name](device=device, **kwargs)
 
 

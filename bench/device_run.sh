@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The one script a device lease runs (see docs/gpu.md). Usage, from the repository root:
+#
+#   bash bench/device_run.sh [smoke] [tests] [bench] [-- extra bench/gpu.py args]
+#
+# It installs the carried, slimmed wheels (.whl/slim, made by bench/slim_wheels.py) into /tmp/site,
+# restores a carried flashinfer JIT cache (.whl/jit/*.tar.xz) when there is one, records the machine
+# (GPU, driver, CUDA, torch), then runs the steps named on the command line:
+#   smoke  import flashinfer and nixl, JIT-build the attention kernels, one NIXL VRAM agent
+#   tests  pytest -m gpu tests/gpu (for real: CUDA is there)
+#   bench  python3 bench/gpu.py (writes bench/results/gpu-<device>-<date>.json)
+# Everything worth keeping goes to $OUT (logs, JSON, the compiled JIT kernels as one .tar.xz).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# Multicast over NVLink stays off on shared hosts (KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+export FLASHINFER_DISABLE_VERSION_CHECK=1
+
+t0=$(date +%s)
+export PDSERVE_BENCH_COMMAND="bash bench/device_run.sh $*"
+log() { echo "[device_run +$(( $(date +%s) - t0 ))s] $*"; }
+
+install() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/slim/*.whl 2>&1 | grep -v -i "warning" | tail -5
+    # kvtransfer imports `nixl_cu12` or the `nixl` meta-package's `nixl._api`; the cu13 wheel is
+    # `nixl_cu13`, so give it the meta-package's name.
+    mkdir -p /tmp/site/nixl
+    echo "from nixl_cu13._api import *  # noqa" >/tmp/site/nixl/_api.py
+    echo "from nixl_cu13 import *  # noqa" >/tmp/site/nixl/__init__.py
+    export PYTHONPATH=/tmp/site:$PWD
+    # libcudart.so.13 for nixl's UCX plugin comes from the CUDA runtime wheel next to torch.
+    local cudart
+    cudart=$(python3 -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))" 2>/dev/null)
+    for d in "$cudart"/nvidia/cu13/lib "$cudart"/nvidia/cuda_runtime/lib /usr/local/cuda/lib64; do
+        [ -d "$d" ] && export LD_LIBRARY_PATH=$d:${LD_LIBRARY_PATH:-}
+    done
+    if ls .whl/jit/*.tar.xz >/dev/null 2>&1; then
+        mkdir -p "$FLASHINFER_WORKSPACE_BASE" && for f in .whl/jit/*.tar.xz; do tar -xJf "$f" -C "$FLASHINFER_WORKSPACE_BASE"; done
+        log "restored flashinfer JIT cache: $(du -sh $FLASHINFER_WORKSPACE_BASE | cut -f1)"
+    fi
+}
+
+machine() {
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/machine.txt"
+    nvidia-smi topo -m 2>/dev/null | head -8 | tee -a "$OUT/machine.txt"
+    nvcc --version | tail -2 | tee -a "$OUT/machine.txt"
+    python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, \
+'gpus', torch.cuda.device_count())" | tee -a "$OUT/machine.txt"
+}
+
+save_jit() {
+    # The compiled kernels (.so) only; the generated sources are rebuilt cheaply from the package.
+    local base=$FLASHINFER_WORKSPACE_BASE
+    [ -d "$base/.cache" ] || return 0
+    (cd "$base" && find .cache -name "*.so" | tar -cf - -T - | xz -T8 -6 >"$OUT/jit.tar.xz")
+    log "JIT cache: $(du -sh $OUT/jit.tar.xz | cut -f1) (xz); carry it back as .whl/jit/jit.tar.xz"
+}
+
+steps=()
+extra=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --) shift; extra=("$@"); break ;;
+        *) steps+=("$1"); shift ;;
+    esac
+done
+[ ${#steps[@]} -eq 0 ] && steps=(smoke tests bench)
+
+install
+machine
+rc=0
+for step in "${steps[@]}"; do
+    log "step $step"
+    case "$step" in
+        smoke) python3 bench/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log"; rc=$(( rc | $? )) ;;
+        tests) python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -o addopts="" -rs --timeout 900 2>&1 \
+                   | tee "$OUT/tests.log"; rc=$(( rc | $? )) ;;
+        bench) python3 bench/gpu.py --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/bench.log"; rc=$(( rc | $? )) ;;
+        *) echo "unknown step $step"; rc=2 ;;
+    esac
+    log "step $step done (rc so far $rc)"
+done
+save_jit
+exit $rc

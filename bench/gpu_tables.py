@@ -1,0 +1,91 @@
+"""Tables of a ``bench/gpu.py`` result: printed, and written as markdown next to the JSON."""
+
+from __future__ import annotations
+
+
+def _f(x, fmt="{:.2f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def markdown(r: dict) -> str:
+    d = r["device"]
+    c = r.get("ceilings") or {}
+    out = [
+        f"# GPU benchmark: {d['name']} x{d['count']}",
+        "",
+        f"driver {d['driver']}, torch {d['torch']} (CUDA {d['cuda']}), date {r['date']}",
+        "",
+        f"command: `{r['command']}`",
+        "",
+        f"ceilings (same run): copy {_f(c.get('copy_GBps'), '{:.0f}')} GB/s (read+write), "
+        f"bf16 matmul {_f(c.get('matmul_bf16_TFLOPs'), '{:.0f}')} TFLOP/s",
+        "",
+    ]
+    rf = r.get("roofline")
+    if rf:
+        out += [
+            "## Roofline: decode step (CUDA graph) vs HBM bound",
+            "",
+            "| batch | context | step ms | HBM bound ms | fraction | wall ms | eager ms | tok/s |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for x in rf["decode"]:
+            out.append(
+                f"| {x['batch']} | {x['context']} | {x['step_ms']:.2f} | {x['hbm_bound_ms']:.2f} | "
+                f"{x['fraction_of_bound']:.1%} | {x['step_wall_ms']:.2f} | {_f(x.get('eager_step_ms'))} | "
+                f"{x['tokens_per_s']:.0f} |"
+            )
+        p = rf["prefill"]
+        out += [
+            "",
+            f"Prefill {p['tokens']} tokens: {p['ms']:.1f} ms, {p['TFLOPs']:.0f} TFLOP/s = "
+            f"{p['fraction_of_matmul_peak']:.1%} of the measured matmul rate (goal 55%).",
+            "",
+        ]
+    t = r.get("transfer")
+    if t:
+        out += [
+            f"## Transfer: {t['tokens']}-token KV ({t['bytes'] / 2**20:.0f} MiB) GPU{t['src_device']} -> "
+            f"GPU{t['dst_device']}",
+            "",
+            "| path | ms | GB/s | vs direct copy | byte-exact |",
+            "|---|---:|---:|---:|---|",
+            f"| direct copy | {t['direct_copy']['seconds'] * 1e3:.2f} | "
+            f"{t['direct_copy']['GBps']:.1f} | 100% | - |",
+        ]
+        for k in ("nixl", "tcp"):
+            x = t.get(k) or {}
+            if "error" in x:
+                out.append(f"| {k} | error: {x['error'][:80]} | | | |")
+            elif x:
+                out.append(
+                    f"| {k} | {x['seconds'] * 1e3:.2f} | {x['GBps']:.1f} | "
+                    f"{x['fraction_of_direct_copy']:.1%} | {x['byte_exact']} |"
+                )
+        out.append("")
+    h = r.get("transformers")
+    if h:
+        out += [
+            "## Single-request decode vs transformers",
+            "",
+            f"pdserve {h['pdserve_tokens_per_s']:.1f} tok/s, "
+            f"transformers {h['transformers_version']} generate "
+            f"({h['transformers_attn']}) {h['transformers_tokens_per_s']:.1f} tok/s: "
+            f"{h['ratio_pdserve_over_transformers']:.2f}x",
+            "",
+        ]
+    dv = r.get("disagg_vs_colocated")
+    if dv:
+        out += ["## Disaggregated vs colocated", ""]
+        if dv.get("status") == "not run":
+            out.append(f"not run: {dv.get('reason')}")
+        else:
+            out += dv.get("markdown", [])
+        out.append("")
+    return "\n".join(out)
+
+
+def print_tables(r: dict) -> str:
+    text = markdown(r)
+    print(text)
+    return text

@@ -1,0 +1,161 @@
+"""CUDA graphs for decode steps: one captured forward per batch-size bucket, replayed every step.
+
+A decode step of an 8B model is ~1,300 small kernels; launched one by one from Python the launch
+gaps, not the GPU, bound small batches. Capturing the model's forward once per bucket and replaying
+it removes them. Lifecycle::
+
+    runner = DecodeGraphRunner(model, backend, kv_cache, max_batch=64, max_model_len=4096)
+    runner.capture()                  # at start-up, before any request: largest bucket first,
+                                      # one memory pool shared by all buckets
+    if runner.can_run(spec):          # every sequence has one query token, batch <= max_batch
+        hidden = runner.run(input_ids, spec)   # [n, hidden]: fill static inputs, plan, replay
+
+``run`` does host work and ``non_blocking`` copies from pinned staging only (token ids, positions,
+cache slots, page tables into static device buffers, then flashinfer's ``plan``), so nothing inside
+a decode step waits on the device; the caller's read of the sampled tokens is the step's one sync,
+and it is what makes reusing the pinned staging next step safe. A batch of ``n`` sequences runs in
+the smallest bucket ``>= n``; padding rows are harmless (see ``FlashInferAttentionBackend``).
+
+Only backends with ``graph_state``/``plan_graph`` (flashinfer) can be captured; ``maybe_runner``
+returns None for the others, on CPU, or when ``PDSERVE_CUDA_GRAPHS=0``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackend, BatchSpec
+
+log = logging.getLogger(__name__)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CudaGraphConfig:
+    max_batch: int = 64
+    max_model_len: int = 4096
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+
+    def __post_init__(self) -> None:
+        if self.max_batch <= 0 or self.max_model_len <= 0:
+            raise ValueError("CudaGraphConfig.max_batch and max_model_len must be positive")
+        if any(b <= 0 for b in self.buckets):
+            raise ValueError(f"bucket sizes must be positive, got {self.buckets}")
+
+    def sizes(self) -> list[int]:
+        """Buckets up to max_batch, always ending with max_batch itself."""
+        out = sorted({b for b in self.buckets if b < self.max_batch} | {self.max_batch})
+        return out
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    state: object  # the backend's DecodeGraphState
+    input_ids: torch.Tensor  # [B] int64, static
+    ids_host: torch.Tensor  # [B] int64, pinned staging
+    hidden: torch.Tensor  # [B, hidden] output of the captured forward
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        kv_cache: torch.Tensor,
+        config: CudaGraphConfig,
+    ) -> None:
+        if not hasattr(backend, "graph_state"):
+            raise ValueError(f"attention backend {backend.name!r} cannot be captured in a CUDA graph")
+        self.model = model
+        self.backend = backend
+        self.kv_cache = kv_cache
+        self.config = config
+        self.dtype = next(model.parameters()).dtype
+        self.max_blocks = -(-config.max_model_len // backend.block_size)
+        self.graphs: dict[int, _Graph] = {}
+        self.sizes = config.sizes()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one shared memory pool. Run before serving:
+        the warm-up pass writes K/V of a dummy token into block 0."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.backend.device)
+        for b in reversed(self.sizes):
+            state = self.backend.graph_state(b, self.max_blocks)
+            ids = torch.zeros(b, dtype=torch.int64, device=self.backend.device)
+            self.backend.plan_graph(state, None, self.dtype)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up outside the graph (lazy inits, autotuning)
+                self._forward(ids, state)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                hidden = self._forward(ids, state)
+            torch.cuda.synchronize(self.backend.device)
+            self.graphs[b] = _Graph(
+                graph=graph,
+                state=state,
+                input_ids=ids,
+                ids_host=torch.zeros(b, dtype=torch.int64).pin_memory(),
+                hidden=hidden,
+            )
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _forward(self, ids: torch.Tensor, state) -> torch.Tensor:
+        meta = state.meta
+        return self.model(ids, meta.positions, self.kv_cache, meta)
+
+    def bucket(self, n: int) -> int | None:
+        for b in self.sizes:
+            if b >= n:
+                return b
+        return None
+
+    def can_run(self, spec: BatchSpec) -> bool:
+        if not self.graphs or spec.num_seqs > self.sizes[-1] or any(q != 1 for q in spec.query_lens):
+            return False
+        bs = self.backend.block_size
+        return max(c + 1 for c in spec.context_lens) <= self.max_blocks * bs
+
+    @torch.inference_mode()
+    def run(self, input_ids: list[int], spec: BatchSpec) -> torch.Tensor:
+        """Replay the bucket's graph for a decode batch; returns ``hidden [n, hidden]`` (a view of
+        the graph's static output, valid until the next ``run``)."""
+        n = spec.num_seqs
+        g = self.graphs[self.bucket(n)]
+        self.backend.plan_graph(g.state, spec, self.dtype)
+        host = g.ids_host.numpy()
+        host[:n] = input_ids
+        host[n:] = 0
+        g.input_ids.copy_(g.ids_host, non_blocking=True)
+        g.graph.replay()
+        return g.hidden[:n]
+
+
+def maybe_runner(
+    model: torch.nn.Module,
+    backend: AttentionBackend,
+    kv_cache: torch.Tensor,
+    *,
+    max_batch: int,
+    max_model_len: int,
+    capture: bool = True,
+) -> DecodeGraphRunner | None:
+    """A captured runner when the backend supports graphs on CUDA and ``PDSERVE_CUDA_GRAPHS`` is not
+    ``0``; None otherwise (the caller runs eagerly)."""
+    if os.environ.get("PDSERVE_CUDA_GRAPHS", "1") == "0":
+        return None
+    if backend.device.type != "cuda" or not hasattr(backend, "graph_state"):
+        return None
+    runner = DecodeGraphRunner(
+        model, backend, kv_cache, CudaGraphConfig(max_batch=max_batch, max_model_len=max_model_len)
+    )
+    if capture:
+        runner.capture()
+    return runner

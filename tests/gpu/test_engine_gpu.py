@@ -1,0 +1,60 @@
+"""LLMEngine on the GPU: "auto" picks flashinfer for bf16 models (torch for float32), decode steps run
+through captured CUDA graphs, and generation through graphs equals generation without them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+def _engine(path, **kw) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(path), device="cuda", num_blocks=256, max_num_seqs=8, max_num_batched_tokens=512, **kw
+        )
+    )
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = random.Random(11)
+    return [[g.randrange(3, vocab) for _ in range(n)] for n in (3, 17, 40, 64, 100, 9)]
+
+
+def test_auto_backend_choice(make_checkpoint):
+    bf16 = _engine(make_checkpoint(preset="small", dtype="bfloat16"))
+    assert bf16.runner.backend.name == "flashinfer"
+    assert bf16.runner.cuda_graphs is not None and bf16.runner.cuda_graphs.graphs
+    fp32 = _engine(make_checkpoint(preset="small"))
+    assert fp32.runner.backend.name == "torch" and fp32.runner.cuda_graphs is None
+
+
+def test_generate_with_cuda_graphs_equals_eager(make_checkpoint, monkeypatch):
+    path = make_checkpoint(preset="small", dtype="bfloat16")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    graphed = _engine(path)
+    replays = []
+    run = graphed.runner.cuda_graphs.run
+    graphed.runner.cuda_graphs.run = lambda ids, spec: (replays.append(len(ids)), run(ids, spec))[1]
+    prompts = _prompts(graphed.model_config.vocab_size)
+    out_graph = graphed.generate(prompts, params)
+    assert replays, "no decode step went through a CUDA graph"
+    monkeypatch.setenv("PDSERVE_CUDA_GRAPHS", "0")
+    eager = _engine(path)
+    assert eager.runner.cuda_graphs is None
+    out_eager = eager.generate(prompts, params)
+    assert out_graph == out_eager
+    assert all(len(o) == 24 for o in out_graph)
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "torch"])
+def test_explicit_backends_generate(make_checkpoint, backend):
+    eng = _engine(make_checkpoint(preset="small", dtype="bfloat16"), attention_backend=backend)
+    assert eng.runner.backend.name == backend
+    out = eng.generate(
+        _prompts(eng.model_config.vocab_size)[:3], SamplingParams(max_tokens=8, ignore_eos=True)
+    )
+    assert [len(o) for o in out] == [8, 8, 8]
