@@ -85,16 +85,26 @@ async def bench_backend(name: str, tokens: list[int], quick: bool) -> list[dict]
             nbytes = nblocks * LLAMA8B.block_bytes * LLAMA8B.num_layers
             iters = _iters(nbytes, quick)
             secs, sock, mem, backend = [], [], [], None
+            cpu = {"kv": 0.0, "raw": 0.0}
             # Interleaved (transfer, socket blast, memcpy) rounds, so that on a shared machine every
-            # method sees the same background load; medians (and best cases) are reported.
+            # method sees the same background load; medians (and best cases) are reported, plus the CPU
+            # seconds both processes spent per GB (a load-independent efficiency figure).
             for i in range(iters):
+                c0 = await _cpu(rx, tx)
                 got, backend = await _timed(rx, tx, r["tid"], t["tid"], endpoint, nblocks, 1, f"{name}-{ntok}-{i}")
+                c1 = await _cpu(rx, tx)
+                cpu["kv"] += c1 - c0
                 secs += got
                 if raw is not None:
                     sock += (await tx.call("raw_send", tid=t["tid"], host="127.0.0.1", port=raw["port"],
                                            nbytes=nbytes, iters=1, wait_s=900))["seconds"]
+                    cpu["raw"] += await _cpu(rx, tx) - c1
                 mem += memcpy_seconds(nbytes, 1)
-            rows.append(_row(name, backend, ntok, nbytes, iters, secs, mem, sock or None))
+            row = _row(name, backend, ntok, nbytes, iters, secs, mem, sock or None)
+            gb = nbytes * iters / 1e9
+            row["cpu_s_per_gb"] = round(cpu["kv"] / gb, 3)
+            row["socket_cpu_s_per_gb"] = round(cpu["raw"] / gb, 3) if raw is not None else None
+            rows.append(row)
             print(_fmt(rows[-1]), flush=True)
     finally:
         await tx.close()
@@ -112,6 +122,11 @@ async def _timed(rx, tx, rtid, ttid, endpoint, nblocks, iters, tag):
     for rid in rids:
         await rx.call("wait", tid=rtid, rid=rid)
     return reply["seconds"], reply["backend"]
+
+
+async def _cpu(rx, tx) -> float:
+    a, b = await asyncio.gather(rx.call("cpu"), tx.call("cpu"))
+    return a["cpu_s"] + b["cpu_s"]
 
 
 def _gbps(nbytes: int, secs: list[float] | None) -> float | None:
@@ -133,16 +148,17 @@ def _row(name, backend, ntok, nbytes, iters, secs, mem, sock) -> dict:
 
 
 _HEAD = (f"{'backend':<13} {'tokens':>6} {'MiB':>7} {'GB/s':>7} {'base':>6} {'base GB/s':>9} {'ratio':>6} "
-         f"{'best':>6} {'p50 ms':>9} {'min ms':>9} {'memcpy':>7} {'socket':>7}")
+         f"{'best':>6} {'p50 ms':>9} {'min ms':>9} {'memcpy':>7} {'socket':>7} {'cpu/GB':>7} {'sock cpu/GB':>11}")
 
 
 def _fmt(r: dict) -> str:
     def f(v, spec):
-        return format(v, spec) if v is not None else format("-", spec[:-4] if "." in spec else spec)
+        return format(v, spec) if v is not None else format("-", spec.split(".")[0])
     return (f"{r['backend']:<13} {r['tokens']:>6} {r['bytes'] / 2**20:>7.1f} {f(r['gbps'], '>7.3f')} "
             f"{r['baseline']:>6} {f(r['baseline_gbps'], '>9.3f')} {f(r['ratio'], '>6.2f')} {f(r['ratio_best'], '>6.2f')} "
             f"{r['latency_ms_p50']:>9.3f} {r['latency_ms_min']:>9.3f} {f(r['memcpy_gbps'], '>7.2f')} "
-            f"{f(r['socket_gbps'], '>7.3f')}")
+            f"{f(r['socket_gbps'], '>7.3f')} {f(r.get('cpu_s_per_gb'), '>7.3f')} "
+            f"{f(r.get('socket_cpu_s_per_gb'), '>11.3f')}")
 
 
 async def main_async(args) -> list[dict]:

@@ -33,6 +33,9 @@ class TransportConfig:
     # NIXL backends to instantiate in the agent and how often pending transfers/notifications are polled.
     nixl_backends: tuple[str, ...] = ("UCX",)
     nixl_poll_interval_s: float = 0.0005
+    # NIXL's own progress thread spins (about a quarter of a core per idle agent, measured); without it
+    # the transport's polling (state checks, notification polls) drives UCX progress instead.
+    nixl_progress_thread: bool = False
     agent_name: str | None = None
     # Stage device memory through host buffers on the TCP path even for host tensors (tests the GPU path).
     force_staging: bool = False

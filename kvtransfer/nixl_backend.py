@@ -45,12 +45,13 @@ def import_nixl():
 
 
 class NixlAgent:
-    def __init__(self, name: str, memory: KVMemory, backends: tuple[str, ...] = ("UCX",)) -> None:
+    def __init__(self, name: str, memory: KVMemory, backends: tuple[str, ...] = ("UCX",),
+                 progress_thread: bool = False) -> None:
         agent_cls, config_cls, self.module = import_nixl()
         self.name = name
         self.memory = memory
         try:
-            self.agent = agent_cls(name, config_cls(backends=list(backends)))
+            self.agent = agent_cls(name, config_cls(enable_prog_thread=progress_thread, backends=list(backends)))
         except Exception as exc:
             raise BackendUnavailable(f"NIXL agent creation failed: {type(exc).__name__}: {exc}") from exc
         missing = [b for b in backends if b not in self.agent.backends]

@@ -77,7 +77,7 @@ class KVTransport:
 
             name = config.agent_name or f"pdkv-{socket.gethostname()}-{self.instance[:12]}"
             try:
-                self.nixl = NixlAgent(name, self.memory, config.nixl_backends)
+                self.nixl = NixlAgent(name, self.memory, config.nixl_backends, config.nixl_progress_thread)
             except BackendUnavailable as exc:
                 if config.kind == "nixl":
                     raise
