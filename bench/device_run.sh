@@ -77,9 +77,11 @@ for step in "${steps[@]}"; do
     log "step $step"
     case "$step" in
         smoke) python3 bench/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log"; rc=$(( rc | $? )) ;;
-        tests) python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -o addopts="" -rs --timeout 900 2>&1 \
+        tests) python3 -m pytest -q -m gpu ${PDSERVE_GPU_TESTS:-tests/gpu} -p no:cacheprovider -o addopts="" -rs --timeout 900 2>&1 \
                    | tee "$OUT/tests.log"; rc=$(( rc | $? )) ;;
         bench) python3 bench/gpu.py --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/bench.log"; rc=$(( rc | $? )) ;;
+        disagg-small) python3 bench/gpu_disagg.py "$OUT" small 2>&1 | tee "$OUT/disagg.log"; rc=$(( rc | $? ))
+                      tail -n 30 "$OUT"/disagg-logs/*.log ;;
         *) echo "unknown step $step"; rc=2 ;;
     esac
     log "step $step done (rc so far $rc)"
