@@ -64,7 +64,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return worker_stats(worker_id=w.worker_id, role="decode", incarnation=w.incarnation,
                             engine=w.engine.engine, snapshot=snap, transports=self.transports,
                             kv_endpoint=w.kv.endpoint(), address=self.address, num_leased=len(w.leases),
-                            num_running=snap.num_running + len(w.leases))
+                            # in flight here: leased (waiting for KV) + decoding (from the KV wait on)
+                            num_running=len(w.active) + len(w.leases))
 
 
 def _logprob_list(lps: list) -> list[float]:

@@ -25,6 +25,7 @@ from router.placement import WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 2.0
+REMOVED_GRACE_S = 120.0
 
 
 @dataclass(kw_only=True)
@@ -54,7 +55,7 @@ class WorkerDirectory:
         self.placer = placer
         self.interval = interval
         self._by_addr: dict[str, WorkerHandle] = {}
-        self._changed = asyncio.Event()
+        self._closing: set[asyncio.Task] = set()
 
     # ---- membership -------------------------------------------------------------------------------
     async def set_addresses(self, role: str, addresses: Iterable[str]) -> None:
@@ -62,7 +63,10 @@ class WorkerDirectory:
         for addr, h in list(self._by_addr.items()):
             if h.role == role and addr not in wanted:
                 del self._by_addr[addr]
-                await h.channel.close()
+                # Requests already on this worker (a pool being shrunk) finish over the old channel.
+                task = asyncio.get_running_loop().create_task(h.channel.close(grace=REMOVED_GRACE_S))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
         for addr in wanted:
             if addr not in self._by_addr:
                 channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
@@ -137,3 +141,5 @@ class WorkerDirectory:
         for h in self._by_addr.values():
             await h.channel.close()
         self._by_addr.clear()
+        for task in list(self._closing):
+            task.cancel()

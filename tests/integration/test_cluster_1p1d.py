@@ -215,3 +215,53 @@ def test_cli_client_json_and_error(cluster, capsys) -> None:
     assert main(["client", "--router", cluster.router, "--prompt-ids", "5", "--max-tokens", "0"]) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
     time.sleep(0)  # keep the module's leak check last
+
+
+def _decode_stub(cluster):
+    from pdserve.v1 import decode_pb2_grpc
+
+    decode = next(h for h in cluster.workers if h.role == "decode")
+    return grpc.insecure_channel(decode.address), decode_pb2_grpc.DecodeStub
+
+
+def test_no_kv_blocks_is_resource_exhausted(cluster) -> None:
+    from pdserve.v1 import decode_pb2
+
+    channel, stub_cls = _decode_stub(cluster)
+    with channel:
+        stub = stub_cls(channel)
+        # Hold every decode block with direct reservations (as if many prompts were in flight).
+        held = []
+        for i in range(40):
+            try:
+                stub.Allocate(decode_pb2.AllocateRequest(request_id=f"hog-{i}", prompt_ids=[9 + i] * 256,
+                                                         max_tokens=1, lease_ms=60_000), timeout=10)
+                held.append(f"hog-{i}")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                break
+        assert held and len(held) < 40
+        with Client(cluster.router, timeout=30) as c, pytest.raises(grpc.RpcError) as info:
+            c.generate(prompt_ids=list(range(5, 300)), max_tokens=4)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for rid in held:
+            assert stub.Release(decode_pb2.ReleaseRequest(request_id=rid), timeout=10).found
+        assert not stub.Release(decode_pb2.ReleaseRequest(request_id=held[0]), timeout=10).found
+    stats = cluster.wait_idle(cluster.start_free)
+    assert {w: s.free_blocks for w, s in stats.items()} == cluster.start_free
+
+
+def test_lease_expires_when_prefill_never_delivers(cluster) -> None:
+    from pdserve.v1 import decode_pb2
+
+    channel, stub_cls = _decode_stub(cluster)
+    with channel:
+        stub = stub_cls(channel)
+        stub.Allocate(decode_pb2.AllocateRequest(request_id="orphan", prompt_ids=list(range(5, 60)),
+                                                 max_tokens=4, lease_ms=2000), timeout=10)
+        assert any(s.num_leased == 1 for s in cluster.stats().values())
+        stats = cluster.wait_idle(cluster.start_free)  # the reaper frees it, nobody calls Release
+        assert {w: s.free_blocks for w, s in stats.items()} == cluster.start_free
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Decode(decode_pb2.DecodeRequest(request_id="orphan", first_token_id=5), timeout=10))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
