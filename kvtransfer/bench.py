@@ -91,7 +91,8 @@ async def bench_backend(name: str, tokens: list[int], quick: bool) -> list[dict]
             # seconds both processes spent per GB (a load-independent efficiency figure).
             for i in range(iters):
                 c0 = await _cpu(rx, tx)
-                got, backend = await _timed(rx, tx, r["tid"], t["tid"], endpoint, nblocks, 1, f"{name}-{ntok}-{i}")
+                got, backend = await _timed(rx, tx, r["tid"], t["tid"], endpoint, nblocks, 1,
+                                            f"{name}-{ntok}-{i}")
                 c1 = await _cpu(rx, tx)
                 cpu["kv"] += c1 - c0
                 secs += got
@@ -136,26 +137,30 @@ def _gbps(nbytes: int, secs: list[float] | None) -> float | None:
 def _row(name, backend, ntok, nbytes, iters, secs, mem, sock) -> dict:
     gbps, mem_gbps, sock_gbps = _gbps(nbytes, secs), _gbps(nbytes, mem), _gbps(nbytes, sock)
     best = round(nbytes / min(secs) / 1e9, 3)
-    best_base = round(nbytes / min(mem if name == "nixl" else sock) / 1e9, 3) if (sock or name == "nixl") else None
+    base_secs = mem if name == "nixl" else sock
+    best_base = round(nbytes / min(base_secs) / 1e9, 3) if base_secs else None
     baseline = mem_gbps if name == "nixl" else sock_gbps
     return {"backend": name, "transport_backend": backend, "tokens": ntok, "bytes": nbytes, "iters": iters,
             "gbps": gbps, "baseline": "memcpy" if name == "nixl" else "socket", "baseline_gbps": baseline,
             "ratio": round(gbps / baseline, 3) if baseline else None, "gbps_best": best,
             "baseline_gbps_best": best_base, "ratio_best": round(best / best_base, 3) if best_base else None,
-            "latency_ms_p50": round(statistics.median(secs) * 1e3, 3), "latency_ms_min": round(min(secs) * 1e3, 3),
+            "latency_ms_p50": round(statistics.median(secs) * 1e3, 3),
+            "latency_ms_min": round(min(secs) * 1e3, 3),
             "latency_ms_max": round(max(secs) * 1e3, 3), "memcpy_gbps": mem_gbps, "socket_gbps": sock_gbps,
             "socket_latency_ms_p50": round(statistics.median(sock) * 1e3, 3) if sock else None}
 
 
 _HEAD = (f"{'backend':<13} {'tokens':>6} {'MiB':>7} {'GB/s':>7} {'base':>6} {'base GB/s':>9} {'ratio':>6} "
-         f"{'best':>6} {'p50 ms':>9} {'min ms':>9} {'memcpy':>7} {'socket':>7} {'cpu/GB':>7} {'sock cpu/GB':>11}")
+         f"{'best':>6} {'p50 ms':>9} {'min ms':>9} {'memcpy':>7} {'socket':>7} {'cpu/GB':>7} "
+         f"{'sock cpu/GB':>11}")
 
 
 def _fmt(r: dict) -> str:
     def f(v, spec):
         return format(v, spec) if v is not None else format("-", spec.split(".")[0])
     return (f"{r['backend']:<13} {r['tokens']:>6} {r['bytes'] / 2**20:>7.1f} {f(r['gbps'], '>7.3f')} "
-            f"{r['baseline']:>6} {f(r['baseline_gbps'], '>9.3f')} {f(r['ratio'], '>6.2f')} {f(r['ratio_best'], '>6.2f')} "
+            f"{r['baseline']:>6} {f(r['baseline_gbps'], '>9.3f')} {f(r['ratio'], '>6.2f')} "
+            f"{f(r['ratio_best'], '>6.2f')} "
             f"{r['latency_ms_p50']:>9.3f} {r['latency_ms_min']:>9.3f} {f(r['memcpy_gbps'], '>7.2f')} "
             f"{f(r['socket_gbps'], '>7.3f')} {f(r.get('cpu_s_per_gb'), '>7.3f')} "
             f"{f(r.get('socket_cpu_s_per_gb'), '>11.3f')}")
@@ -182,7 +187,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write rows as a JSON list here")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
-    ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset of " + ",".join(BACKENDS))
+    ap.add_argument("--backends", default=",".join(BACKENDS),
+                    help="comma-separated subset of " + ",".join(BACKENDS))
     args = ap.parse_args(argv)
     rows = asyncio.run(main_async(args))
     if args.json:

@@ -52,7 +52,7 @@ def pair_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, in
     if len(src) != len(dst):
         raise InvalidTransfer(f"{len(src)} source blocks but {len(dst)} destination blocks")
     runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
+    for s, d in zip(src, dst, strict=True):
         if runs:
             s0, d0, n = runs[-1]
             if s == s0 + n and d == d0 + n:

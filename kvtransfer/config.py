@@ -51,7 +51,8 @@ class TransportConfig:
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"TransportConfig.{name} must be > 0, got {value!r}")
         if not (isinstance(self.max_frame_bytes, int) and 4096 <= self.max_frame_bytes <= (1 << 30)):
-            raise ValueError(f"TransportConfig.max_frame_bytes must be in [4 KiB, 1 GiB], got {self.max_frame_bytes}")
+            raise ValueError("TransportConfig.max_frame_bytes must be in [4 KiB, 1 GiB], "
+                             f"got {self.max_frame_bytes}")
         if self.socket_buffer_bytes < 0:
             raise ValueError("TransportConfig.socket_buffer_bytes must be >= 0")
         if self.listen_host in ("0.0.0.0", "::", "") and not self.advertise_host:

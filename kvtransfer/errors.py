@@ -61,9 +61,9 @@ class ProtocolError(TransferError):
     code = "INTERNAL"
 
 
-_BY_NAME = {cls.__name__: cls for cls in (InvalidTransfer, LayoutMismatch, UnknownRequest, PeerUnavailable,
-                                           BackendUnavailable, TransferTimeout, TransferAborted, ProtocolError,
-                                           TransferError)}
+_BY_NAME = {cls.__name__: cls for cls in (
+    InvalidTransfer, LayoutMismatch, UnknownRequest, PeerUnavailable, BackendUnavailable, TransferTimeout,
+    TransferAborted, ProtocolError, TransferError)}
 
 
 def error_to_wire(exc: BaseException) -> dict:

@@ -18,7 +18,8 @@ from .errors import InvalidTransfer
 class KVMemory:
     def __init__(self, tensor: torch.Tensor, layout: KVLayout, *, force_staging: bool = False) -> None:
         if tensor.dim() != 6:
-            raise InvalidTransfer(f"KV tensor must be 6-D {layout.cache_shape(0)}, got shape {tuple(tensor.shape)}")
+            raise InvalidTransfer(f"KV tensor must be 6-D {layout.cache_shape(0)}, "
+                                  f"got shape {tuple(tensor.shape)}")
         num_blocks = int(tensor.shape[1])
         if tuple(tensor.shape) != layout.cache_shape(num_blocks):
             raise InvalidTransfer(f"KV tensor shape {tuple(tensor.shape)} does not match layout "

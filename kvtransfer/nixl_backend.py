@@ -51,12 +51,14 @@ class NixlAgent:
         self.name = name
         self.memory = memory
         try:
-            self.agent = agent_cls(name, config_cls(enable_prog_thread=progress_thread, backends=list(backends)))
+            conf = config_cls(enable_prog_thread=progress_thread, backends=list(backends))
+            self.agent = agent_cls(name, conf)
         except Exception as exc:
             raise BackendUnavailable(f"NIXL agent creation failed: {type(exc).__name__}: {exc}") from exc
         missing = [b for b in backends if b not in self.agent.backends]
         if missing:
-            raise BackendUnavailable(f"NIXL backends {missing} unavailable (plugins: {self.agent.get_plugin_list()})")
+            raise BackendUnavailable(f"NIXL backends {missing} unavailable "
+                                     f"(plugins: {self.agent.get_plugin_list()})")
         self.mem_type = memory.nixl_mem_type
         try:
             self._reg = self.agent.register_memory(

@@ -62,7 +62,7 @@ def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int) -> N
         except (BlockingIOError, InterruptedError):
             for _fd, ev in poller.poll(1000):
                 if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-                    raise ConnectionResetError("socket closed while sending")
+                    raise ConnectionResetError("socket closed while sending") from None
             continue
         i = _advance(views, i, sent)
 
@@ -114,7 +114,8 @@ class Peer:
             await asyncio.wait_for(self.loop.sock_connect(sock, addr), cfg.connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
             self.close()
-            raise PeerUnavailable(f"cannot connect to KV receiver {self.name}: {type(exc).__name__}: {exc}") from exc
+            raise PeerUnavailable(f"cannot connect to KV receiver {self.name}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
         self._reader = self.loop.create_task(self._read_loop(), name=f"kvtransfer-peer-{self.name}")
         try:
             await asyncio.wait_for(self._handshake(), cfg.handshake_timeout_s)
@@ -153,7 +154,8 @@ class Peer:
                 self.remote_agent = None
             if self.t.kind != "auto" or "tcp" not in self.endpoint.get("backends", ()):
                 raise BackendUnavailable(f"NIXL handshake with {self.name} failed: {why}") from exc
-            log.warning("kvtransfer: peer %s: NIXL handshake failed (%s); falling back to TCP", self.name, why)
+            log.warning("kvtransfer: peer %s: NIXL handshake failed (%s); falling back to TCP",
+                        self.name, why)
             await self._hello("tcp")
             self.backend = "tcp"
 
@@ -193,7 +195,8 @@ class Peer:
         fut = self._waiters[key] = self.loop.create_future()
         return fut
 
-    async def send_frame(self, msg: Msg, meta: dict, payload: list | None = None, payload_len: int = 0) -> None:
+    async def send_frame(self, msg: Msg, meta: dict, payload: list | None = None,
+                         payload_len: int = 0) -> None:
         await self.send_frames([(msg, meta, payload, payload_len)])
 
     async def send_frames(self, frames: list[tuple[Msg, dict, list | None, int]]) -> None:
@@ -231,7 +234,8 @@ class Peer:
                 raise
             except OSError as exc:
                 self.dead(PeerUnavailable(f"KV receiver {self.name} connection lost: {exc}"))
-                raise PeerUnavailable(f"KV receiver {self.name} connection lost while sending: {exc}") from exc
+                raise PeerUnavailable(f"KV receiver {self.name} connection lost while sending: "
+                                      f"{exc}") from exc
 
     async def _recv_exact(self, n: int) -> bytearray:
         buf = bytearray(n)
@@ -314,7 +318,8 @@ class Peer:
         for handle in list(self.handles.values()):
             handle._on_error(exc)
         sock, self.sock = self.sock, None
-        if self._reader is not None and not self._reader.done() and self._reader is not asyncio.current_task():
+        reader = self._reader
+        if reader is not None and not reader.done() and reader is not asyncio.current_task():
             # Close the socket only once the reader has unregistered it: its fd number may be reused.
             self._reader.cancel()
             if sock is not None:

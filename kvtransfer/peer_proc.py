@@ -152,7 +152,8 @@ class PeerProcess:
         if op == "send_many":
             times = []
             for rid in cmd["rids"]:
-                handle = t.start_send(rid, cmd["endpoint"], cmd["src"], cmd["dst"], timeout=cmd.get("timeout"))
+                handle = t.start_send(rid, cmd["endpoint"], cmd["src"], cmd["dst"],
+                                      timeout=cmd.get("timeout"))
                 result = await handle.wait()
                 times.append(result["seconds"])
             return {"seconds": times, "backend": result["backend"]}

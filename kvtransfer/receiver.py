@@ -205,7 +205,8 @@ class Receiver:
                 exp = self.expectations.get(rid)
                 if exp is not None and exp.conn is conn:
                     reason = str(meta.get("reason", ""))[:500]
-                    self._fail(exp, TransferAborted(f"request {rid!r} aborted by sender: {reason}"), notify=False)
+                    err = TransferAborted(f"request {rid!r} aborted by sender: {reason}")
+                    self._fail(exp, err, notify=False)
                 conn.send(Msg.ABORT_ACK, {"rid": rid})
             elif msg == Msg.ABORT_ACK:
                 fut = conn.abort_acks.get(meta_str(meta, "rid"))
@@ -228,7 +229,8 @@ class Receiver:
     def _on_hello(self, conn, meta: dict) -> None:
         version = meta.get("version")
         if version != PROTOCOL_VERSION:
-            raise LayoutMismatch(f"protocol version mismatch: sender {version!r}, receiver {PROTOCOL_VERSION}")
+            raise LayoutMismatch(f"protocol version mismatch: sender {version!r}, "
+                                 f"receiver {PROTOCOL_VERSION}")
         theirs, ours = meta.get("layout_hash"), self.layout.compat_hash()
         if theirs != ours:
             desc = meta.get("layout_desc", "?")
@@ -341,8 +343,8 @@ class Receiver:
         exp = self._bound(conn, meta, "tcp")
         missing = exp.written.count(0)
         if missing or exp.received != exp.nbytes:
-            raise InvalidTransfer(f"END of {exp.request_id!r} before all KV arrived: {missing} (layer, block) "
-                                  f"pairs missing, {exp.received}/{exp.nbytes} bytes")
+            raise InvalidTransfer(f"END of {exp.request_id!r} before all KV arrived: {missing} "
+                                  f"(layer, block) pairs missing, {exp.received}/{exp.nbytes} bytes")
         self._complete(exp)
 
     # -- NIXL notifications ------------------------------------------------------------------------

@@ -40,9 +40,9 @@ def _readv_all(fd: int, views: list[memoryview], stop: list[bool]) -> None:
         except (BlockingIOError, InterruptedError):
             for _fd, ev in poller.poll(100):
                 if ev & select.POLLNVAL:
-                    raise ConnectionResetError("socket closed while receiving")
+                    raise ConnectionResetError("socket closed while receiving") from None
             if stop[0]:
-                raise ConnectionAbortedError("connection closed locally while receiving")
+                raise ConnectionAbortedError("connection closed locally while receiving") from None
             continue
         if got == 0:
             raise ConnectionResetError("sender closed the connection mid-frame")
@@ -177,7 +177,8 @@ class RxConnection(asyncio.BufferedProtocol):
         if self._payload_len >= _THREAD_MIN and self._fd is not None:
             self._state = "thread"
             self.transport.pause_reading()
-            fut = asyncio.get_running_loop().run_in_executor(None, _readv_all, self._fd, self._targets, self._stop)
+            loop = asyncio.get_running_loop()
+            fut = loop.run_in_executor(None, _readv_all, self._fd, self._targets, self._stop)
             fut.add_done_callback(self._thread_done)
         if not self._targets:
             ctx, self._ctx = self._ctx, None

@@ -222,15 +222,15 @@ class SendHandle:
 
     async def _send_layers(self, peer, layers: tuple[int, ...], final: bool) -> None:
         bb, mem, rnb = self.t.layout.block_bytes, self.t.memory, peer.num_blocks
-        regions = merge_regions(
-            (mem.offset(layer, s), (layer * rnb + d) * bb, n * bb) for layer in layers for s, d, n in self.runs)
+        regions = merge_regions((mem.offset(layer, s), (layer * rnb + d) * bb, n * bb)
+                                for layer in layers for s, d, n in self.runs)
         if not regions:
             return
         notif = notif_message("done", rid=self.request_id, n=self.nbytes) if final else b""
         self._notif_attached = final
         remote = peer.remote
-        handle, _state = self.t.nixl.post_write(peer.remote_agent, remote["base"], remote["dev"], remote["mem"],
-                                                regions, notif)
+        handle, _state = self.t.nixl.post_write(peer.remote_agent, remote["base"], remote["dev"],
+                                                remote["mem"], regions, notif)
         self._xfers.append(handle)
 
     async def _finish(self, peer, notified: bool) -> None:
@@ -263,7 +263,8 @@ class SendHandle:
         if began and peer is not None and not peer.closed:
             msg = Msg.ABORT_ACK if self._ack_remote_abort else Msg.ABORT
             try:
-                await asyncio.wait_for(peer.send_frame(msg, {"rid": self.request_id, "reason": str(exc)}), 2.0)
+                frame = peer.send_frame(msg, {"rid": self.request_id, "reason": str(exc)})
+                await asyncio.wait_for(frame, 2.0)
             except (TransferError, asyncio.TimeoutError, asyncio.CancelledError):
                 pass
         if not self._future.done():

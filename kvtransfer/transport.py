@@ -89,7 +89,8 @@ class KVTransport:
             self.backends = ("nixl",)
         else:
             self.backends = ("nixl", "tcp") if self.nixl is not None else ("tcp",)
-        log.info("kvtransfer: transport kind=%s offers %s (%s)", config.kind, list(self.backends), layout.describe())
+        log.info("kvtransfer: transport kind=%s offers %s (%s)", config.kind, list(self.backends),
+                 layout.describe())
         self.loop: asyncio.AbstractEventLoop | None = None
         self.receiver: Receiver | None = None
         self._server: asyncio.Server | None = None
@@ -104,8 +105,9 @@ class KVTransport:
         self.loop = asyncio.get_running_loop()
         self.receiver = Receiver(layout=self.layout, memory=self.memory, config=self.config, nixl=self.nixl,
                                  backends=self.backends, loop=self.loop)
-        self._server = await self.loop.create_server(lambda: RxConnection(self.receiver), self.config.listen_host,
-                                                     self.config.listen_port, reuse_address=True)
+        self._server = await self.loop.create_server(lambda: RxConnection(self.receiver),
+                                                     self.config.listen_host, self.config.listen_port,
+                                                     reuse_address=True)
         self._port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -179,14 +181,15 @@ class KVTransport:
             raise TransferError("transport not started or already closed")
         ep = parse_endpoint(endpoint)
         if ep["layout_hash"] != self.layout.compat_hash():
-            theirs = KVLayout.from_dict(ep["layout"]).describe() if isinstance(ep.get("layout"), dict) else "?"
-            raise LayoutMismatch(f"KV layout mismatch: receiver hash {ep['layout_hash']} ({theirs}) vs sender "
-                                 f"hash {self.layout.compat_hash()} ({self.layout.describe()})")
+            theirs = _describe(ep.get("layout"))
+            raise LayoutMismatch(f"KV layout mismatch: receiver hash {ep['layout_hash']} ({theirs}) vs "
+                                 f"sender hash {self.layout.compat_hash()} ({self.layout.describe()})")
         if not set(ep["backends"]) & set(self.backends):
             raise BackendUnavailable(f"no common backend: receiver offers {ep['backends']}, "
                                      f"this side {list(self.backends)}")
         if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
-            raise InvalidTransfer(f"request id must be a non-empty string of <= 256 chars, got {request_id!r:.80}")
+            raise InvalidTransfer("request id must be a non-empty string of <= 256 chars, "
+                                  f"got {request_id!r:.80}")
         if request_id in self._sends:
             raise InvalidTransfer(f"request {request_id!r} is already being sent")
         src = validate_block_ids(src_block_ids, self.memory.num_blocks, "source")
@@ -247,16 +250,24 @@ def parse_endpoint(endpoint: dict) -> dict:
     if endpoint.get("version") != PROTOCOL_VERSION:
         raise LayoutMismatch(f"protocol version mismatch: receiver {endpoint.get('version')!r}, "
                              f"sender {PROTOCOL_VERSION}")
-    for key, kind in (("host", str), ("port", int), ("instance", str), ("layout_hash", str), ("num_blocks", int),
-                      ("backends", list)):
+    for key, kind in (("host", str), ("port", int), ("instance", str), ("layout_hash", str),
+                      ("num_blocks", int), ("backends", list)):
         if not isinstance(endpoint.get(key), kind):
             raise InvalidTransfer(f"endpoint field {key!r} missing or not a {kind.__name__}")
     return endpoint
 
 
-def make_transport(kind: str = "auto", layout: KVLayout | None = None, kv_tensor: torch.Tensor | None = None, *,
-                   config: TransportConfig | None = None, **overrides) -> KVTransport:
-    """Build a (not yet started) transport. kind: "auto" | "nixl" | "tcp"; overrides: TransportConfig fields."""
+def _describe(layout) -> str:
+    try:
+        return KVLayout.from_dict(layout).describe()
+    except (TypeError, ValueError):
+        return "?"
+
+
+def make_transport(kind: str = "auto", layout: KVLayout | None = None,
+                   kv_tensor: torch.Tensor | None = None, *, config: TransportConfig | None = None,
+                   **overrides) -> KVTransport:
+    """Build a (not yet started) transport: kind "auto" | "nixl" | "tcp"; overrides: TransportConfig."""
     if layout is None or kv_tensor is None:
         raise ValueError("make_transport needs the KV layout and the KV tensor")
     base = config.__dict__ if config is not None else {}

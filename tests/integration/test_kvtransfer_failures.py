@@ -85,7 +85,8 @@ def test_receiver_killed_mid_transfer_sender_fails_fast_and_holds_nothing():
                 await victim.call("expect", tid=r["tid"], rid=f"kill-{k}", dst=[4, 5], timeout=90)
                 handles[k] = txs[k].start_send(f"kill-{k}", r["endpoint"], [6, 7], [4, 5], layers=[0, 1],
                                                timeout=90)
-            await until(lambda: all(h.state == "sending" for h in handles.values()), "both transfers to begin")
+            await until(lambda: all(h.state == "sending" for h in handles.values()),
+                        "both transfers to begin")
             await until(lambda: handles["nixl"]._begin_ok.done(), "the NIXL receiver to accept BEGIN")
             await asyncio.sleep(0.05)  # the first layers' frames / WRITE are out
             eps = {k: handles[k].endpoint for k in KINDS}

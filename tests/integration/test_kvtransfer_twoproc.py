@@ -32,7 +32,8 @@ async def transfer(rx, tx, rtid, ttid, endpoint, rid, src, dst, layers=None, str
         await asyncio.sleep(0.02)
         await tx.call("push", tid=ttid, rid=rid, layers=stream_rest)
         await tx.call("finish", tid=ttid, rid=rid)
-    sent, got = await asyncio.gather(tx.call("send_wait", tid=ttid, rid=rid), rx.call("wait", tid=rtid, rid=rid))
+    sent, got = await asyncio.gather(tx.call("send_wait", tid=ttid, rid=rid),
+                                     rx.call("wait", tid=rtid, rid=rid))
     return sent["result"], got["result"]
 
 

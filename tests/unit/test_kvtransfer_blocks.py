@@ -40,7 +40,8 @@ def test_plan_segments_bounds_frames_and_covers_every_block_once():
     frames = plan_segments([0, 1], runs, block_bytes=100, max_frame_bytes=300)
     assert all(sum(seg[3] for seg in f) <= 3 for f in frames)
     covered = [(layer, d + i) for f in frames for layer, _s, d, n in f for i in range(n)]
-    assert sorted(covered) == sorted((layer, d + i) for layer in (0, 1) for _s, d, n in runs for i in range(n))
+    want = [(layer, d + i) for layer in (0, 1) for _s, d, n in runs for i in range(n)]
+    assert sorted(covered) == sorted(want)
 
 
 def test_framing_roundtrip_and_rejections():

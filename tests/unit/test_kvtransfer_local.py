@@ -78,11 +78,12 @@ def test_layerwise_streaming_and_concurrent_requests():
     async def main():
         lay = layout(num_layers=4, dtype="float32", block_size=16)
         a, b, src, dst = await pair(lay, src_blocks=20, dst_blocks=24)
-        plans = {f"r{i}": ([i * 4 + k for k in range(4)], [23 - i * 5 - k for k in range(4)]) for i in range(5)}
+        plans = {f"r{i}": ([i * 4 + k for k in range(4)], [23 - i * 5 - k for k in range(4)])
+                 for i in range(5)}
         exps = {rid: b.expect(rid, d, timeout=20) for rid, (_s, d) in plans.items()}
         ep = b.endpoint()
         handles = {rid: a.start_send(rid, ep, s, d, layers=[0]) for rid, (s, d) in plans.items()}
-        for rid, h in handles.items():
+        for h in handles.values():
             h.push_layers(range(1, 3))
         await asyncio.sleep(0.02)
         assert not any(e.done() for e in exps.values()), "complete before all layers were pushed"
@@ -220,7 +221,7 @@ def test_receiver_rejects_bad_frames_before_writing():
         msg, meta = out["hello"]
         assert msg == Msg.ERROR and meta["kind"] == "LayoutMismatch"
         assert lay.compat_hash() in meta["message"] and layout(num_layers=5).compat_hash() in meta["message"]
-        for rid, exp in exps.items():
+        for exp in exps.values():
             with pytest.raises(InvalidTransfer):
                 await exp.wait()
         assert not dst.view(torch.uint8).any(), "a rejected frame wrote into KV memory"

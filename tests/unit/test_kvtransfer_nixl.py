@@ -9,8 +9,14 @@ import pytest
 import torch
 
 from engine.kv_layout import KVLayout
-from kvtransfer import BackendUnavailable, InvalidTransfer, PeerUnavailable, TransferAborted, make_transport
-from kvtransfer import nixl_backend
+from kvtransfer import (
+    BackendUnavailable,
+    InvalidTransfer,
+    PeerUnavailable,
+    TransferAborted,
+    make_transport,
+    nixl_backend,
+)
 from kvtransfer.peer_proc import fill_random
 
 pytestmark = pytest.mark.timeout(90)
