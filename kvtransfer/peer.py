@@ -51,7 +51,7 @@ def _advance(views: list[memoryview], i: int, sent: int) -> int:
     return i
 
 
-def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int) -> None:
+def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int, stop: list[bool]) -> None:
     """Finish a frame from a worker thread: sendmsg, and poll() for room when the socket buffer is full.
     Both release the GIL, so a large payload costs the event loop nothing while it drains."""
     poller = select.poll()
@@ -60,14 +60,17 @@ def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int) -> N
         try:
             sent = sock.sendmsg(views[i:i + _IOV_MAX])
         except (BlockingIOError, InterruptedError):
-            for _fd, ev in poller.poll(1000):
+            for _fd, ev in poller.poll(100):
                 if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
                     raise ConnectionResetError("socket closed while sending") from None
+            if stop[0]:
+                raise ConnectionAbortedError("connection closed locally while sending") from None
             continue
         i = _advance(views, i, sent)
 
 
-async def sendmsg_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, bufs: list) -> None:
+async def sendmsg_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, bufs: list, pool=None,
+                      stop: list[bool] | None = None) -> None:
     """Write every buffer with scatter-gather sendmsg, never copying them (the loop's own sock_sendall
     would, for what does not fit in the socket buffer at once). What does not go out at once -- a large
     payload -- is finished by a worker thread instead of one event-loop wake-up per socket-buffer fill."""
@@ -77,7 +80,7 @@ async def sendmsg_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, bufs
     except (BlockingIOError, InterruptedError):
         i = 0
     if i < len(views):
-        await loop.run_in_executor(None, _sendmsg_blocking, sock, views, i)
+        await loop.run_in_executor(pool, _sendmsg_blocking, sock, views, i, stop or [False])
 
 
 class Peer:
@@ -96,6 +99,7 @@ class Peer:
         self.closed = False
         self._lock = asyncio.Lock()
         self._waiters: dict[tuple, asyncio.Future] = {}
+        self._stop = [False]  # tells a send thread to give up
         self._reader: asyncio.Task | None = None
 
     # -- setup -------------------------------------------------------------------------------------
@@ -222,7 +226,8 @@ class Peer:
         async with self._lock:
             if self.closed:
                 raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
-            task = self.loop.create_task(sendmsg_all(self.loop, self.sock, bufs))
+            write = sendmsg_all(self.loop, self.sock, bufs, self.t.send_pool, self._stop)
+            task = self.loop.create_task(write)
             try:
                 await asyncio.shield(task)
             except asyncio.CancelledError:
@@ -309,6 +314,7 @@ class Peer:
         if self.closed:
             return
         self.closed = True
+        self._stop[0] = True
         exc = exc or PeerUnavailable(f"connection to KV receiver {self.name} closed")
         for fut in self._waiters.values():
             if not fut.done():

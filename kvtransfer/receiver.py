@@ -99,6 +99,7 @@ class Receiver:
         self.backends = backends
         self.loop = loop
         self.expectations: dict[str, Expectation] = {}
+        self.recv_pool = None  # set by the transport: threads receiving large payloads
         self.conns: set = set()
         self._probe_seen: dict[str, float] = {}
         self._probe_waiting: dict[str, object] = {}

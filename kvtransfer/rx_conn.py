@@ -178,7 +178,7 @@ class RxConnection(asyncio.BufferedProtocol):
             self._state = "thread"
             self.transport.pause_reading()
             loop = asyncio.get_running_loop()
-            fut = loop.run_in_executor(None, _readv_all, self._fd, self._targets, self._stop)
+            fut = loop.run_in_executor(self.rx.recv_pool, _readv_all, self._fd, self._targets, self._stop)
             fut.add_done_callback(self._thread_done)
         if not self._targets:
             ctx, self._ctx = self._ctx, None

@@ -27,6 +27,7 @@ import logging
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -99,12 +100,17 @@ class KVTransport:
         self._connecting: dict[tuple, asyncio.Task] = {}
         self._sends: dict[str, SendHandle] = {}
         self._closed = False
+        # Dedicated I/O threads for large payloads (separate pools: a receive never waits on a send of
+        # this process, so they cannot starve each other, nor the application's default executor).
+        self.send_pool = ThreadPoolExecutor(4, thread_name_prefix="kvtransfer-send")
+        self.recv_pool = ThreadPoolExecutor(4, thread_name_prefix="kvtransfer-recv")
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> KVTransport:
         self.loop = asyncio.get_running_loop()
         self.receiver = Receiver(layout=self.layout, memory=self.memory, config=self.config, nixl=self.nixl,
                                  backends=self.backends, loop=self.loop)
+        self.receiver.recv_pool = self.recv_pool
         self._server = await self.loop.create_server(lambda: RxConnection(self.receiver),
                                                      self.config.listen_host, self.config.listen_port,
                                                      reuse_address=True)
@@ -133,6 +139,12 @@ class KVTransport:
             self._server.close()
             await self._server.wait_closed()
         await asyncio.sleep(0)  # let cancelled readers unregister their sockets
+        # I/O threads notice the closed connections within ~100 ms (their poll timeout).
+        for pool in (self.send_pool, self.recv_pool):
+            if self.loop is not None:
+                await self.loop.run_in_executor(None, pool.shutdown)
+            else:
+                pool.shutdown(wait=False)
         if self.nixl is not None:
             self.nixl.close()
 
