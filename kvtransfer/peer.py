@@ -192,7 +192,8 @@ class Peer:
                     raise
                 await asyncio.sleep(0.02)
         await self.send_frame(Msg.PROBE, {"nonce": nonce})
-        await fut
+        # Half the handshake budget, so that a silent NIXL path still leaves time to fall back to TCP.
+        await asyncio.wait_for(fut, self.t.config.handshake_timeout_s / 2)
 
     # -- I/O ---------------------------------------------------------------------------------------
     def _waiter(self, key: tuple) -> asyncio.Future:

@@ -102,7 +102,7 @@ class Receiver:
         self.recv_pool = None  # set by the transport: threads receiving large payloads
         self.conns: set = set()
         self._probe_seen: dict[str, float] = {}
-        self._probe_waiting: dict[str, object] = {}
+        self._probe_waiting: dict[str, tuple[object, float]] = {}
         self._poller: asyncio.Task | None = None
         if nixl is not None:
             self._poller = loop.create_task(self._poll_nixl(), name="kvtransfer-nixl-poll")
@@ -187,7 +187,7 @@ class Receiver:
         for exp in [e for e in self.expectations.values() if e.conn is conn]:
             self._fail(exp, PeerUnavailable(f"sender {conn.peer} of request {exp.request_id!r} disconnected "
                                             f"mid-transfer{why}"), notify=False)
-        for nonce in [n for n, c in self._probe_waiting.items() if c is conn]:
+        for nonce in [n for n, (c, _t) in self._probe_waiting.items() if c is conn]:
             del self._probe_waiting[nonce]
 
     # -- frames ------------------------------------------------------------------------------------
@@ -250,7 +250,7 @@ class Receiver:
         if self._probe_seen.pop(nonce, None) is not None:
             conn.send(Msg.PROBE_OK, {"nonce": nonce})
         else:
-            self._probe_waiting[nonce] = conn
+            self._probe_waiting[nonce] = (conn, time.monotonic())
 
     def _on_begin(self, conn, meta: dict) -> None:
         rid = meta_str(meta, "rid", 256)
@@ -357,10 +357,12 @@ class Receiver:
                 agent = agent.decode() if isinstance(agent, bytes) else str(agent)
                 for raw in msgs:
                     self._on_notif(agent, raw)
-            if self._probe_seen:
-                cutoff = time.monotonic() - 60
-                for nonce in [n for n, t in self._probe_seen.items() if t < cutoff]:
-                    del self._probe_seen[nonce]
+            cutoff = time.monotonic() - 60  # probes never matched (a sender that fell back to TCP)
+            for nonce in [n for n, t in self._probe_seen.items() if t < cutoff]:
+                del self._probe_seen[nonce]
+            stale = time.monotonic() - self.config.handshake_timeout_s
+            for nonce in [n for n, (_c, t) in self._probe_waiting.items() if t < stale]:
+                del self._probe_waiting[nonce]
             await asyncio.sleep(interval if busy else 0.01)
 
     def _on_notif(self, agent: str, raw: bytes) -> None:
@@ -369,9 +371,9 @@ class Receiver:
             log.warning("kvtransfer: ignoring foreign NIXL notification from %s: %r", agent, raw[:80])
             return
         if meta.get("t") == "probe" and isinstance(meta.get("nonce"), str):
-            conn = self._probe_waiting.pop(meta["nonce"], None)
-            if conn is not None:
-                conn.send(Msg.PROBE_OK, {"nonce": meta["nonce"]})
+            waiting = self._probe_waiting.pop(meta["nonce"], None)
+            if waiting is not None:
+                waiting[0].send(Msg.PROBE_OK, {"nonce": meta["nonce"]})
             else:
                 self._probe_seen[meta["nonce"]] = time.monotonic()
             return

@@ -223,8 +223,13 @@ class KVTransport:
         task = self._connecting.get(key)
         if task is None:
             task = self._connecting[key] = self.loop.create_task(self._connect(key, endpoint))
-            task.add_done_callback(lambda _t: self._connecting.pop(key, None))
+            task.add_done_callback(lambda t: self._connect_done(key, t))
         return await asyncio.shield(task)
+
+    def _connect_done(self, key: tuple, task: asyncio.Task) -> None:
+        self._connecting.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: every waiter got it already
 
     async def _connect(self, key: tuple, endpoint: dict) -> Peer:
         peer = Peer(self, endpoint)
