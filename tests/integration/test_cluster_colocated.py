@@ -96,3 +96,18 @@ def test_async_engine_stream_cancel_and_idle(make_checkpoint) -> None:
 
     asyncio.run(scenario())
     assert engine.leak_report() is None
+
+
+def test_sigterm_drains_in_flight_request_then_exits_0(server) -> None:
+    """Last test of the module: SIGTERM while a request streams; it still completes, exit code 0."""
+    import signal
+
+    with Client(server.address, timeout=120) as c:
+        stream = c.stream(prompt_ids=prompts()[3], max_tokens=200, ignore_eos=True)
+        got = len(next(stream).token_ids)
+        server.proc.send_signal(signal.SIGTERM)
+        for msg in stream:
+            got += len(msg.token_ids)
+            last = msg
+    assert got == 200 and last.final.finish_reason == "length"
+    assert server.proc.wait(60) == 0
