@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import grpc
 import pytest
@@ -214,7 +213,14 @@ def test_cli_client_json_and_error(cluster, capsys) -> None:
     assert len(out["token_ids"]) == 4 and out["transport"] == "tcp"
     assert main(["client", "--router", cluster.router, "--prompt-ids", "5", "--max-tokens", "0"]) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
-    time.sleep(0)  # keep the module's leak check last
+    # the same text prompt through `pdserve generate` (one in-process engine) and the cluster
+    text = "The quick brown fox"
+    assert main(["generate", "--model", str(cluster.model), "--prompt", text, "--max-tokens", "12",
+                 "--device", "cpu", "--json"]) == 0
+    local = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["client", "--router", cluster.router, "--prompt", text, "--max-tokens", "12", "--json"]) == 0
+    remote = json.loads(capsys.readouterr().out)
+    assert remote["token_ids"] == local["token_ids"] and remote["text"] == local["text"]
 
 
 def _decode_stub(cluster):
