@@ -51,7 +51,8 @@ def _run(args: argparse.Namespace) -> int:
     samples, duration = asyncio.run(run(cfg))
     summary = summarize(samples, duration, ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
     summary["config"] = {"router": args.router, "rate": args.rate, "num_requests": args.num_requests,
-                         "input_len": args.input_len, "output_len": args.output_len, "sessions": args.sessions,
+                         "input_len": args.input_len, "output_len": args.output_len,
+                         "sessions": args.sessions,
                          "turns": args.turns, "seed": args.seed, "label": args.label}
     print(format_table(summary, title=args.label or f"pdserve bench {args.router}"))
     if args.json:

@@ -38,7 +38,9 @@ def _run(args: argparse.Namespace) -> int:
     from pdserve.client import Client, _Collector, build_request
 
     try:
-        ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()] if args.prompt_ids is not None else None
+        ids = None
+        if args.prompt_ids is not None:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
     except ValueError:
         print("INVALID_ARGUMENT: --prompt-ids must be comma-separated integers", file=sys.stderr)
         return 1
