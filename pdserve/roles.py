@@ -8,6 +8,7 @@ transport comes up, and only then is the role marked SERVING. Shutdown runs in r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 
@@ -75,12 +76,29 @@ class _Late:
         return getattr(self.target, name)
 
 
-async def _load_engine(settings: ServeSettings):
+async def _load_engine(settings: ServeSettings, server: GrpcServer):
     from engine.async_engine import AsyncEngine
 
     engine = await asyncio.to_thread(build_engine, settings)
     aengine = AsyncEngine(engine, name=f"engine-{settings.role}")
     aengine.start()
+
+    async def watch() -> None:
+        # A crashed engine thread fails its requests; health must say so, so the router and the
+        # orchestrator stop sending work here.
+        while aengine.alive or aengine.error is None:
+            await asyncio.sleep(1.0)
+        log.error("engine thread died (%s): NOT_SERVING", aengine.error)
+        await server.set_serving(False)
+
+    task = asyncio.get_running_loop().create_task(watch())
+
+    async def stop_watch() -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    server.on_stop(stop_watch)
     return engine, aengine
 
 
@@ -95,7 +113,7 @@ async def _prefill(settings: ServeSettings, server: GrpcServer):
                                                    server.server)
 
     async def finish(settings: ServeSettings) -> None:
-        engine, aengine = await _load_engine(settings)
+        engine, aengine = await _load_engine(settings, server)
         kv = await make_kv_link(settings, engine, sender=True)
         worker = PrefillWorker(engine=aengine, kv=kv, worker_id=settings.worker_id,
                                block_size=engine.kv_layout.block_size)
@@ -118,7 +136,7 @@ async def _decode(settings: ServeSettings, server: GrpcServer):
                                                  server.server)
 
     async def finish(settings: ServeSettings) -> None:
-        engine, aengine = await _load_engine(settings)
+        engine, aengine = await _load_engine(settings, server)
         kv = await make_kv_link(settings, engine, sender=False)
         worker = DecodeWorker(engine=aengine, kv=kv, worker_id=settings.worker_id,
                               block_size=engine.kv_layout.block_size, default_lease_ms=settings.lease_ms)
@@ -144,7 +162,7 @@ async def _colocated(settings: ServeSettings, server: GrpcServer):
                                                  server.server)
 
     async def finish(settings: ServeSettings) -> None:
-        engine, aengine = await _load_engine(settings)
+        engine, aengine = await _load_engine(settings, server)
         cfg = engine.model_config
         limits = ModelLimits(vocab_size=cfg.vocab_size, max_model_len=cfg.max_position_embeddings,
                              tokenizer=engine.tokenizer)
