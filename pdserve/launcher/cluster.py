@@ -71,7 +71,7 @@ class Cluster:
     def up(self) -> str:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with ThreadPoolExecutor(max_workers=8) as pool:
-            futs = [pool.submit(self._start_worker, role)
+            futs = [pool.submit(self._start_worker, role, self._next_name(role))
                     for role, n in (("prefill", self.spec.num_prefill), ("decode", self.spec.num_decode))
                     for _ in range(n)]
             for f in futs:
@@ -86,9 +86,12 @@ class Cluster:
         self.write_state()
         return self.router.address
 
-    def _start_worker(self, role: str) -> WorkerHandle:
+    def _next_name(self, role: str) -> str:
+        # Names (= worker ids) are handed out here, on the caller's thread, never in the pool threads.
         self._seq += 1
-        name = f"{role}-{self._seq}"
+        return f"{role}-{self._seq}"
+
+    def _start_worker(self, role: str, name: str) -> WorkerHandle:
         args = ["--model", self.spec.model, "--transport", self.spec.transport, "--worker-id", name,
                 "--drain-timeout", str(self.spec.drain_timeout), *self.spec.worker_args]
         return self.backend.start(role, args, name)
@@ -135,7 +138,8 @@ class Cluster:
         current = self.workers[role]
         if n > len(current):
             with ThreadPoolExecutor(max_workers=8) as pool:
-                new = list(pool.map(lambda _: self._start_worker(role), range(n - len(current))))
+                names = [self._next_name(role) for _ in range(n - len(current))]
+                new = list(pool.map(lambda name: self._start_worker(role, name), names))
             current.extend(new)
             self._write_members()
             self.wait_router_sees(timeout=60)
