@@ -83,8 +83,9 @@ def bench_preset(preset: str, batches: list[int], prompt_len: int, decode_len: i
     path = workdir / preset
     write_random_checkpoint(path, cfg, seed=0)
     max_b = max(batches)
+    # Budget for every prompt in one step, like transformers' single prefill forward.
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_num_seqs=max_b,
-                                    max_num_batched_tokens=max(2048, max_b), enable_prefix_caching=False,
+                                    max_num_batched_tokens=max_b * prompt_len, enable_prefix_caching=False,
                                     num_blocks=max_b * (-(-(prompt_len + decode_len + 1) // 16)) + 8))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rows = []

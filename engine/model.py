@@ -46,9 +46,18 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by ``cos``/``sin [T, 1, head_dim / 2]``.
+
+    transformers' ``x * cos + rotate_half(x) * sin`` with ``cos = cat(c, c)``, written half by half:
+    the same products and sums (so the same rounding) with two temporaries instead of five.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty_like(x)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1).sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2).add_(x1 * sin)
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -59,7 +68,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, cast back, then scale: the order transformers uses.
-        return self.weight * _rms_norm(x.float(), self.eps).to(x.dtype)
+        return _rms_norm(x.float(), self.eps).to(x.dtype).mul_(self.weight)
 
 
 if hasattr(F, "rms_norm"):  # torch >= 2.4: one fused op
@@ -116,7 +125,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
-        # x: [T, hidden]; cos/sin: [T, 1, head_dim]; kv_layer: [num_blocks, 2, block_size, kv_heads, head_dim]
+        # x: [T, hidden]; cos/sin: [T, 1, head_dim / 2]; kv_layer: [blocks, 2, block_size, kv_heads, head_dim]
         t = x.shape[0]
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if self.fused is not None and self.fused.matches(projs):
@@ -126,8 +135,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)  # a strided view when fused
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         out = attn.backend.forward(q, k, v, kv_layer, attn)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -147,7 +156,8 @@ class MLP(nn.Module):
             gate, up = self.fused(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        # gate is this call's own matmul output: activate and gate it in place.
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -160,8 +170,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x is the model's own running residual (never a caller's tensor): add in place.
+        x.add_(self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, attn))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class DecoderModel(nn.Module):
@@ -203,13 +214,13 @@ class CausalLM(nn.Module):
         return super()._apply(fn, recurse)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, head_dim]`` for absolute ``positions [T]``, float32 math then cast."""
+        """cos, sin ``[T, 1, head_dim / 2]`` for absolute ``positions [T]``, float32 math then cast."""
         inv = self._inv_freq_on.get(positions.device)
         if inv is None:
             inv = self._inv_freq_on[positions.device] = self._inv_freq.to(positions.device)
         freqs = positions[:, None].float() * inv  # [T, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        freqs = freqs[:, None, :]
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:

@@ -144,7 +144,9 @@ class TorchAttentionBackend(AttentionBackend):
                 meta: TorchAttentionMetadata) -> torch.Tensor:
         kvh, d = self.num_kv_heads, self.head_dim
         flat = kv_layer.view(-1, kvh, d)  # [num_blocks * 2 * block_size, kv_heads, head_dim]
-        flat.index_copy_(0, meta.kv_slots, torch.cat([k, v]))
+        t = meta.num_tokens
+        flat.index_copy_(0, meta.kv_slots[:t], k)
+        flat.index_copy_(0, meta.kv_slots[t:], v)
         nd = meta.num_decodes
         outs = []
         if nd:

@@ -47,7 +47,7 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
     n, h, kvh, d = len(ids), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = model.model.embed_tokens(torch.tensor(ids, device=dev))
     pos = torch.arange(n, device=dev)
-    cos, sin = model.rope(pos, x.dtype)  # [n, 1, d]
+    cos, sin = (torch.cat([t, t], -1) for t in model.rope(pos, x.dtype))  # [n, 1, d]
     i, j = pos[:, None], pos[None, :]
     allowed = j <= i
     if cfg.sliding_window is not None:

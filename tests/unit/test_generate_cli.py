@@ -27,6 +27,7 @@ def test_prompt_ids_without_tokenizer_match_the_engine(capsys, make_checkpoint):
     assert engine.tokenizer is None
     want = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert got["token_ids"] == want
+    assert engine.leak_report() is None
     assert "text" not in got and got["finish_reason"] == "length" and got["num_prompt_tokens"] == 4
 
 
@@ -37,6 +38,7 @@ def test_prompt_text_json_has_text_and_sampling_is_seeded(capsys, tiny_llama_dir
     assert len(first["token_ids"]) == 8 and isinstance(first["text"], str)
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu"))
     assert first["text"] == engine.tokenizer.decode(first["token_ids"])
+    assert engine.leak_report() is None
     assert cli_json(capsys, *args) == first  # same seed, same tokens
 
 
@@ -73,9 +75,10 @@ def test_console_script_prints_an_answer(tiny_llama_dir):
     assert proc.stdout.strip() and "5 tokens" in proc.stderr
 
 
-@pytest.mark.parametrize("flag", ["--prompt", "--prompt-ids"])
-def test_prompt_flags_are_exclusive_and_required(flag, capsys):
+def test_prompt_flags_are_exclusive_and_required(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--model", "x"])
+    assert "one of the arguments --prompt --prompt-ids is required" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--model", "x", "--prompt", "a", "--prompt-ids", "1"])
+    assert "not allowed with argument" in capsys.readouterr().err
