@@ -68,6 +68,8 @@ class SendHandle:
     # -- public ------------------------------------------------------------------------------------
     def push_layers(self, layers, *, final: bool = False) -> None:
         """Queue these layers' blocks for sending (layer-wise streaming)."""
+        if self._future.done() and self._future.exception() is not None:
+            raise self._future.exception()
         if self._finished:
             raise InvalidTransfer(f"transfer {self.request_id!r} already finished")
         todo = validate_layers(layers, self.t.layout.num_layers)

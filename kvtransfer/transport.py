@@ -161,6 +161,8 @@ class KVTransport:
     def expect(self, request_id: str, dst_block_ids, deadline: float | None = None, *,
                timeout: float | None = None) -> Expectation:
         """Register the blocks a sender will fill; deadline is a time.monotonic() instant (or timeout= s)."""
+        if self.receiver is None or self._closed:
+            raise TransferError("transport not started or already closed")
         if (deadline is None) == (timeout is None):
             raise ValueError("expect() needs exactly one of deadline (time.monotonic() instant) or timeout")
         return self.receiver.expect(request_id, dst_block_ids,
