@@ -20,6 +20,7 @@ from engine.kv_layout import KVLayout
 from engine.model import CausalLM
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
+from engine.staging import to_device
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,7 @@ class ModelRunner:
                                         max_model_len=max_model_len)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.int64)
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(torch.tensor(values, dtype=torch.int64), self.device)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprob | None]]:

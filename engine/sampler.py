@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.staging import to_device
 
 
 @dataclass
@@ -31,6 +32,10 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [B] logprob of the chosen token (rows that asked)
     top_ids: torch.Tensor | None = None  # [B, n] alternatives (n = max requested), -1 padding
     top_logprobs: torch.Tensor | None = None  # [B, n]
+
+
+def _on(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -64,7 +69,7 @@ class Sampler:
             if len(rows) == n:
                 tokens = sampled
             else:
-                tokens[torch.tensor(rows, device=logits.device)] = sampled
+                tokens[_on(rows, logits.device)] = sampled
         out = SamplerOutput(token_ids=tokens)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
@@ -78,7 +83,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None]) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+        temps = _on([p.temperature for p in params], dev, logits.dtype)
         logits = logits / temps[:, None]
         vocab = logits.shape[-1]
         top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
@@ -88,9 +93,9 @@ class Sampler:
         elif any(top_ks):
             k_max = max(top_ks)
             kth = logits.topk(k_max, dim=-1).values  # [B, k_max], descending
-            ks = torch.tensor([k or k_max for k in top_ks], device=dev)
+            ks = _on([k or k_max for k in top_ks], dev)
             thresh = kth.gather(1, (ks - 1)[:, None])
-            keep_all = torch.tensor([k == 0 for k in top_ks], device=dev)[:, None]
+            keep_all = _on([k == 0 for k in top_ks], dev)[:, None]
             logits = logits.masked_fill((logits < thresh) & ~keep_all, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
@@ -102,7 +107,7 @@ class Sampler:
             if len(shared) == len(generators):
                 noise.exponential_(generator=self._shared)
             else:
-                idx = torch.tensor(shared, device=dev)
+                idx = _on(shared, dev)
                 noise[idx] = torch.empty(len(shared), vocab, device=dev).exponential_(generator=self._shared)
         # Exp(1) draws of exactly 0 would turn masked tokens (prob 0) into 0/0 = NaN.
         return (probs / noise.clamp_(min=1e-30)).argmax(dim=-1)
@@ -114,11 +119,11 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=dev)[None, :]
-    ks = torch.tensor([k or vocab for k in top_ks], device=dev)[:, None]
+    ks = _on([k or vocab for k in top_ks], dev)[:, None]
     sorted_logits = sorted_logits.masked_fill(ranks >= ks, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token when the mass strictly before it already reaches top_p (the top one always stays).
     before = probs.cumsum(dim=-1) - probs
-    ps = torch.tensor(top_ps, device=dev, dtype=probs.dtype)[:, None]
+    ps = _on(top_ps, dev, probs.dtype)[:, None]
     sorted_logits = sorted_logits.masked_fill(before >= ps, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, BatchSpec
+from engine.staging import to_device
 
 
 def _probe_gqa() -> bool:
@@ -134,10 +135,7 @@ class TorchAttentionBackend(AttentionBackend):
         return ((tables * 2 * bs)[:, :, None] + np.arange(bs)[None, None, :]).reshape(-1)
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(arr))
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(torch.from_numpy(np.ascontiguousarray(arr)), self.device)
 
     # ---- per layer ----------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
