@@ -139,6 +139,8 @@ def test_layout_mismatch_is_refused_naming_both_sides():
             a.start_send("r", b.endpoint(), [0], [0])
         assert layout().compat_hash() in str(err.value) and other.compat_hash() in str(err.value)
         assert "block_size=8" in str(err.value) and "block_size=16" in str(err.value)
+        with pytest.raises(LayoutMismatch, match="protocol version mismatch: receiver 2, sender 1"):
+            a.start_send("r", {**b.endpoint(), "version": 2}, [0], [0])
         # A lying endpoint (our hash on their side) is caught by the receiver's HELLO check.
         ep = {**b.endpoint(), "layout_hash": layout().compat_hash()}
         with pytest.raises(LayoutMismatch, match=other.compat_hash()):
