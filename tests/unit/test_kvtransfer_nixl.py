@@ -146,3 +146,16 @@ def test_auto_uses_tcp_when_nixl_does_not_import(monkeypatch, caplog):
         await leak_free(a, b)
     run(main())
     assert "NIXL unavailable, using TCP only" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["tcp", pytest.param("nixl", marks=needs_nixl)])
+def test_nothing_to_send_still_signals_completion(kind):
+    """Every block cached on the decode side: the transfer carries no bytes but still completes."""
+    async def main():
+        a = await make_transport(kind, LAYOUT, LAYOUT.allocate(2)).start()
+        b = await make_transport(kind, LAYOUT, LAYOUT.allocate(2)).start()
+        exp = b.expect("empty", [], timeout=20)
+        res = await a.start_send("empty", b.endpoint(), [], []).wait()
+        assert res["bytes"] == 0 and (await exp.wait())["backend"] == kind
+        await leak_free(a, b)
+    run(main())
