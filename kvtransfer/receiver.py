@@ -48,7 +48,8 @@ log = logging.getLogger("kvtransfer.rx")
 
 
 class Expectation:
-    """Handle for one expected transfer; ``await wait()`` returns when its KV is complete."""
+    """Handle for one expected transfer; ``await wait()`` returns when its KV is complete, or raises once
+    nothing of the request can be written any more (sender confirmed or gone, or abort_ack_timeout_s)."""
 
     def __init__(self, rid: str, dst: tuple[int, ...], num_layers: int, block_bytes: int,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -131,9 +132,7 @@ class Receiver:
         try:
             return bool(await asyncio.wait_for(asyncio.shield(ack), self.config.abort_ack_timeout_s))
         except asyncio.TimeoutError:
-            log.warning("kvtransfer: sender of %s did not confirm the abort within %.1fs", rid,
-                        self.config.abort_ack_timeout_s)
-            return False
+            return False  # logged by _settle_failure
 
     def release(self, rid: str) -> None:
         exp = self.expectations.get(rid)
@@ -154,17 +153,29 @@ class Receiver:
         if exp.timer is not None:
             exp.timer.cancel()
         exp.state = "failed"
-        if not exp._future.done():
-            exp._future.set_exception(exc)
         conn = exp.conn
         if not notify or conn is None or conn.closed:
+            self._settle_failure(exp, exc)
             return None
         ack = conn.abort_acks.get(exp.request_id)
         if ack is None:
             ack = conn.abort_acks[exp.request_id] = self.loop.create_future()
             ack.add_done_callback(lambda _f, c=conn, r=exp.request_id: c.abort_acks.pop(r, None))
         conn.send(Msg.ABORT, {"rid": exp.request_id, "reason": str(exc)})
+        # The waiter hears of the failure once the sender confirmed it stopped writing (or its connection
+        # died, or abort_ack_timeout_s passed): from then on the blocks are safe to free or reuse, even
+        # with one-sided RDMA writes or a TCP frame that was still arriving.
+        timer = self.loop.call_later(self.config.abort_ack_timeout_s, self._settle_failure, exp, exc, True)
+        ack.add_done_callback(lambda _f: (timer.cancel(), self._settle_failure(exp, exc)))
         return ack
+
+    def _settle_failure(self, exp: Expectation, exc: TransferError, unconfirmed: bool = False) -> None:
+        if exp._future.done():
+            return
+        if unconfirmed:
+            log.warning("kvtransfer: sender of %s did not confirm the abort within %.1fs; its blocks may "
+                        "still be written", exp.request_id, self.config.abort_ack_timeout_s)
+        exp._future.set_exception(exc)
 
     def _complete(self, exp: Expectation) -> None:
         self.expectations.pop(exp.request_id, None)
