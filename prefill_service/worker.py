@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ class PrefillResult:
     kv_blocks_sent: int
     kv_bytes_sent: int
     transport: str
+    kv_transfer_s: float = 0.0
 
 
 class PrefillWorker:
@@ -76,13 +78,16 @@ class PrefillWorker:
                 src, dst = table[skip:], list(target.block_ids[skip:])
                 if len(src) != len(dst):
                     raise RuntimeError(f"block table has {len(table)} blocks, target {len(target.block_ids)}")
-                nbytes, backend = 0, target.transport or self.kv.name
+                nbytes, backend, t_send = 0, target.transport or self.kv.name, time.perf_counter()
                 if src:
                     nbytes, backend = await self.kv.send(target.kv_endpoint, request_id, src, dst)
+                # The router learns the pair's link bandwidth from bytes / this.
+                transfer_s = time.perf_counter() - t_send if src else 0.0
                 return PrefillResult(
                     first_token_id=int(out.new_token_ids[0]), first_logprob=first_logprob(out),
                     num_prompt_tokens=len(prompt_ids), num_cached_tokens=int(out.num_cached_tokens or 0),
-                    kv_blocks_sent=len(src), kv_bytes_sent=int(nbytes), transport=backend)
+                    kv_blocks_sent=len(src), kv_bytes_sent=int(nbytes), transport=backend,
+                    kv_transfer_s=transfer_s)
             finally:
                 await asyncio.shield(self.engine.release(request_id))
         finally:

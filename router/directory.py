@@ -1,11 +1,18 @@
 """The router's worker directory: one gRPC channel per worker address, and its last GetStats.
 
 Lifecycle: ``set_addresses(role, addrs)`` (from static flags, or from a discovery source on every
-change) opens channels for new addresses and closes removed ones. ``poll_forever()`` calls
+change) opens channels for new addresses and retires removed ones. ``poll_forever()`` calls
 ``GetStats`` on every worker each ``interval`` seconds; a worker that answers is *healthy* and its
 ``WorkerInfo`` + ``WorkerLoad`` go to the Placer; one that fails (dead process, deadline) is marked
 unhealthy and dropped from the Placer's view at once, so no new request is placed on it. A
 restarted worker comes back with a new ``incarnation``.
+
+Removal drains, it does not cut: a request holds its two handles from placement to its last
+cleanup RPC (``acquire`` / ``release``, an in-flight count). A removed handle leaves the placer's
+view at once (no new placement picks it) but keeps its channel open for the requests already
+bound to it; it is closed when the last of them releases it, or after ``drain_timeout_s``. A
+request between Allocate and Decode on a worker that a scale-down (or a pod in preStop leaving the
+EndpointSlice) just removed still finishes there, and its Release still reaches the worker.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from router.placement import WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 2.0
-REMOVED_GRACE_S = 120.0
+REMOVED_GRACE_S = 120.0  # a removed worker's channel closes at the latest this long after removal
 
 
 @dataclass(kw_only=True)
@@ -38,6 +45,9 @@ class WorkerHandle:
     healthy: bool = False
     last_ok: float = 0.0
     failures: int = 0
+    inflight: int = 0      # requests bound to this handle (acquire .. release)
+    removed: bool = False  # gone from discovery: never placed on again, closed once drained
+    closed: bool = False
     extra: dict = field(default_factory=dict)
 
     @property
@@ -51,22 +61,26 @@ class WorkerHandle:
 
 
 class WorkerDirectory:
-    def __init__(self, placer: object, *, interval: float = 0.5) -> None:
+    def __init__(self, placer: object, *, interval: float = 0.5,
+                 drain_timeout_s: float = REMOVED_GRACE_S) -> None:
         self.placer = placer
         self.interval = interval
+        self.drain_timeout_s = drain_timeout_s
         self._by_addr: dict[str, WorkerHandle] = {}
-        self._closing: set[asyncio.Task] = set()
+        self._draining: set[WorkerHandle] = set()  # removed, still serving requests bound to them
+        self._tasks: set[asyncio.Task] = set()
 
     # ---- membership -------------------------------------------------------------------------------
     async def set_addresses(self, role: str, addresses: Iterable[str]) -> None:
         wanted = set(addresses)
+        removed = False
         for addr, h in list(self._by_addr.items()):
             if h.role == role and addr not in wanted:
                 del self._by_addr[addr]
-                # Requests already on this worker (a pool being shrunk) finish over the old channel.
-                task = asyncio.get_running_loop().create_task(h.channel.close(grace=REMOVED_GRACE_S))
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+                self._retire(h)
+                removed = True
+        if removed:
+            self._publish()  # out of the placer's view before anything else can place on it
         for addr in wanted:
             if addr not in self._by_addr:
                 channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
@@ -74,6 +88,53 @@ class WorkerDirectory:
                         else decode_pb2_grpc.DecodeStub(channel))
                 self._by_addr[addr] = WorkerHandle(address=addr, role=role, channel=channel, stub=stub)
         await self.poll_once()
+
+    def _retire(self, h: WorkerHandle) -> None:
+        h.removed, h.healthy = True, False
+        if h.inflight == 0:
+            self._close_later(h, grace=None)
+            return
+        self._draining.add(h)
+        # A request that never releases (a bug, a hung RPC) must not keep the channel forever.
+        self._spawn(self._close_after_timeout(h))
+
+    async def _close_after_timeout(self, h: WorkerHandle) -> None:
+        await asyncio.sleep(self.drain_timeout_s)
+        if not h.closed:
+            log.warning("closing removed worker %s (%s) with %d request(s) still bound after %.0fs",
+                        h.worker_id or "?", h.address, h.inflight, self.drain_timeout_s)
+            self._close_later(h, grace=None)
+
+    def _close_later(self, h: WorkerHandle, grace: float | None) -> None:
+        if h.closed:
+            return
+        h.closed = True
+        self._draining.discard(h)
+        self._spawn(h.channel.close(grace=grace))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- requests bound to a worker ---------------------------------------------------------------
+    def acquire(self, worker_id: str) -> WorkerHandle | None:
+        """The live handle of ``worker_id`` for one request (``release`` it when the request is done).
+
+        Only current members are handed out: a removed worker serves only what it already has."""
+        h = self.by_id(worker_id)
+        if h is not None:
+            h.inflight += 1
+        return h
+
+    def release(self, h: WorkerHandle) -> None:
+        h.inflight -= 1
+        if h.removed and h.inflight <= 0:
+            self._close_later(h, grace=None)
+
+    @property
+    def draining(self) -> list[WorkerHandle]:
+        return list(self._draining)
 
     def handles(self, role: str | None = None) -> list[WorkerHandle]:
         return [h for h in self._by_addr.values() if role is None or h.role == role]
@@ -138,8 +199,10 @@ class WorkerDirectory:
                 log.exception("worker poll failed")
 
     async def close(self) -> None:
-        for h in self._by_addr.values():
+        for h in [*self._by_addr.values(), *self._draining]:
+            h.closed = True
             await h.channel.close()
         self._by_addr.clear()
-        for task in list(self._closing):
+        self._draining.clear()
+        for task in list(self._tasks):
             task.cancel()

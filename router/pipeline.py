@@ -68,6 +68,11 @@ class ServingMeta:
     kv_blocks_reused: int = 0
     cached_tokens: int = 0
     session_moved: bool = False
+    session_hit: bool = False
+    moved_from: str = ""
+    move_reason: str = ""
+    prefill_cached_tokens: int = 0
+    kv_transfer_s: float = 0.0
     fallback: bool = False
     fallback_reason: str = ""
     policy: str = ""
@@ -92,64 +97,93 @@ class Pipeline:
         preq = PlacementRequest(request_id=req.request_id, session_id=req.session_id,
                                 block_hashes=block_hashes(req.prompt_ids, self.block_size),
                                 prompt_len=len(req.prompt_ids), reusable_prefix_len=req.reusable_prefix_len)
-        meta = ServingMeta()
         exclude: set[str] = set()
         last: RequestFailed | None = None
         sampling = sampling_to_proto(req.params)
-        for _attempt in range(MAX_ATTEMPTS):
-            try:
-                placement: Placement = await self.placer.aplace(preq, exclude=frozenset(exclude))
-            except NoWorkersAvailable as exc:
-                raise last or RequestFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-            p = self.directory.by_id(placement.prefill.worker_id)
-            d = self.directory.by_id(placement.decode.worker_id)
-            if p is None or d is None:
-                pairs = ((placement.prefill, p), (placement.decode, d))
-                exclude.update(w.worker_id for w, h in pairs if h is None)
-                continue
-            meta = ServingMeta(prefill_worker=p.worker_id, decode_worker=d.worker_id, policy=placement.policy,
-                               session_moved=placement.session_moved)
-            started = time.monotonic()
-            state = _Cleanup(p, d, req.request_id)
-            try:
-                first = await self._prefill_phase(req, sampling, p, d, meta, timeout)
-            except RequestFailed as exc:
-                await state.run(decode_reserved=True, prefill_running=True)
-                failed = exc.extra_worker if hasattr(exc, "extra_worker") else ""
-                self._feedback(preq, placement, meta, success=False, error=exc.message, failed=failed)
-                if exc.code in RETRYABLE and failed:
-                    exclude.add(failed)
-                    last = exc
-                    continue
-                raise
-            except BaseException:
-                await state.run(decode_reserved=True, prefill_running=True)
-                raise
+        try:
+            for _attempt in range(MAX_ATTEMPTS):
+                try:
+                    placement: Placement = await self.placer.aplace(preq, exclude=frozenset(exclude))
+                except NoWorkersAvailable as exc:
+                    raise last or RequestFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+                # Both handles stay usable until this attempt's last cleanup RPC, even if discovery
+                # removes the worker meanwhile (directory.py: drain, not cut).
+                p = self.directory.acquire(placement.prefill.worker_id)
+                d = self.directory.acquire(placement.decode.worker_id)
+                try:
+                    if p is None or d is None:
+                        pairs = ((placement.prefill, p), (placement.decode, d))
+                        exclude.update(w.worker_id for w, h in pairs if h is None)
+                        continue
+                    attempt = self._attempt(req, preq, placement, sampling, p, d, timeout)
+                    try:
+                        async for event in attempt:
+                            if isinstance(event, RequestFailed):  # retryable, before the first token
+                                exclude.add(event.extra_worker)
+                                last = event
+                                break
+                            yield event
+                        else:
+                            return
+                    finally:
+                        await attempt.aclose()  # its cleanup RPCs run now, while the handles are held
+                finally:
+                    for h in (p, d):
+                        if h is not None:
+                            self.directory.release(h)
+            raise last or RequestFailed(grpc.StatusCode.UNAVAILABLE, "no worker could serve the request")
+        finally:
+            # Every placement is closed: on_result where the outcome is known, this on every other
+            # path (client gone, deadline, unexpected error), so no in-flight count leaks.
+            self.placer.forget_request(req.request_id)
+
+    async def _attempt(self, req: Admitted, preq: PlacementRequest, placement: Placement, sampling,
+                       p, d, timeout: float | None) -> AsyncIterator[object]:
+        meta = ServingMeta(prefill_worker=p.worker_id, decode_worker=d.worker_id, policy=placement.policy,
+                           session_moved=placement.session_moved, session_hit=placement.session_hit,
+                           moved_from=placement.moved_from_str, move_reason=placement.move_reason)
+        started = time.monotonic()
+        state = _Cleanup(p, d, req.request_id)
+        try:
+            first = await self._prefill_phase(req, sampling, p, d, meta, timeout)
+        except RequestFailed as exc:
+            await state.run(decode_reserved=True, prefill_running=True)
+            failed = getattr(exc, "extra_worker", "")
+            self._feedback(preq, placement, meta, success=False, error=exc.message, failed=failed)
+            if exc.code in RETRYABLE and failed:
+                yield exc
+                return
+            raise
+        except BaseException:
+            await state.run(decode_reserved=True, prefill_running=True)
+            raise
+        try:
             yield first
             generated = [first.token_id]
-            try:
-                async for event in self._decode_phase(req, d, first.token_id, timeout):
-                    if isinstance(event, Tokens):
-                        generated.extend(event.token_ids)
-                        yield event
-                    else:
-                        reason, completion = event
-                        meta.extra["decode_s"] = time.monotonic() - started
-                        state.done = True  # the decode worker freed everything itself
-                        held = block_hashes(req.prompt_ids + generated, self.block_size)
-                        self._feedback(preq, placement, meta, success=True, decode_hashes=held)
-                        yield Done(reason, completion, meta)
-                        return
-            except RequestFailed as exc:
-                if exc.code == grpc.StatusCode.UNAVAILABLE:
-                    self.directory.mark_failed_id(d.worker_id)
-                self._feedback(preq, placement, meta, success=False, error=exc.message,
-                               failed=d.worker_id if exc.code == grpc.StatusCode.UNAVAILABLE else "")
-                raise
-            finally:
-                await state.run(decode_reserved=True, prefill_running=False)
-            raise RequestFailed(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
-        raise last or RequestFailed(grpc.StatusCode.UNAVAILABLE, "no worker could serve the request")
+            async for event in self._decode_phase(req, d, first.token_id, timeout):
+                if isinstance(event, Tokens):
+                    generated.extend(event.token_ids)
+                    yield event
+                    continue
+                reason, completion = event
+                meta.extra["decode_s"] = time.monotonic() - started
+                state.done = True  # the decode worker freed everything itself
+                # What the decode worker keeps for the session: the prompt and the answer, so the
+                # next turn (prompt + answer + new text) finds this turn's KV there.
+                held = block_hashes(req.prompt_ids + generated, self.block_size)
+                self._feedback(preq, placement, meta, success=True, decode_hashes=held)
+                yield Done(reason, completion, meta)
+                return
+        except RequestFailed as exc:
+            dead = exc.code == grpc.StatusCode.UNAVAILABLE
+            if dead:
+                self.directory.mark_failed_id(d.worker_id)
+            self._feedback(preq, placement, meta, success=False, error=exc.message,
+                           failed=d.worker_id if dead else "")
+            raise
+        finally:
+            await state.run(decode_reserved=True, prefill_running=False)
+        raise RequestFailed(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
 
     async def _prefill_phase(self, req: Admitted, sampling, p, d, meta: ServingMeta,
                              timeout: float | None) -> FirstToken:
@@ -180,6 +214,7 @@ class Pipeline:
         except grpc.aio.AioRpcError as exc:
             raise _failed(exc, p.worker_id, "prefill") from None
         meta.kv_blocks_sent, meta.kv_bytes_sent = res.kv_blocks_sent, res.kv_bytes_sent
+        meta.kv_transfer_s, meta.prefill_cached_tokens = res.kv_transfer_s, res.num_cached_tokens
         meta.cached_tokens = max(res.num_cached_tokens, alloc.num_cached_tokens)
         if res.transport:
             meta.transport = res.transport
@@ -207,8 +242,10 @@ class Pipeline:
             self.placer.on_result(preq, placement, Outcome(
                 success=success, decode_block_hashes=decode_hashes,
                 prefill_block_hashes=list(preq.block_hashes),
-                decode_cached_blocks=meta.kv_blocks_reused, blocks_sent=meta.kv_blocks_sent,
-                bytes_sent=meta.kv_bytes_sent, transport=meta.transport, fallback=meta.fallback_reason,
+                decode_cached_blocks=meta.kv_blocks_reused,
+                prefill_cached_blocks=meta.prefill_cached_tokens // self.block_size,
+                blocks_sent=meta.kv_blocks_sent, bytes_sent=meta.kv_bytes_sent, transfer_s=meta.kv_transfer_s,
+                transport=meta.transport, fallback=_fallback_kind(meta.fallback_reason),
                 error=error, failed_worker_id=failed))
         except Exception:
             log.exception("placer.on_result failed")
@@ -242,6 +279,11 @@ def _failed(exc: grpc.aio.AioRpcError, worker_id: str, what: str) -> RequestFail
     err = RequestFailed(code, msg)
     err.extra_worker = worker_id if code in RETRYABLE else ""  # type: ignore[attr-defined]
     return err
+
+
+def _fallback_kind(reason: str) -> str:
+    """A bounded label for the fallbacks metric (the reason itself names workers)."""
+    return "" if not reason else reason.split(" ", 1)[0] + "_unavailable"
 
 
 def _choose_transport(prefill: list[str], decode: list[str]) -> tuple[str | None, str]:
