@@ -296,8 +296,8 @@ class LLMEngine:
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            bad = [t for t in prompt if not 0 <= t < vocab]
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if len(prompt) >= self.max_model_len:
             raise RequestTooLong(f"prompt of {len(prompt)} tokens does not fit the model's context of "
