@@ -17,8 +17,8 @@ safetensors first would only measure the disk).
   host-inclusive step time.
 * **transfer** — see ``gpu_transfer.bench_transfer``.
 * **transformers** — single-request greedy decode tokens/s of the same weights through
-  ``transformers`` ``generate`` against pdserve's decode path (graph replay + sampling, one host
-  sync per token as in the engine).
+  ``transformers`` ``generate`` against pdserve's decode path (``gpu_hf.py``).
+* ``--variants``: tensor-core decode rows, and NIXL with its progress thread / a 50 us poll.
 """
 
 from __future__ import annotations
@@ -139,8 +139,13 @@ def weight_bytes_per_step(model: CausalLM, batch: int) -> int:
 
 
 @torch.inference_mode()
-def roofline(model: CausalLM, cfg, ceil: dict, quick: bool) -> dict:
-    batches, contexts = ([1, 64], [1024]) if quick else ([1, 16, 64], [1024, 4096])
+def roofline(model: CausalLM, cfg, ceil: dict, quick: bool, *, tensor_cores: bool | None = None,
+             with_prefill: bool = True, batches: list[int] | None = None,
+             contexts: list[int] | None = None) -> dict:
+    """``tensor_cores``: flashinfer's decode kernel choice (None: the backend's rule, CUDA cores at GQA
+    group 4); ``with_prefill=False`` times decode only (the variant rows)."""
+    if batches is None or contexts is None:
+        batches, contexts = ([1, 64], [1024]) if quick else ([1, 16, 64], [1024, 4096])
     max_ctx = max(contexts) + BLOCK
     per_seq = -(-max_ctx // BLOCK)
     num_blocks = max(batches) * per_seq + 1
@@ -162,7 +167,7 @@ def roofline(model: CausalLM, cfg, ceil: dict, quick: bool) -> dict:
         device="cuda",
         dtype=torch.bfloat16,
     )
-    backend = FlashInferAttentionBackend(**kw)
+    backend = FlashInferAttentionBackend(decode_tensor_cores=tensor_cores, **kw)
     runner = DecodeGraphRunner(
         model,
         backend,
@@ -222,10 +227,13 @@ def roofline(model: CausalLM, cfg, ceil: dict, quick: bool) -> dict:
     runner.graphs.clear()
     kv.untyped_storage().resize_(0)  # the 32 GB cache: gone before the prefill allocates its own
     torch.cuda.empty_cache()
+    if not with_prefill:
+        return {"decode": rows, "decode_tensor_cores": backend.use_tensor_cores, "graph_capture_s": capture_s}
     pre = prefill_4k(model, cfg, ceil, kw)
     goal_row = max((r for r in rows if r["batch"] == max(batches)), key=lambda r: r["context"])
     return {
         "decode": rows,
+        "decode_tensor_cores": backend.use_tensor_cores,
         "prefill": pre,
         "graph_capture_s": capture_s,
         "goals": {
@@ -282,101 +290,13 @@ def prefill_4k(model: CausalLM, cfg, ceil: dict, kw: dict, tokens: int = 4096) -
     }
 
 
-@torch.inference_mode()
-def vs_transformers(model: CausalLM, cfg, prompt_len: int = 128, new: int = 128) -> dict:
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hf_cfg = LlamaConfig.from_dict(cfg.to_hf_dict())
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            hf = LlamaForCausalLM(hf_cfg)
-    finally:
-        torch.set_default_dtype(old)
-    missing, unexpected = hf.load_state_dict(model.state_dict(), assign=True, strict=False)  # share tensors
-    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
-    hf = hf.eval()
-    torch.cuda.empty_cache()
-    prompt = torch.randint(3, cfg.vocab_size, (1, prompt_len), device="cuda")
-
-    def gen(n: int) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            hf.generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    gen(4)  # warm-up
-    hf_s = min(gen(new + 1) - gen(1) for _ in range(2))
-    hf_tps = new / hf_s
-    # pdserve: the decode path the engine runs for one request (graph replay + lm_head + argmax + sync).
-    layout = KVLayout(
-        num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        block_size=BLOCK,
-        dtype="bfloat16",
-        memory="cuda",
-    )
-    n_blocks = -(-(prompt_len + new + 1) // BLOCK)
-    kv = layout.allocate(n_blocks + 1, device="cuda")
-    kw = dict(
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        block_size=BLOCK,
-        device="cuda",
-        dtype=torch.bfloat16,
-    )
-    backend = FlashInferAttentionBackend(**kw)
-    runner = DecodeGraphRunner(
-        model, backend, kv, CudaGraphConfig(max_batch=1, max_model_len=n_blocks * BLOCK, buckets=(1,))
-    )
-    runner.capture()
-    table = list(range(1, n_blocks + 1))
-    with torch.inference_mode():
-        pre = BatchSpec(query_lens=[prompt_len], context_lens=[0], block_tables=[table])
-        meta = backend.plan(pre)
-        tok = int(model.compute_logits(model(prompt[0], meta.positions, kv, meta)[-1:]).argmax())
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for i in range(new):
-            spec = BatchSpec(query_lens=[1], context_lens=[prompt_len + i], block_tables=[table])
-            tok = int(model.compute_logits(runner.run([tok], spec)).argmax())
-        ours_s = time.perf_counter() - t0
-    ours_tps = new / ours_s
-    print(
-        f"  single request decode: pdserve {ours_tps:.1f} tok/s, transformers {hf_tps:.1f} tok/s "
-        f"({ours_tps / hf_tps:.2f}x)",
-        flush=True,
-    )
-    return {
-        "prompt_len": prompt_len,
-        "new_tokens": new,
-        "pdserve_tokens_per_s": ours_tps,
-        "transformers_tokens_per_s": hf_tps,
-        "ratio_pdserve_over_transformers": ours_tps / hf_tps,
-        "transformers_version": transformers.__version__,
-        "transformers_attn": getattr(hf.config, "_attn_implementation", "?"),
-        "pdserve_path": "flashinfer decode + CUDA graph replay, lm_head + argmax, one sync per token",
-    }
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--items", default="roofline,transfer,transformers,disagg")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time tensor-core decode and NIXL progress-thread / fast-poll variants")
     args = ap.parse_args()
     items = set(args.items.split(","))
     info = machine()
@@ -398,7 +318,8 @@ def main() -> None:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"gpu-{info['slug']}-{dt.date.today().isoformat()}.json"
+    suffix = "-variants" if args.variants else ""
+    path = out / f"gpu-{info['slug']}-{dt.date.today().isoformat()}{suffix}.json"
 
     def save():
         path.write_text(json.dumps(result, indent=1, default=str) + "\n")
@@ -409,7 +330,14 @@ def main() -> None:
         if "roofline" in items:
             result["roofline"] = roofline(model, cfg, ceil, args.quick)
             save()
+        if args.variants:
+            result["decode_tensor_core_variant"] = roofline(model, cfg, ceil, args.quick, tensor_cores=True,
+                                                            with_prefill=False, batches=[16, 64],
+                                                            contexts=[1024, 4096])
+            save()
         if "transformers" in items:
+            from gpu_hf import vs_transformers
+
             result["transformers"] = vs_transformers(model, cfg)
             save()
         del model
@@ -417,7 +345,7 @@ def main() -> None:
     if "transfer" in items:
         from gpu_transfer import bench_transfer
 
-        result["transfer"] = bench_transfer(out, quick=args.quick)
+        result["transfer"] = bench_transfer(out, quick=args.quick, transfer_variants=args.variants)
         save()
     if "disagg" in items:
         try:

@@ -53,7 +53,7 @@ def markdown(r: dict) -> str:
             f"| direct copy | {t['direct_copy']['seconds'] * 1e3:.2f} | "
             f"{t['direct_copy']['GBps']:.1f} | 100% | - |",
         ]
-        for k in ("nixl", "tcp"):
+        for k in ("nixl", "nixl_progress_thread", "nixl_poll_50us", "tcp"):
             x = t.get(k) or {}
             if "error" in x:
                 out.append(f"| {k} | error: {x['error'][:80]} | | | |")
@@ -63,6 +63,16 @@ def markdown(r: dict) -> str:
                     f"{x['fraction_of_direct_copy']:.1%} | {x['byte_exact']} |"
                 )
         out.append("")
+    v = r.get("decode_tensor_core_variant")
+    if v:
+        out += ["## Variant: tensor-core decode kernel (same run)", "",
+                "| batch | context | step ms | HBM bound ms | fraction |", "|---:|---:|---:|---:|---:|"]
+        out += [f"| {x['batch']} | {x['context']} | {x['step_ms']:.2f} | {x['hbm_bound_ms']:.2f} | "
+                f"{x['fraction_of_bound']:.1%} |" for x in v["decode"]]
+        out.append("")
+    if t and t.get("ucx_transports"):
+        out += ["UCX protocol choices for GPU memory (UCX_PROTO_INFO):", ""]
+        out += [f"- `{line}`" for line in t["ucx_transports"][:8]] + [""]
     h = r.get("transformers")
     if h:
         out += [

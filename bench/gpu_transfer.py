@@ -35,10 +35,12 @@ def _peer(
     env: dict,
     log_path: str | None,
     conn,
+    overrides: dict | None = None,
 ) -> None:
     os.environ.update(env)
-    if log_path:  # UCX and NIXL log through the C stderr: point fd 2 at the file
+    if log_path:  # UCX prints its protocol tables on stdout, NIXL logs on stderr: both to the file
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
         os.dup2(fd, 2)
     sys.path.insert(0, ROOT)
     import torch
@@ -55,7 +57,7 @@ def _peer(
     torch.cuda.synchronize()
 
     async def main() -> None:
-        t = await make_transport(kind, layout, kv).start()
+        t = await make_transport(kind, layout, kv, **(overrides or {})).start()
         conn.send({"endpoint": t.endpoint() if role == "rx" else None, "backends": list(t.backends)})
         pending = {}
         while True:
@@ -105,17 +107,20 @@ class TransferPair:
         kind: str = "nixl",
         env: dict | None = None,
         log_dir: str | Path | None = None,
+        overrides: dict | None = None,
+        tag: str | None = None,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.kind = kind
+        tag = tag or kind
         base_env = {"UCX_PROTO_INFO": "y", **(env or {})}
         self.conns, self.procs = {}, {}
         for role, dev in (("rx", rx_device), ("tx", tx_device)):
             parent, child = ctx.Pipe()
-            log_path = str(Path(log_dir) / f"transfer-{kind}-{role}.log") if log_dir else None
+            log_path = str(Path(log_dir) / f"transfer-{tag}-{role}.log") if log_dir else None
             p = ctx.Process(
                 target=_peer,
-                args=(role, dev, layout.to_dict(), num_blocks, kind, base_env, log_path, child),
+                args=(role, dev, layout.to_dict(), num_blocks, kind, base_env, log_path, child, overrides),
                 daemon=True,
             )
             p.start()
@@ -165,21 +170,26 @@ class TransferPair:
 
 
 def ucx_transports(log_dir: str | Path, kind: str = "nixl") -> list[str]:
-    """Lines of UCX's protocol selection (UCX_PROTO_INFO) that name a transport, both sides."""
-    lines = []
+    """UCX's protocol choices (UCX_PROTO_INFO tables) for operations that touch GPU memory, both sides:
+    ``"<operation> :: <size range> <protocol> <transport>"``."""
+    out, title = [], None
     for role in ("tx", "rx"):
         path = Path(log_dir) / f"transfer-{kind}-{role}.log"
-        if path.exists():
-            for line in path.read_text(errors="replace").splitlines():
-                if any(
-                    tl in line
-                    for tl in ("cuda_ipc", "cuda_copy", "rc_", "dc_", "tcp", "sysv", "posix", "cma")
-                ):
-                    lines.append(f"{role}: {line.strip()}")
-    return lines[:40]
+        if not path.exists():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            cells = [c.strip() for c in line.split("|")[1:-1] if c.strip()]
+            if len(cells) == 1 and "ucp_" in cells[0]:
+                title = cells[0] if "cuda" in cells[0] else None
+            elif title and len(cells) == 3 and cells[0] != "Range":
+                entry = f"{role}: {title} :: {' '.join(cells)}"
+                if entry not in out:
+                    out.append(entry)
+    return out[:40]
 
 
-def bench_transfer(out: str | Path, *, quick: bool = False, tokens: int = 4096) -> dict:
+def bench_transfer(out: str | Path, *, quick: bool = False, tokens: int = 4096,
+                   transfer_variants: bool = False) -> dict:
     """A ``tokens``-token KV of the llama3-8b shape (512 MiB at 4k) GPU0 -> GPU1 (or GPU0 -> GPU0 on a
     one-GPU machine) through NIXL and through the TCP fallback, each side its own process, against a
     plain device-to-device copy of the same bytes measured in the same run (median of repeats)."""
@@ -228,21 +238,28 @@ def bench_transfer(out: str | Path, *, quick: bool = False, tokens: int = 4096) 
         },
     }
     src, dst = list(range(blocks)), list(range(8, 8 + blocks))
-    for kind, reps in (("nixl", 5 if quick else 15), ("tcp", 2 if quick else 3)):
+    reps = 5 if quick else 15
+    variants = [  # (result key, kind, TransportConfig overrides, repeats); "nixl" is the services' default
+        ("nixl", "nixl", {}, reps),
+        ("tcp", "tcp", {}, 2 if quick else 3),
+    ]
+    if transfer_variants:
+        variants[1:1] = [("nixl_progress_thread", "nixl", {"nixl_progress_thread": True}, reps),
+                         ("nixl_poll_50us", "nixl", {"nixl_poll_interval_s": 5e-5}, reps)]
+    for key, kind, overrides, reps in variants:
         try:
-            pair = TransferPair(
-                layout, rx_device=rx_dev, tx_device=0, num_blocks=blocks + 16, kind=kind, log_dir=out
-            )
+            pair = TransferPair(layout, rx_device=rx_dev, tx_device=0, num_blocks=blocks + 16, kind=kind,
+                                log_dir=out, overrides=overrides, tag=key)
         except Exception as exc:
-            res[kind] = {"error": f"{type(exc).__name__}: {exc}"}
+            res[key] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
         try:
             for i in range(2):
-                pair.transfer(f"{kind}-warm-{i}", src, dst)
-            runs = [pair.transfer(f"{kind}-{i}", src, dst) for i in range(reps)]
+                pair.transfer(f"{key}-warm-{i}", src, dst)
+            runs = [pair.transfer(f"{key}-{i}", src, dst) for i in range(reps)]
             exact = pair.digest("tx", src)["digest"] == pair.digest("rx", dst)["digest"]
             sec = statistics.median(r["seconds"] for r in runs)
-            res[kind] = {
+            res[key] = {
                 "seconds": sec,
                 "GBps": nbytes / sec / 1e9,
                 "runs": len(runs),
@@ -251,17 +268,18 @@ def bench_transfer(out: str | Path, *, quick: bool = False, tokens: int = 4096) 
                 "backend": runs[0]["backend"],
                 "byte_exact": exact,
                 "fraction_of_direct_copy": direct_s / sec,
+                "config_overrides": overrides,
             }
             print(
-                f"  {kind}: {nbytes / 2**20:.0f} MiB in {sec * 1e3:.2f} ms = {nbytes / sec / 1e9:.1f} GB/s "
+                f"  {key}: {nbytes / 2**20:.0f} MiB in {sec * 1e3:.2f} ms = {nbytes / sec / 1e9:.1f} GB/s "
                 f"({direct_s / sec:.1%} of the direct copy), byte-exact={exact}",
                 flush=True,
             )
         except Exception as exc:
-            res[kind] = {"error": f"{type(exc).__name__}: {exc}"}
+            res[key] = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
             pair.close()
-    res["ucx_transports"] = ucx_transports(out)
+    res["ucx_transports"] = ucx_transports(out, "nixl")
     res["goal"] = {
         "nixl_fraction_of_direct_copy": res.get("nixl", {}).get("fraction_of_direct_copy"),
         "target": 0.85,

@@ -92,6 +92,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         dtype: torch.dtype | None = None,
         workspace_bytes: int = WORKSPACE_BYTES,
         prefill_backend: str = "fa2",
+        decode_tensor_cores: bool | None = None,
     ) -> None:
         super().__init__(
             num_heads=num_heads,
@@ -112,8 +113,9 @@ class FlashInferAttentionBackend(AttentionBackend):
 
         self._fi = flashinfer
         self.dtype = dtype  # None: learnt from the first forward's q
-        # Decode with tensor cores pays off for wide GQA groups (vLLM's rule: group > 4).
-        self.use_tensor_cores = num_heads // num_kv_heads > 4
+        # Decode with tensor cores pays off for wide GQA groups (vLLM's rule: group > 4); None: that rule.
+        group = num_heads // num_kv_heads
+        self.use_tensor_cores = group > 4 if decode_tensor_cores is None else decode_tensor_cores
         self.window_left = -1 if sliding_window is None else sliding_window - 1
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
