@@ -70,6 +70,9 @@ class ServeSettings:
     decode_selector: str | None = None
     policy: str = "prefix"
     session_ttl: float = 600.0
+    # router: bound on one shared-store (Redis) call on the placement path; past it the router
+    # decides from its local view (replicas may then disagree for that turn)
+    store_timeout: float = 0.05
     # router, discovery "file": JSON {"prefill": [addr..], "decode": [addr..]}, re-read when it changes
     # (the launcher's way of telling its router about `pdserve scale`)
     workers_file: str | None = None
@@ -98,6 +101,8 @@ class ServeSettings:
             raise ValueError("give either --num-blocks or --kv-memory-gb, not both")
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ValueError(f"--kv-memory-gb must be > 0, got {self.kv_memory_gb}")
+        if self.store_timeout <= 0:
+            raise ValueError(f"--store-timeout must be > 0, got {self.store_timeout}")
         if self.drain_timeout < 0 or self.session_ttl <= 0 or self.stats_interval <= 0:
             raise ValueError("--drain-timeout must be >= 0 and --session-ttl / stats interval > 0")
         if self.role != "router" and not self.model:
@@ -143,7 +148,7 @@ class ServeSettings:
 
 _INT = {"port", "metrics_port", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
         "kv_port", "lease_ms"}
-_FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval"}
+_FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout"}
 
 
 def _parse(name: str, raw: str) -> object:
@@ -194,3 +199,5 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--workers-file", help="router, discovery file: JSON {\"prefill\": [..], \"decode\": [..]}, watched")
     a("--session-ttl", type=float, help="router: seconds a session's affinity is kept (default 600)")
     a("--stats-interval", type=float, help="router: seconds between worker GetStats polls (default 0.5)")
+    a("--store-timeout", type=float, help="router: seconds one Redis call may take on the placement path "
+      "before the local view decides (default 0.05)")

@@ -38,9 +38,12 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
         serve_metrics(metrics.registry, settings.metrics_port, addr=settings.host)
     store = make_store(settings.redis, metrics=metrics)
     placer = Placer(PlacerConfig(policy=settings.policy, session_ttl_s=settings.session_ttl,
-                                 block_size=settings.block_size), store, metrics=metrics)
+                                 block_size=settings.block_size, store_timeout_s=settings.store_timeout),
+                    store, metrics=metrics)
+    metrics.inflight.set_function(lambda: placer.inflight_total)
     await placer.start()
-    directory = WorkerDirectory(placer, interval=settings.stats_interval)
+    directory = WorkerDirectory(placer, interval=settings.stats_interval,
+                                drain_timeout_s=max(settings.drain_timeout, 1.0) * 4)
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(directory.poll_forever())]
     if settings.discovery == "static":

@@ -35,7 +35,7 @@ STATS_TIMEOUT_S = 2.0
 REMOVED_GRACE_S = 120.0  # a removed worker's channel closes at the latest this long after removal
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)  # identity semantics: a handle is one channel, kept in sets
 class WorkerHandle:
     address: str
     role: str

@@ -38,6 +38,8 @@ class RouterMetrics:
         self.redis_errors = Counter("pdserve_router_redis_errors", "Shared-store operations that failed",
                                     ["op"], registry=r)
         self.workers = Gauge("pdserve_router_workers", "Known workers", ["pool"], registry=r)
+        self.inflight = Gauge("pdserve_router_inflight_requests",
+                              "Placements not yet closed by an outcome (0 when idle: no leak)", registry=r)
         self.discovery_errors = Counter("pdserve_router_discovery_errors", "Discovery list/watch errors",
                                         ["source"], registry=r)
 

@@ -3,8 +3,9 @@
 Open-loop Poisson load against a router (or a colocated server: same API). Prints a table of
 TTFT / ITL / TPOT / E2E percentiles, throughput and goodput, and writes the same as JSON with
 ``--json OUT``. DIST is ``N``, ``uniform:LO:HI`` or ``normal:MEAN:STD``. ``--sessions K --turns T``
-runs K multi-turn conversations instead. Never fails on a timing; exits 1 only when every request
-failed.
+runs K multi-turn conversations instead; the table adds KV bytes sent, the prompt-cache hit
+ratio (vs shipping every block) and requests per decode worker. Never fails on a timing; exits 1
+only when every request failed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--turns", type=int, default=1, help="multi-turn: turns per session")
     p.add_argument("--vocab-size", type=int, default=1000, help="prompt ids are drawn below this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--system-prompt-len", type=int, default=0,
+                   help="tokens of one shared prefix prepended to every request / session")
+    p.add_argument("--block-size", type=int, default=16, help="workers' KV block size (for the KV report)")
     p.add_argument("--ttft-slo-ms", type=float)
     p.add_argument("--tpot-slo-ms", type=float)
     p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline (s)")
@@ -44,15 +48,16 @@ def _run(args: argparse.Namespace) -> int:
         cfg = RunConfig(router=args.router, rate=args.rate, num_requests=args.num_requests,
                         input_len=parse_dist(args.input_len), output_len=parse_dist(args.output_len),
                         sessions=args.sessions, turns=args.turns, vocab_size=args.vocab_size, seed=args.seed,
-                        timeout_s=args.timeout)
+                        timeout_s=args.timeout, system_prompt_len=args.system_prompt_len)
     except ValueError as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
     samples, duration = asyncio.run(run(cfg))
-    summary = summarize(samples, duration, ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
+    summary = summarize(samples, duration, ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
+                        block_size=args.block_size)
     summary["config"] = {"router": args.router, "rate": args.rate, "num_requests": args.num_requests,
                          "input_len": args.input_len, "output_len": args.output_len,
-                         "sessions": args.sessions,
+                         "sessions": args.sessions, "system_prompt_len": args.system_prompt_len,
                          "turns": args.turns, "seed": args.seed, "label": args.label}
     print(format_table(summary, title=args.label or f"pdserve bench {args.router}"))
     if args.json:

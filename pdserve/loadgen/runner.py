@@ -4,6 +4,7 @@ Single-turn: ``num_requests`` requests; inter-arrival times are exponential with
 (``rate`` = inf sends all at once). Sessions (``sessions`` K x ``turns`` T): K conversations start at
 Poisson times; each turn's prompt is the previous prompt + the previous answer + fresh tokens, sent
 with the same ``session_id`` once the previous turn finished (so prefix reuse and affinity show).
+``system_prompt_len`` prepends one shared prefix to every request (shared-system-prompt workload).
 Prompts are random token ids (no tokenizer needed), generated from ``seed``; ``ignore_eos`` keeps
 output lengths as asked.
 """
@@ -34,6 +35,8 @@ class RunConfig:
     vocab_size: int = 1000
     seed: int = 0
     timeout_s: float = 300.0
+    system_prompt_len: int = 0   # shared by every request / session (drawn once from the seed)
+    session_prefix: str = "bench"
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -53,15 +56,16 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 async def _one(client: AsyncClient, cfg: RunConfig, prompt: list[int], out_len: int,
-               session: str) -> tuple[Sample, list[int]]:
+               session: str, turn: int = 0) -> tuple[Sample, list[int]]:
     req = build_request(prompt_ids=prompt, max_tokens=out_len, session_id=session, ignore_eos=True)
     req.skip_text = True
     try:
         r = await client.generate(req, timeout=cfg.timeout_s)
     except grpc.aio.AioRpcError as exc:
-        return Sample(ok=False, error=exc.code().name, prompt_tokens=len(prompt)), []
+        return Sample(ok=False, error=exc.code().name, prompt_tokens=len(prompt), turn=turn), []
     return Sample(ok=True, ttft_s=r.ttft_s, itl_s=r.itl_s, tpot_s=r.tpot_s, e2e_s=r.e2e_s,
-                  prompt_tokens=len(prompt), output_tokens=len(r.token_ids)), r.token_ids
+                  prompt_tokens=len(prompt), output_tokens=len(r.token_ids), turn=turn,
+                  final=r.final), r.token_ids
 
 
 async def run(cfg: RunConfig) -> tuple[list[Sample], float]:
@@ -69,20 +73,22 @@ async def run(cfg: RunConfig) -> tuple[list[Sample], float]:
     client = AsyncClient(cfg.router)
     samples: list[Sample] = []
     tasks: list[asyncio.Task] = []
+    system = _tokens(rng, cfg.system_prompt_len, cfg.vocab_size)
 
     async def session(k: int) -> None:
-        history: list[int] = []
-        for _t in range(cfg.turns):
+        history: list[int] = list(system)
+        for t in range(cfg.turns):
             prompt = history + _tokens(rng, cfg.input_len.sample(rng), cfg.vocab_size)
             out_len = cfg.output_len.sample(rng)
-            sample, answer = await _one(client, cfg, prompt, out_len, f"bench-{cfg.seed}-{k}")
+            name = f"{cfg.session_prefix}-{cfg.seed}-{k}"
+            sample, answer = await _one(client, cfg, prompt, out_len, name, t)
             samples.append(sample)
             if not sample.ok:
                 return
             history = prompt + answer
 
     async def single() -> None:
-        prompt = _tokens(rng, cfg.input_len.sample(rng), cfg.vocab_size)
+        prompt = system + _tokens(rng, cfg.input_len.sample(rng), cfg.vocab_size)
         sample, _ = await _one(client, cfg, prompt, cfg.output_len.sample(rng), "")
         samples.append(sample)
 

@@ -32,10 +32,12 @@ class Sample:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
+    turn: int = 0                               # 0-based turn of its session (0 for single requests)
+    final: dict = field(default_factory=dict)   # the response's FinalInfo (pdserve.client dict form)
 
 
 def summarize(samples: Sequence[Sample], duration_s: float, *, ttft_slo_ms: float | None = None,
-              tpot_slo_ms: float | None = None) -> dict:
+              tpot_slo_ms: float | None = None, block_size: int = 16) -> dict:
     ok = [s for s in samples if s.ok]
     out: dict = {"num_requests": len(samples), "num_ok": len(ok), "num_errors": len(samples) - len(ok),
                  "duration_s": duration_s}
@@ -63,7 +65,40 @@ def summarize(samples: Sequence[Sample], duration_s: float, *, ttft_slo_ms: floa
         if not s.ok:
             errors[s.error] = errors.get(s.error, 0) + 1
     out["errors"] = errors
+    out["kv"] = kv_summary(ok, block_size)
     return out
+
+
+def kv_summary(ok: Sequence[Sample], block_size: int = 16) -> dict:
+    """KV traffic and prompt-cache reuse of the successful requests, from their final metadata.
+
+    ``no_reuse_*``: what would move if every prompt block were shipped on every turn (no decode-side
+    cache). Hit ratios are prompt tokens served from a cache / prompt tokens: decode side (blocks
+    not shipped) and prefill side (tokens not recomputed)."""
+    prompt = sum(s.prompt_tokens for s in ok)
+    sent = sum(int(s.final.get("kv_blocks_sent", 0)) for s in ok)
+    nbytes = sum(int(s.final.get("kv_bytes_sent", 0)) for s in ok)
+    reused = sum(int(s.final.get("kv_blocks_reused", 0)) for s in ok)
+    prefill_cached = sum(int(s.final.get("prefill_cached_tokens", 0)) for s in ok)
+    no_reuse_blocks = sum(-(-s.prompt_tokens // block_size) for s in ok)
+    per_block = nbytes / sent if sent else 0.0
+    per_worker: dict[str, int] = {}
+    for s in ok:
+        w = s.final.get("decode_worker", "")
+        if w:
+            per_worker[w] = per_worker.get(w, 0) + 1
+    counts = list(per_worker.values())
+    mean = sum(counts) / len(counts) if counts else 0.0
+    return {"prompt_tokens": prompt, "kv_blocks_sent": sent, "kv_bytes_sent": nbytes,
+            "kv_blocks_reused": reused, "no_reuse_blocks": no_reuse_blocks,
+            "no_reuse_bytes": no_reuse_blocks * per_block,
+            "bytes_vs_no_reuse": sent / no_reuse_blocks if no_reuse_blocks else float("nan"),
+            "decode_hit_ratio": reused * block_size / prompt if prompt else float("nan"),
+            "prefill_hit_ratio": prefill_cached / prompt if prompt else float("nan"),
+            "session_hits": sum(1 for s in ok if s.final.get("session_hit")),
+            "session_moves": sum(1 for s in ok if s.final.get("session_moved")),
+            "requests_per_decode_worker": dict(sorted(per_worker.items())),
+            "decode_max_over_mean": max(counts) / mean if counts and mean else float("nan")}
 
 
 def format_table(summary: dict, title: str = "") -> str:
@@ -77,6 +112,13 @@ def format_table(summary: dict, title: str = "") -> str:
     for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         m = summary[name]
         lines.append(f"{name:<10}" + "".join(f"{m[k]:>10.2f}" for k in ("mean", "p50", "p90", "p99")))
+    kv = summary.get("kv")
+    if kv and kv["prompt_tokens"]:
+        lines.append(f"kv: {kv['kv_blocks_sent']} blocks / {kv['kv_bytes_sent']} B sent "
+                     f"({kv['bytes_vs_no_reuse']:.1%} of no-reuse), prompt-cache hit ratio decode "
+                     f"{kv['decode_hit_ratio']:.1%} prefill {kv['prefill_hit_ratio']:.1%}, "
+                     f"requests per decode worker {kv['requests_per_decode_worker']} "
+                     f"(max/mean {kv['decode_max_over_mean']:.2f}), session moves {kv['session_moves']}")
     if summary["errors"]:
         lines.append(f"errors: {summary['errors']}")
     return "\n".join(lines)
