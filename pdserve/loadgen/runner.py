@@ -62,9 +62,10 @@ async def _one(client: AsyncClient, cfg: RunConfig, prompt: list[int], out_len: 
     try:
         r = await client.generate(req, timeout=cfg.timeout_s)
     except grpc.aio.AioRpcError as exc:
-        return Sample(ok=False, error=exc.code().name, prompt_tokens=len(prompt), turn=turn), []
+        return Sample(ok=False, error=exc.code().name, prompt_tokens=len(prompt), session=session,
+                      turn=turn), []
     return Sample(ok=True, ttft_s=r.ttft_s, itl_s=r.itl_s, tpot_s=r.tpot_s, e2e_s=r.e2e_s,
-                  prompt_tokens=len(prompt), output_tokens=len(r.token_ids), turn=turn,
+                  prompt_tokens=len(prompt), output_tokens=len(r.token_ids), session=session, turn=turn,
                   final=r.final), r.token_ids
 
 

@@ -32,6 +32,7 @@ class Sample:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
+    session: str = ""
     turn: int = 0                               # 0-based turn of its session (0 for single requests)
     final: dict = field(default_factory=dict)   # the response's FinalInfo (pdserve.client dict form)
 
