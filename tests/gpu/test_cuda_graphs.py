@@ -27,9 +27,10 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.fixture(scope="module")
-def model():
-    cfg = preset_config("small", dtype="bfloat16")
+@pytest.fixture(scope="module", params=[{}, {"num_kv_heads": 2, "head_dim": 128}],
+                ids=["small-group2-cudacore", "small-group4-hd128-tensorcore"])
+def model(request):
+    cfg = preset_config("small", dtype="bfloat16", **request.param)
     return build_model(cfg, device=DEV, dtype=torch.bfloat16)
 
 

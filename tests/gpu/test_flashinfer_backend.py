@@ -118,6 +118,22 @@ def test_kernels_match_torch_backend(name, heads, kv_heads, head_dim, dtype, win
     assert err_fi < tol, f"{name}: flashinfer rel err {err_fi:.2e} (torch backend {err_torch:.2e})"
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True])
+@pytest.mark.parametrize("name", ["decode", "mixed"])
+def test_decode_kernel_choice_both_paths(name, tensor_cores):
+    """The 8B shape (GQA group 4) decodes on tensor cores by default; the CUDA-core kernel stays right."""
+    spec, q, k, v, cache = _random_step(name, 32, 8, 128, 16, torch.bfloat16, None, seed=17)
+    kw = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device=DEV)
+    fi = FlashInferAttentionBackend(dtype=torch.bfloat16, decode_tensor_cores=tensor_cores, **kw)
+    assert fi.use_tensor_cores is tensor_cores
+    assert FlashInferAttentionBackend(dtype=torch.bfloat16, **kw).use_tensor_cores  # the default at group 4
+    ref_backend = TorchAttentionBackend(**kw)
+    qd, kd, vd, cd = (x.bfloat16() for x in (q, k, v, cache))
+    ref = ref_backend.forward(qd.float(), kd.float(), vd.float(), cd.float(), ref_backend.plan(spec))
+    out = fi.forward(qd, kd, vd, cd.clone(), fi.plan(spec))
+    assert _rel(out, ref) < 1e-2
+
+
 def test_meta_dtype_learnt_from_first_forward():
     kw = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, device=DEV)
     fi = FlashInferAttentionBackend(**kw)  # no dtype: plans lazily at the first layer
