@@ -73,6 +73,7 @@ bench: setup
 	$(MAKE) $(MODEL)/config.json
 	OMP_NUM_THREADS=1 $(PY) -m pdserve.loadgen.compare --model $(MODEL) --json bench/results/cluster-cpu.json
 	$(PY) -m router.bench_placement --json bench/results/router-placement.json
+	OMP_NUM_THREADS=1 $(PY) bench/router_affinity.py --model $(MODEL) --json bench/results/router-affinity.json
 	$(PY) -m kvtransfer.bench --json bench/results/kvtransfer-cpu.json
 
 kind-test: setup tools

@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=".models/tiny")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=3)
-    p.add_argument("--sessions", type=int, default=12)
+    p.add_argument("--sessions", type=int, default=10, help="not a multiple of --decode: round robin "
+                   "would otherwise hand each session the same decode worker every turn by accident")
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--system-len", type=int, default=256, help="shared system prompt (tokens)")
     p.add_argument("--user-len", default="uniform:24:72", help="new user tokens per turn")
