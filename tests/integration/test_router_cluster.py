@@ -17,6 +17,7 @@ import asyncio
 import math
 import socket
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -80,8 +81,6 @@ def cluster(make_checkpoint, tmp_path_factory):
 
 
 def _wait_router_b_sees_all(address: str, n: int) -> None:
-    import time
-
     deadline = time.monotonic() + 60
     with Client(address) as c:
         while sum(1 for w in c.list_workers() if w["healthy"]) < n:
@@ -96,7 +95,10 @@ def leak_check(cluster):
     start = {w: n for w, n in cluster.start_free.items() if w in alive}
     stats = cluster.wait_idle(start)
     assert {w: s.free_blocks for w, s in stats.items()} == start
-    for port in cluster.metrics_ports:
+    for port in cluster.metrics_ports:  # every placement closed (a cancelled one a moment later)
+        deadline = time.monotonic() + 10
+        while scrape(port)["pdserve_router_inflight_requests"] and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert scrape(port)["pdserve_router_inflight_requests"] == 0
 
 
@@ -181,6 +183,19 @@ def test_removed_decode_worker_drains_request_between_allocate_and_decode(cluste
     assert got == want and done is not None and done.finish_reason == "length"
     # drained, then closed once its last request released it; nothing left open in the placer
     assert removed and inflight == 0 and closed and draining == [] and placer_inflight == 0
+
+
+def test_cancelled_and_timed_out_requests_close_their_placements(cluster, leak_check) -> None:
+    import grpc
+
+    with Client(cluster.router, timeout=120) as c:
+        call = c.stream(prompt_ids=tokens(7, 40), max_tokens=400, ignore_eos=True, session_id="gone")
+        assert next(call).token_ids  # placed, prefilled, decoding
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as info:
+            c.generate(prompt_ids=tokens(8, 40), max_tokens=400, ignore_eos=True, timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # leak_check: blocks back on every worker, router in-flight gauge back to 0
 
 
 def test_session_metadata_key_and_field_precedence(cluster, leak_check) -> None:
