@@ -169,8 +169,10 @@ class Pipeline:
                 meta.extra["decode_s"] = time.monotonic() - started
                 state.done = True  # the decode worker freed everything itself
                 # What the decode worker keeps for the session: the prompt and the answer, so the
-                # next turn (prompt + answer + new text) finds this turn's KV there.
-                held = block_hashes(req.prompt_ids + generated, self.block_size)
+                # next turn (prompt + answer + new text) finds this turn's KV there. The last token
+                # was sampled but never fed back, so its KV does not exist (a block ending on it
+                # is not full there).
+                held = block_hashes(req.prompt_ids + generated[:-1], self.block_size)
                 self._feedback(preq, placement, meta, success=True, decode_hashes=held)
                 yield Done(reason, completion, meta)
                 return
