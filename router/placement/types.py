@@ -97,7 +97,7 @@ class Outcome:
     """What actually happened, fed back through ``Placer.on_result``.
 
     ``decode_block_hashes``: hashes the decode worker holds for this sequence after the turn
-    (typically ``block_hashes(prompt + generated)``); ``None`` = unknown, then the router assumes
+    (typically ``block_hashes(prompt + generated[:-1])``); ``None`` = unknown, then the router assumes
     the prompt's reusable blocks. ``prefill_block_hashes`` likewise for the prefill worker.
     """
 
