@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "engine-cpu", "unit": "tokens/s", "ratio": "engine / transformers generate",
         "settings": vars(args) | {"json": str(args.json) if args.json else None},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+        "commit": _git_commit(),
+        "machine": {"platform": platform.platform(), "processor": _cpu_model(), "cpus": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "transformers": _hf_version()},
         "seconds": round(time.perf_counter() - started, 1),
@@ -160,6 +162,25 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def _hf_version() -> str:
