@@ -7,8 +7,10 @@ request between Allocate and Decode on a worker that discovery just removed), th
 ``x-session-affinity`` metadata key (``session_id`` wins), every turn of a session on one decode
 worker, both routers making the same placement, the load bound under a shared system prompt,
 killing a session's decode worker (the session moves, reported, output token-identical to a
-single-engine replay), Prometheus counters scraped from the router. Every test ends with the
-leak checks: free blocks back on every live worker, no placement left open on either router.
+single-engine replay), Prometheus counters scraped from the router, a NIXL -> TCP transport
+fallback reported and counted, seeded sampling vs one engine (strict xfail: engine side). Every
+test ends with the leak checks: free blocks back on every live worker, no placement left open on
+either router.
 """
 
 from __future__ import annotations
@@ -312,3 +314,34 @@ def test_router_metrics_scraped(cluster, leak_check) -> None:
     text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_ports[0]}/metrics").read().decode()
     assert "# HELP pdserve_router_fallbacks_total" in text  # no fallback on an all-TCP cluster
     assert m["pdserve_router_inflight_requests"] == 0
+
+
+def test_transport_fallback_reported_and_counted(cluster, tmp_path, leak_check) -> None:
+    """A prefill worker that prefers NIXL paired with a TCP-only decode worker: the KV goes over TCP
+    and the final response and the fallbacks counter say so (router C, on just those two)."""
+    from pdserve.launcher.local import get_stats
+
+    decode = next(h for h in cluster.workers if h.role == "decode" and h.alive())
+    prefill = router = None
+    try:
+        prefill = spawn("prefill", ["--model", str(cluster.model), "--transport", "auto",
+                                    "--num-blocks", "64", "--worker-id", "prefill-auto"],
+                        tmp_path / "prefill-auto.log",
+                        env={**QUIET_ENV, "UCX_TLS": "tcp"})
+        assert list(get_stats(prefill.address, "prefill").transports)[:1] == ["nixl"], "NIXL not usable here"
+        port = _free_port()
+        router = spawn("router", ["--model", str(cluster.model), "--prefill", prefill.address, "--decode",
+                                  decode.address, "--metrics-port", str(port)], tmp_path / "router-c.log",
+                       env=QUIET_ENV)
+        _wait_router_b_sees_all(router.address, 2)
+        with Client(router.address, timeout=60) as c:
+            r = c.generate(prompt_ids=tokens(60, 40), max_tokens=3)
+        f = r.final
+        assert f["transport"] == "tcp" and f["fallback"] and "nixl" in f["fallback_reason"], f
+        assert f["kv_blocks_sent"] == 3 and f["prefill_worker"] == "prefill-auto"
+        assert scrape(port)['pdserve_router_fallbacks_total{kind="nixl_unavailable"}'] == 1
+        assert scrape(port)["pdserve_router_inflight_requests"] == 0
+    finally:
+        for proc in (router, prefill):
+            if proc is not None:
+                proc.stop(10)
