@@ -27,7 +27,7 @@ from engine.errors import DuplicateRequest, KVCacheFull, QueueFull, RequestTooLo
 from engine.kv_layout import KVLayout, dtype_name
 from engine.model import CausalLM, build_model
 from engine.model_runner import ModelRunner, TokenLogprob
-from engine.sampler import make_generator
+from engine.sampler import advance_generator, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, Status
@@ -125,7 +125,7 @@ class LLMEngine:
         self.kv_layout = KVLayout(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                   head_dim=cfg.head_dim, block_size=config.block_size,
                                   dtype=dtype_name(dtype), memory=self.device.type,
-                                  model_fingerprint=cfg.fingerprint())
+                                  model_fingerprint=_model_fingerprint(cfg, model))
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
         num_blocks = self._num_blocks()
@@ -203,6 +203,8 @@ class LLMEngine:
         if not 0 <= int(first_token_id) < self.model_config.vocab_size:
             raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
         self.scheduler.commit_reserved(seq)
+        if seq.generator is not None:  # the prefill worker drew the first token from this seed
+            advance_generator(seq.generator, self.model_config.vocab_size)
         self._append_token(seq, int(first_token_id))
         if seq.finish_reason is not None:
             self._pending.append(self._finish(seq, []))
@@ -402,6 +404,13 @@ def _resolve_device(device: str) -> torch.device:
 
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, dtype_name(name))
+
+
+def _model_fingerprint(cfg: ModelConfig, model: torch.nn.Module) -> str:
+    """Architecture plus sampled weights: KV is only interchangeable between identical models."""
+    from engine.weights import weights_fingerprint
+
+    return f"{cfg.fingerprint()[:8]}{weights_fingerprint(model)[:8]}"
 
 
 def _load(config: EngineConfig, device: torch.device):

@@ -38,6 +38,19 @@ def _on(values: list, device: torch.device, dtype: torch.dtype | None = None) ->
     return to_device(torch.tensor(values, dtype=dtype), device)
 
 
+def advance_generator(generator: torch.Generator, vocab_size: int, draws: int = 1) -> None:
+    """Consume exactly what ``draws`` sampled tokens consume from a row's own generator.
+
+    A disaggregated request samples its first token on the prefill worker and the rest on the
+    decode worker, each with a generator made from the same seed. Skipping the prefill's draw
+    keeps the decode worker's stream where a single engine's would be, so seeded output is the
+    same colocated or disaggregated (on the same device kind).
+    """
+    device = generator.device
+    for _ in range(draws):
+        torch.empty(vocab_size, device=device).exponential_(generator=generator)
+
+
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed(seed)

@@ -205,3 +205,27 @@ def _names(items: list[str]) -> str:
     shown = ", ".join(items[:_MAX_NAMED])
     extra = len(items) - _MAX_NAMED
     return f"[{shown}{f', ... and {extra} more' if extra > 0 else ''}]"
+
+
+def weights_fingerprint(module: torch.nn.Module, samples_per_tensor: int = 16) -> str:
+    """Short hash of the loaded weights: names, shapes and a few evenly spaced values of each.
+
+    ``ModelConfig.fingerprint()`` only covers the architecture, so two checkpoints of the same
+    shape (two random seeds, a base model and its fine-tune) would look interchangeable. KV
+    computed by one is garbage to the other, so the KV layout's model fingerprint includes this.
+    Sampling keeps it cheap for an 8B model (one small gather per tensor, one copy to the host);
+    values are compared as float32 so the hash depends on the weights and dtype, not the device.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    picks = []
+    for name, param in sorted(module.named_parameters(), key=lambda kv: kv[0]):
+        h.update(f"{name}:{tuple(param.shape)}:{dtype_name(param.dtype)};".encode())
+        flat = param.detach().reshape(-1)
+        idx = torch.linspace(0, flat.numel() - 1, min(samples_per_tensor, flat.numel()),
+                             device=flat.device).long()
+        picks.append(flat.index_select(0, idx).float())
+    if picks:
+        h.update(torch.cat(picks).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]

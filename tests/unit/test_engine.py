@@ -244,12 +244,16 @@ def test_request_validation(make_engine):
     engine.step()
 
 
-def test_disaggregated_prefill_then_decode_matches_colocated(make_engine):
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=10, ignore_eos=True),
+    # Seeded sampling: the first token is drawn on the prefill side, the rest on the decode side.
+    SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.5, top_k=200, seed=1234),
+], ids=["greedy", "seeded"])
+def test_disaggregated_prefill_then_decode_matches_colocated(make_engine, params):
     """Prefill in one engine, copy its KV blocks into another engine's reservation, decode there."""
     prefill = make_engine(num_blocks=64)
     decode = make_engine(num_blocks=64)
     prompt, suffix = prompts_of([23, 9], seed=9)
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
     expected = alone(make_engine, prompt, params)
 
     def disaggregated(rid, prompt):
