@@ -33,6 +33,12 @@ class TransportConfig:
     # NIXL backends to instantiate in the agent and how often pending transfers/notifications are polled.
     nixl_backends: tuple[str, ...] = ("UCX",)
     nixl_poll_interval_s: float = 0.0005
+    # After a WRITE is posted (sender) or a NIXL transfer/handshake announced (receiver), poll without
+    # sleeping for this long: a small transfer completes within it instead of within sleep granularity.
+    nixl_spin_s: float = 0.005
+    # Descriptor lists prepared once per (agent, remote agent); a request posts by block index. False
+    # builds descriptors per request (also the automatic fallback when NIXL cannot prepare lists).
+    nixl_prepped: bool = True
     # NIXL's own progress thread spins (about a quarter of a core per idle agent, measured); without it
     # the transport's polling (state checks, notification polls) drives UCX progress instead.
     nixl_progress_thread: bool = False
@@ -53,6 +59,8 @@ class TransportConfig:
         if not (isinstance(self.max_frame_bytes, int) and 4096 <= self.max_frame_bytes <= (1 << 30)):
             raise ValueError("TransportConfig.max_frame_bytes must be in [4 KiB, 1 GiB], "
                              f"got {self.max_frame_bytes}")
+        if not (isinstance(self.nixl_spin_s, (int, float)) and 0 <= self.nixl_spin_s <= 10):
+            raise ValueError(f"TransportConfig.nixl_spin_s must be in [0, 10], got {self.nixl_spin_s!r}")
         if self.socket_buffer_bytes < 0:
             raise ValueError("TransportConfig.socket_buffer_bytes must be >= 0")
         if self.listen_host in ("0.0.0.0", "::", "") and not self.advertise_host:

@@ -40,7 +40,7 @@ def block_digest(kv: torch.Tensor, blocks: list[int]) -> str:
     """sha256 over (every layer of) the given blocks, in the given order."""
     h = hashlib.sha256()
     for b in blocks:
-        h.update(kv[:, b].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(kv[:, b].contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -164,6 +164,8 @@ class PeerProcess:
             return {"safe": await t.abort(cmd["rid"], cmd.get("reason", "test"))}
         if op == "stats":
             return {"stats": t.stats()}
+        if op == "counters":
+            return {"counters": t.counters()}
         if op == "close":
             await t.close()
             return {"stats": t.stats()}

@@ -10,6 +10,7 @@ Lifecycle of one request on the decode side::
                                         yet written; only then is the payload received in place
           END                           all (layer, block) pairs written exactly once -> "done", DONE sent
     NIXL: notification {done, rid, n}   from the agent named in BEGIN, n = expected bytes -> "done", DONE sent
+                                        (polled by rx_nixl.NixlNotifications)
     abort(rid) / deadline / END early / sender connection lost
                                         -> failed; the sender is told (ABORT) and, for NIXL, abort() waits
                                         for its ABORT_ACK: after that no write of this request can land
@@ -42,7 +43,8 @@ from .errors import (
     error_to_wire,
 )
 from .memory import KVMemory
-from .protocol import PROTOCOL_VERSION, Msg, meta_int, meta_int_list, meta_str, parse_notif
+from .protocol import PROTOCOL_VERSION, Msg, meta_int, meta_int_list, meta_str
+from .rx_nixl import NixlNotifications
 
 log = logging.getLogger("kvtransfer.rx")
 
@@ -102,11 +104,8 @@ class Receiver:
         self.expectations: dict[str, Expectation] = {}
         self.recv_pool = None  # set by the transport: threads receiving large payloads
         self.conns: set = set()
-        self._probe_seen: dict[str, float] = {}
-        self._probe_waiting: dict[str, tuple[object, float]] = {}
-        self._poller: asyncio.Task | None = None
-        if nixl is not None:
-            self._poller = loop.create_task(self._poll_nixl(), name="kvtransfer-nixl-poll")
+        # NIXL notifications (completions, handshake probes), polled in rx_nixl.py.
+        self.notifs = NixlNotifications(self) if nixl is not None else None
 
     # -- local API ---------------------------------------------------------------------------------
     def expect(self, rid: str, dst_block_ids, deadline: float) -> Expectation:
@@ -142,8 +141,8 @@ class Receiver:
     def close(self) -> None:
         for exp in list(self.expectations.values()):
             self._fail(exp, TransferAborted("transport closed"), notify=True)
-        if self._poller is not None:
-            self._poller.cancel()
+        if self.notifs is not None:
+            self.notifs.close()
         for conn in list(self.conns):
             conn.close()
 
@@ -198,8 +197,8 @@ class Receiver:
         for exp in [e for e in self.expectations.values() if e.conn is conn]:
             self._fail(exp, PeerUnavailable(f"sender {conn.peer} of request {exp.request_id!r} disconnected "
                                             f"mid-transfer{why}"), notify=False)
-        for nonce in [n for n, (c, _t) in self._probe_waiting.items() if c is conn]:
-            del self._probe_waiting[nonce]
+        if self.notifs is not None:
+            self.notifs.forget_conn(conn)
 
     # -- frames ------------------------------------------------------------------------------------
     def on_control(self, conn, msg: Msg, meta: dict) -> None:
@@ -255,13 +254,12 @@ class Receiver:
                  "backend": want}
         if want == "nixl":
             reply["nixl"] = self.nixl.info()
+            self.notifs.kick()  # UCX wire-up with the sender follows: progress it promptly
         conn.send(Msg.HELLO_OK, reply)
 
     def _on_probe(self, conn, nonce: str) -> None:
-        if self._probe_seen.pop(nonce, None) is not None:
-            conn.send(Msg.PROBE_OK, {"nonce": nonce})
-        else:
-            self._probe_waiting[nonce] = (conn, time.monotonic())
+        if self.notifs is not None:  # else never answered: the sender's probe times out, it falls back
+            self.notifs.on_probe(conn, nonce)
 
     def _on_begin(self, conn, meta: dict) -> None:
         rid = meta_str(meta, "rid", 256)
@@ -288,6 +286,7 @@ class Receiver:
         if backend == "nixl":
             exp.sender_agent = meta_str(meta, "agent")
             conn.send(Msg.BEGIN_OK, {"rid": rid})
+            self.notifs.kick()  # its WRITE and completion notification are about to arrive
 
     def _bound(self, conn, meta: dict, backend: str) -> Expectation:
         rid = meta_str(meta, "rid", 256)
@@ -357,45 +356,4 @@ class Receiver:
         if missing or exp.received != exp.nbytes:
             raise InvalidTransfer(f"END of {exp.request_id!r} before all KV arrived: {missing} "
                                   f"(layer, block) pairs missing, {exp.received}/{exp.nbytes} bytes")
-        self._complete(exp)
-
-    # -- NIXL notifications ------------------------------------------------------------------------
-    async def _poll_nixl(self) -> None:
-        interval = self.config.nixl_poll_interval_s
-        while True:
-            busy = bool(self._probe_waiting) or any(e.backend == "nixl" for e in self.expectations.values())
-            for agent, msgs in self.nixl.poll_notifs().items():
-                agent = agent.decode() if isinstance(agent, bytes) else str(agent)
-                for raw in msgs:
-                    self._on_notif(agent, raw)
-            cutoff = time.monotonic() - 60  # probes never matched (a sender that fell back to TCP)
-            for nonce in [n for n, t in self._probe_seen.items() if t < cutoff]:
-                del self._probe_seen[nonce]
-            stale = time.monotonic() - self.config.handshake_timeout_s
-            for nonce in [n for n, (_c, t) in self._probe_waiting.items() if t < stale]:
-                del self._probe_waiting[nonce]
-            await asyncio.sleep(interval if busy else 0.01)
-
-    def _on_notif(self, agent: str, raw: bytes) -> None:
-        meta = parse_notif(raw)
-        if meta is None:
-            log.warning("kvtransfer: ignoring foreign NIXL notification from %s: %r", agent, raw[:80])
-            return
-        if meta.get("t") == "probe" and isinstance(meta.get("nonce"), str):
-            waiting = self._probe_waiting.pop(meta["nonce"], None)
-            if waiting is not None:
-                waiting[0].send(Msg.PROBE_OK, {"nonce": meta["nonce"]})
-            else:
-                self._probe_seen[meta["nonce"]] = time.monotonic()
-            return
-        rid = meta.get("rid")
-        exp = self.expectations.get(rid) if isinstance(rid, str) else None
-        if exp is None or exp.backend != "nixl" or exp.sender_agent != agent:
-            log.info("kvtransfer: NIXL completion for %r from %s matches no transfer (aborted?)", rid, agent)
-            return
-        if meta.get("n") != exp.nbytes:
-            self._fail(exp, InvalidTransfer(f"NIXL completion of {rid!r} reports {meta.get('n')} bytes, "
-                                            f"expected {exp.nbytes}"), notify=True)
-            return
-        exp.received = exp.nbytes
         self._complete(exp)

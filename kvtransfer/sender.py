@@ -8,9 +8,11 @@ Lifecycle::
                            write cannot be taken back; TCP: pipelined, the receiver checks BEGIN before
                            any DATA of the request) -> one step per pushed layer range -> finish
         TCP                DATA frames (segments of coalesced block runs, <= max_frame_bytes), then END
-        NIXL               one WRITE per layer range with coalesced descriptors; finish waits for all to
-                           be DONE, then a NIXL notification {done, rid, bytes} (attached to the WRITE
-                           itself when everything went in one range)
+        NIXL               one WRITE per pushed layer range (ranges queued meanwhile join it; a one-shot
+                           send is ONE WRITE for all layers), by index into descriptor lists prepared
+                           once per (agent, remote agent); finish waits for all to be DONE, then a NIXL
+                           notification {done, rid, bytes} (attached to the last WRITE when finish()
+                           was already known, always for a one-shot send)
     DONE from receiver     -> state "done"; wait() returns {request_id, bytes, seconds, backend}
     error/abort/timeout    -> "failed"/"aborted": in-flight NIXL writes are cancelled or waited out
                            before the handle settles (so the source blocks may be reused), the
@@ -26,6 +28,8 @@ import asyncio
 import logging
 import time
 import zlib
+
+import numpy as np
 
 from .blocks import merge_regions, pair_runs, plan_segments, validate_layers
 from .errors import InvalidTransfer, PeerUnavailable, TransferAborted, TransferError, TransferTimeout
@@ -43,6 +47,8 @@ class SendHandle:
         self.endpoint = endpoint
         self.src, self.dst = src, dst
         self.runs = pair_runs(src, dst)
+        self._src_np = np.asarray(src, dtype=np.int64)
+        self._dst_np = np.asarray(dst, dtype=np.int64)
         self.nbytes = transport.layout.num_layers * len(dst) * transport.layout.block_bytes
         self.state = "connecting"
         self.backend: str | None = None
@@ -174,17 +180,43 @@ class SendHandle:
         await peer.send_frame(Msg.BEGIN, meta)
         await self._begin_ok
         while True:
-            op = await self._ops.get()
+            op = await self._next_op()
             if op is _FINISH:
                 await self._finish(peer, notified=False)
                 break
             _, layers, final = op
+            # Layer ranges pushed while the previous WRITE was being posted go out as one WRITE; a
+            # finish() already queued behind them lets that WRITE carry the completion notification.
+            while not final and not self._ops.empty():
+                nxt = self._ops.get_nowait()
+                if nxt is _FINISH:
+                    final = True
+                    break
+                layers, final = layers + nxt[1], nxt[2]
             await self._send_layers(peer, layers, final)
             if final:
                 await self._finish(peer, notified=True)
                 break
         self.state = "completing"
         await self._done
+
+    async def _next_op(self):
+        """The next pushed op; meanwhile keep UCX progressing the WRITEs already posted (without NIXL's
+        progress thread, bytes move only inside our NIXL calls: an unpolled WRITE stalls)."""
+        while self._ops.empty() and self._xfers:
+            self._reap()
+            await asyncio.sleep(self.t.config.nixl_poll_interval_s)
+        return await self._ops.get()
+
+    def _reap(self) -> None:
+        nixl = self.t.nixl
+        for handle in list(self._xfers):
+            state = nixl.state(handle)
+            if state == "DONE":
+                nixl.release(handle)
+                self._xfers.remove(handle)
+            elif state != "PROC":
+                raise PeerUnavailable(f"NIXL WRITE of {self.request_id!r} failed ({state})")
 
     async def _run_tcp(self, peer, begin: dict) -> None:
         # BEGIN is not acknowledged on TCP: the receiver checks it before taking any DATA of the request,
@@ -223,23 +255,36 @@ class SendHandle:
         return frames
 
     async def _send_layers(self, peer, layers: tuple[int, ...], final: bool) -> None:
-        bb, mem, rnb = self.t.layout.block_bytes, self.t.memory, peer.num_blocks
-        regions = merge_regions((mem.offset(layer, s), (layer * rnb + d) * bb, n * bb)
-                                for layer in layers for s, d, n in self.runs)
-        if not regions:
+        """ONE NIXL WRITE for all these layers' blocks (a one-shot send: every layer, one post)."""
+        if not layers or not self.src:
             return
         notif = notif_message("done", rid=self.request_id, n=self.nbytes) if final else b""
         self._notif_attached = final
-        remote = peer.remote
-        handle, _state = self.t.nixl.post_write(peer.remote_agent, remote["base"], remote["dev"],
-                                                remote["mem"], regions, notif)
+        nixl = self.t.nixl
+        if nixl.can_post_blocks(peer.remote_agent):
+            # Indices into the prepared (layer, block) lists: layer-major, pairs in request order, so
+            # runs consecutive on both sides (also across a layer boundary) are merged by NIXL.
+            lay = np.asarray(layers, dtype=np.int64)[:, None]
+            local = (lay * self.t.memory.num_blocks + self._src_np).ravel().astype(np.int32)
+            remote = (lay * peer.num_blocks + self._dst_np).ravel().astype(np.int32)
+            handle, _state = nixl.post_blocks(peer.remote_agent, local, remote, notif)
+        else:
+            bb, mem, rnb = self.t.layout.block_bytes, self.t.memory, peer.num_blocks
+            regions = merge_regions((mem.offset(layer, s), (layer * rnb + d) * bb, n * bb)
+                                    for layer in layers for s, d, n in self.runs)
+            info = peer.remote
+            handle, _state = nixl.post_write(peer.remote_agent, info["base"], info["dev"], info["mem"],
+                                             regions, notif)
         self._xfers.append(handle)
 
     async def _finish(self, peer, notified: bool) -> None:
-        nixl, interval = self.t.nixl, self.t.config.nixl_poll_interval_s
+        nixl, cfg = self.t.nixl, self.t.config
+        # Poll without sleeping for nixl_spin_s (a small WRITE is done within it, and every poll is a
+        # UCX progress call), then every nixl_poll_interval_s: bounded CPU for long transfers.
+        spin_until = time.monotonic() + cfg.nixl_spin_s
         for handle in list(self._xfers):
             while (state := nixl.state(handle)) == "PROC":
-                await asyncio.sleep(interval)
+                await asyncio.sleep(0 if time.monotonic() < spin_until else cfg.nixl_poll_interval_s)
             if state != "DONE":
                 raise PeerUnavailable(f"NIXL WRITE of {self.request_id!r} to {peer.name} failed ({state})")
             nixl.release(handle)

@@ -78,7 +78,8 @@ class KVTransport:
 
             name = config.agent_name or f"pdkv-{socket.gethostname()}-{self.instance[:12]}"
             try:
-                self.nixl = NixlAgent(name, self.memory, config.nixl_backends, config.nixl_progress_thread)
+                self.nixl = NixlAgent(name, self.memory, config.nixl_backends, config.nixl_progress_thread,
+                                      prepped=config.nixl_prepped)
             except BackendUnavailable as exc:
                 if config.kind == "nixl":
                     raise
@@ -253,7 +254,13 @@ class KVTransport:
                 "peer_handles": sum(len(p.handles) for p in self._peers.values()),
                 "nixl_xfers": self.nixl.num_xfers if self.nixl else 0,
                 "nixl_remote_agents": self.nixl.num_remotes if self.nixl else 0,
+                "nixl_remote_dlists": self.nixl.num_remote_dlists if self.nixl else 0,
                 "rx_connections": len(rx.conns) if rx else 0}
+
+    def counters(self) -> dict:
+        """Cumulative counters (not leak checks): NIXL WRITEs posted and the descriptors they carried."""
+        n = self.nixl
+        return {"nixl_posted_xfers": n.posted_xfers if n else 0, "nixl_descs": n.posted_descs if n else 0}
 
     def peer_backend(self, endpoint: dict) -> str | None:
         """Which backend the cached connection to this endpoint uses (None if not connected)."""

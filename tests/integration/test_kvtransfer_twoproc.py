@@ -52,8 +52,13 @@ async def check_matrix(env, kinds):
                 src = rng.sample(range(20), 6) + [20, 21, 22]
                 dst = rng.sample(range(RX_BLOCKS - 3), 6)
                 dst += [b for b in (37, 38, 39)]
+                c0 = (await tx.call("counters", tid=t["tid"]))["counters"]
                 sent, got = await transfer(rx, tx, r["tid"], t["tid"], ep, f"{kind}-{n}", src, dst)
                 assert sent["backend"] == got["backend"] == kind, (sent, got)
+                c1 = (await tx.call("counters", tid=t["tid"]))["counters"]
+                posted = c1["nixl_posted_xfers"] - c0["nixl_posted_xfers"]
+                # Every layer of a one-shot send in ONE NIXL WRITE (TCP posts none).
+                assert posted == (1 if kind == "nixl" else 0), f"{kind}: {posted} WRITEs for one send"
                 assert sent["bytes"] == got["bytes"] == lay.num_layers * len(dst) * lay.block_bytes
                 # Several transfers in flight at once, one of them streamed layer by layer.
                 free = [b for b in range(RX_BLOCKS) if b not in dst]
