@@ -8,7 +8,7 @@ request between Allocate and Decode on a worker that discovery just removed), th
 worker, both routers making the same placement, the load bound under a shared system prompt,
 killing a session's decode worker (the session moves, reported, output token-identical to a
 single-engine replay), Prometheus counters scraped from the router, a NIXL -> TCP transport
-fallback reported and counted, seeded sampling vs one engine (strict xfail: engine side). Every
+fallback reported and counted, seeded sampling (temperature > 0) equal to one engine. Every
 test ends with the leak checks: free blocks back on every live worker, no placement left open on
 either router.
 """
@@ -269,9 +269,9 @@ def test_shared_system_prompt_stays_within_load_bound(cluster, leak_check) -> No
 SEEDED = dict(temperature=0.8, top_p=0.95, ignore_eos=True)
 
 
-@pytest.mark.xfail(strict=True, reason="engine: the decode engine's generator starts one draw behind at "
-                   "commit_prefilled (the prefill engine drew token 1); see docs/cluster.md, Known limits")
 def test_seeded_sampling_through_the_cluster_equals_one_engine(cluster, leak_check) -> None:
+    """temperature > 0 with a seed: prefill samples token 1, decode the rest; the decode engine's
+    generator must continue where the prefill's left off, so the stream equals one engine's."""
     from engine.engine import EngineConfig, LLMEngine
     from engine.sampling_params import SamplingParams
 
