@@ -32,13 +32,15 @@ class PeerClient:
 
     @classmethod
     async def spawn(cls, env: dict | None = None, prefix: list[str] | None = None,
-                    stderr=None) -> PeerClient:
-        full_env = {**os.environ, "PYTHONPATH": _ROOT, **(env or {})}
+                    stderr=None, root: str | None = None) -> PeerClient:
+        """root: the source tree the child imports kvtransfer from (another checkout, for A/B runs)."""
+        root = root or _ROOT
+        full_env = {**os.environ, "PYTHONPATH": root, **(env or {})}
         for key, value in list(full_env.items()):
             if value is None:
                 del full_env[key]
         proc = await asyncio.create_subprocess_exec(
-            *(prefix or []), sys.executable, "-m", "kvtransfer.peer_proc", cwd=_ROOT, env=full_env,
+            *(prefix or []), sys.executable, "-m", "kvtransfer.peer_proc", cwd=root, env=full_env,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr, limit=1 << 24)
         self = cls(proc)
         hello = json.loads(await asyncio.wait_for(proc.stdout.readline(), 120))

@@ -6,7 +6,8 @@ So this task's schedule is the receiver's NIXL latency::
 
     idle (no NIXL transfer bound, no probe waiting)   wait for a kick, at most 10 ms between polls
     kick() (HELLO wanting NIXL, PROBE, BEGIN on NIXL) poll at once, then without sleeping for
-      or any notification arriving                    nixl_spin_s: a small transfer completes inside it
+      or a notification with more NIXL work pending   nixl_spin_s: a small transfer completes inside it
+    a notification leaving nothing pending            back to idle at once (no spinning for nobody)
     busy after the spin window                        poll every nixl_poll_interval_s
 
 Before, an idle receiver slept 10 ms between polls and only switched to the short interval on its next
@@ -75,7 +76,9 @@ class NixlNotifications:
                     self._on_notif(agent, raw)
             now = time.monotonic()
             if got:
-                self._spin_until = now + self.config.nixl_spin_s
+                # More NIXL work pending: keep spinning; none (the usual case after a completion): stop
+                # spinning at once rather than burn the rest of the window on a shared CPU.
+                self._spin_until = now + self.config.nixl_spin_s if self._busy() else 0.0
             if now - last_sweep > 1.0:
                 last_sweep = now
                 self._sweep(now)
