@@ -34,8 +34,10 @@ class TransportConfig:
     nixl_backends: tuple[str, ...] = ("UCX",)
     nixl_poll_interval_s: float = 0.0005
     # After a WRITE is posted (sender) or a NIXL transfer/handshake announced (receiver), poll without
-    # sleeping for this long: a small transfer completes within it instead of within sleep granularity.
-    nixl_spin_s: float = 0.005
+    # sleeping for this long before falling back to nixl_poll_interval_s. Off by default: on a shared
+    # 2-core box spinning made NIXL latency worse, not better (measured side by side, docs/kvtransfer.md);
+    # try it (e.g. 0.002) where each worker has cores of its own.
+    nixl_spin_s: float = 0.0
     # Descriptor lists prepared once per (agent, remote agent); a request posts by block index. False
     # builds descriptors per request (also the automatic fallback when NIXL cannot prepare lists).
     nixl_prepped: bool = True

@@ -162,8 +162,8 @@ def test_import_falls_back_to_nixl_cu13_then_the_meta_package(monkeypatch):
 
 
 def test_new_nixl_settings_are_validated():
-    assert TransportConfig().nixl_prepped is True and TransportConfig().nixl_spin_s > 0
-    assert TransportConfig(nixl_spin_s=0).nixl_spin_s == 0  # 0 = never spin, always sleep between polls
+    assert TransportConfig().nixl_prepped is True and TransportConfig().nixl_spin_s == 0  # no spinning
+    assert TransportConfig(nixl_spin_s=0.002).nixl_spin_s == 0.002
     for bad in (-0.001, 11, "1"):
         with pytest.raises(ValueError, match="nixl_spin_s"):
             TransportConfig(nixl_spin_s=bad)
