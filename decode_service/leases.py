@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(kw_only=True)
@@ -26,6 +27,9 @@ class Lease:
     expects_kv: bool
     deadline: float
     created: float = field(default_factory=time.monotonic)
+    # Kept so a lease can become a full local request (conditional disaggregation / colocated).
+    prompt_ids: list[int] = field(default_factory=list)
+    params: Any = None
 
 
 class LeaseTable:

@@ -13,10 +13,12 @@ DEFAULT_KV_WAIT_MS = 30_000
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, worker: DecodeWorker, *, address: str, transports: list[str]) -> None:
+    def __init__(self, worker: DecodeWorker, *, address: str, transports: list[str],
+                 role: str = "decode") -> None:
         self.worker = worker
         self.address = address
         self.transports = transports
+        self.role = role  # "colocated": a colocated worker serving a router (local prefill only)
 
     async def Allocate(self, request: decode_pb2.AllocateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -34,9 +36,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         wait_s = (request.kv_wait_ms or DEFAULT_KV_WAIT_MS) / 1000.0
-        completion = 1  # the first token (from prefill) counts
+        # The first token counts: it came from the prefill worker, or (local) it is in this stream.
+        completion = 0 if request.prefill_locally else 1
         try:
-            async for out in self.worker.decode(request.request_id, request.first_token_id, wait_s):
+            async for out in self.worker.decode(request.request_id, request.first_token_id, wait_s,
+                                                prefill_locally=request.prefill_locally):
                 if out.finish_reason == "error":
                     raise RuntimeError(out.error or "decode failed")
                 completion += len(out.new_token_ids)
@@ -61,7 +65,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def GetStats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext):
         w = self.worker
         snap = w.engine.snapshot
-        return worker_stats(worker_id=w.worker_id, role="decode", incarnation=w.incarnation,
+        return worker_stats(worker_id=w.worker_id, role=self.role, incarnation=w.incarnation,
                             engine=w.engine.engine, snapshot=snap, transports=self.transports,
                             kv_endpoint=w.kv.endpoint(), address=self.address, num_leased=len(w.leases),
                             # in flight here: leased (waiting for KV) + decoding (from the KV wait on)

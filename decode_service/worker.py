@@ -7,6 +7,11 @@ Lifecycle of one request on this worker::
     decode()    lease taken → await KV-complete (bounded) → engine.commit_prefilled(first token)
                 → stream StepOutputs → engine.release (full blocks stay in the prefix cache, so a
                 session's next turn finds them: that is how KV is "retained")
+    decode(prefill_locally=True)   (conditional disaggregation, colocated workers behind a router)
+                lease taken → receiver registration dropped (no KV is coming) → engine.release +
+                engine.generate: the reservation becomes a full request; its cached prefix blocks
+                are still in the prefix cache, so only the uncached suffix is computed here. Every
+                token, the first included, comes from this engine.
     release()   lease popped → receiver.release + engine.release          (idempotent)
     reaper      every lease past its deadline is released the same way (prefill never delivered)
 
@@ -77,19 +82,30 @@ class DecodeWorker:
             lease_s = (lease_ms or self.default_lease_ms) / 1000.0
             self.leases.add(Lease(request_id=request_id, block_ids=block_ids, num_cached_tokens=cached,
                                   num_prompt_tokens=len(prompt_ids), expects_kv=bool(missing),
-                                  deadline=time.monotonic() + lease_s))
+                                  deadline=time.monotonic() + lease_s, prompt_ids=list(prompt_ids),
+                                  params=params))
         except BaseException:
             await asyncio.shield(self._free(request_id, expects_kv=bool(missing)))
             raise
         return Allocation(block_ids=block_ids, num_cached_tokens=cached, kv_endpoint=self.kv.endpoint())
 
-    async def decode(self, request_id: str, first_token_id: int, kv_wait_s: float) -> AsyncIterator[Any]:
+    async def decode(self, request_id: str, first_token_id: int, kv_wait_s: float, *,
+                     prefill_locally: bool = False) -> AsyncIterator[Any]:
         lease = self.leases.take(request_id)
         if lease is None:
             raise UnknownRequest(f"no reservation for request {request_id!r} on {self.worker_id} "
                                  "(never allocated, released, or its lease expired)")
         self.active.add(request_id)
         try:
+            if prefill_locally:
+                if lease.expects_kv:  # nobody will push: stop expecting before the blocks are reused
+                    await _maybe_await(self.kv.release(request_id))
+                # Two engine-thread commands: a step in between may evict the freed prefix under
+                # memory pressure, which only costs recomputing it (the output is the same).
+                await self.engine.release(request_id)
+                async for out in self.engine.generate(request_id, lease.prompt_ids, lease.params):
+                    yield out
+                return
             if lease.expects_kv:
                 await asyncio.wait_for(_maybe_await(self.kv.wait(request_id)), timeout=kv_wait_s)
                 await _maybe_await(self.kv.release(request_id))

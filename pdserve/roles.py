@@ -151,14 +151,16 @@ async def _decode(settings: ServeSettings, server: GrpcServer):
 
 
 async def _colocated(settings: ServeSettings, server: GrpcServer):
+    from decode_service.service import DecodeServicer
+    from decode_service.worker import DecodeWorker
     from pdserve.v1 import decode_pb2_grpc, router_pb2_grpc
     from router.admission import ModelLimits
-    from router.colocated import ColocatedServicer, ColocatedStats
+    from router.colocated import ColocatedServicer
 
-    holder, stats_holder = _Late(), _Late()
+    holder, decode_holder = _Late(), _Late()
     router_pb2_grpc.add_RouterServicer_to_server(_Delegate(holder, router_pb2_grpc.RouterServicer),
                                                  server.server)
-    decode_pb2_grpc.add_DecodeServicer_to_server(_Delegate(stats_holder, decode_pb2_grpc.DecodeServicer),
+    decode_pb2_grpc.add_DecodeServicer_to_server(_Delegate(decode_holder, decode_pb2_grpc.DecodeServicer),
                                                  server.server)
 
     async def finish(settings: ServeSettings) -> None:
@@ -169,10 +171,35 @@ async def _colocated(settings: ServeSettings, server: GrpcServer):
         holder.target = ColocatedServicer(engine=aengine, limits=limits, worker_id=settings.worker_id,
                                           incarnation=uuid.uuid4().hex[:12],
                                           address=settings.advertise_address)
-        stats_holder.target = ColocatedStats(holder.target)
+        # The Decode service too, so a router (--mode colocated) can front several of these: it
+        # Allocates (reporting the cached prefix) and Decodes with prefill_locally. No KV transport:
+        # nothing is ever pushed here.
+        worker = DecodeWorker(engine=aengine, kv=_NoKV(), worker_id=settings.worker_id,
+                              block_size=engine.kv_layout.block_size, default_lease_ms=settings.lease_ms)
+        worker.start()
+        decode_holder.target = DecodeServicer(worker, address=settings.advertise_address, transports=[],
+                                              role="colocated")
         server.on_stop(aengine.stop)
+        server.on_stop(worker.stop)
 
     return finish
+
+
+class _NoKV:
+    """The KV link of a colocated worker: receives nothing; a Decode that waits for KV fails clearly."""
+
+    def endpoint(self) -> bytes:
+        return b""
+
+    def expect(self, request_id: str, blocks: list[int]) -> None:
+        return None
+
+    async def wait(self, request_id: str) -> None:
+        raise RuntimeError("a colocated worker receives no KV: the router must send prefill_locally "
+                           "(route to it with --mode colocated or --conditional-disagg auto)")
+
+    def release(self, request_id: str) -> None:
+        return None
 
 
 async def _router(settings: ServeSettings, server: GrpcServer):

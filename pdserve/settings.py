@@ -22,6 +22,8 @@ DISCOVERY = ("static", "redis", "k8s", "file")
 POLICIES = ("round_robin", "least_loaded", "prefix", "session+prefix")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+ROUTER_MODES = ("disagg", "colocated")
+CONDITIONAL = ("off", "auto")
 ENV_PREFIX = "PDSERVE_"
 
 
@@ -79,6 +81,15 @@ class ServeSettings:
     # how long a decode reservation waits for its KV before it is released
     lease_ms: int = 30_000
     stats_interval: float = 0.5
+    # router: "colocated" fronts colocated workers (listed as --decode / the workers file's decode
+    # pool) with no prefill pool: every request prefills on the worker that decodes it
+    mode: str = "disagg"
+    # router, conditional disaggregation (router/conditional.py): "auto" lets the decode worker
+    # prefill a prompt itself when its uncached part is short or moving its KV would take longer
+    # than recomputing it. Off by default: on CPU no benefit was measured (docs/cluster.md).
+    conditional_disagg: str = "off"
+    min_uncached_tokens: int = 256
+    local_prefill_tokens_per_s: float = 30000.0
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -88,6 +99,10 @@ class ServeSettings:
         _one_of("policy", self.policy, POLICIES)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)
+        _one_of("mode", self.mode, ROUTER_MODES)
+        _one_of("conditional_disagg", self.conditional_disagg, CONDITIONAL)
+        if self.min_uncached_tokens < 0 or not self.local_prefill_tokens_per_s > 0:
+            raise ValueError("--min-uncached-tokens must be >= 0 and --local-prefill-tokens-per-s > 0")
         for name in ("port", "metrics_port", "kv_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
@@ -108,7 +123,10 @@ class ServeSettings:
         if self.role != "router" and not self.model:
             raise ValueError(f"--model DIR is required for role {self.role!r} (or PDSERVE_MODEL)")
         if self.role == "router":
-            if self.discovery == "static" and not (self.prefill and self.decode):
+            if self.discovery == "static" and self.mode == "colocated" and not self.decode:
+                raise ValueError("router with --mode colocated needs --decode ADDR[,..] (the colocated "
+                                 "workers)")
+            if self.discovery == "static" and self.mode == "disagg" and not (self.prefill and self.decode):
                 raise ValueError("router with --discovery static needs --prefill ADDR[,..] and "
                                  "--decode ADDR[,..]")
             if self.discovery == "redis" and not self.redis:
@@ -147,8 +165,9 @@ class ServeSettings:
 
 
 _INT = {"port", "metrics_port", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-        "kv_port", "lease_ms"}
-_FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout"}
+        "kv_port", "lease_ms", "min_uncached_tokens"}
+_FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
+          "local_prefill_tokens_per_s"}
 
 
 def _parse(name: str, raw: str) -> object:
@@ -199,5 +218,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--workers-file", help="router, discovery file: JSON {\"prefill\": [..], \"decode\": [..]}, watched")
     a("--session-ttl", type=float, help="router: seconds a session's affinity is kept (default 600)")
     a("--stats-interval", type=float, help="router: seconds between worker GetStats polls (default 0.5)")
+    a("--mode", choices=ROUTER_MODES, help="router: disagg (prefill + decode pools, default) or colocated "
+      "(--decode lists colocated workers; each prefills what it decodes)")
+    a("--conditional-disagg", choices=CONDITIONAL, help="router: auto = the decode worker prefills locally "
+      "when the uncached suffix is short or the KV transfer would be slower than recomputing (default off)")
+    a("--min-uncached-tokens", type=int, help="router, conditional: at or below this many uncached prompt "
+      "tokens prefill locally (default 256)")
+    a("--local-prefill-tokens-per-s", type=float, help="router, conditional: the decode worker's prefill "
+      "rate used to estimate recompute time (default 30000, a GPU figure)")
     a("--store-timeout", type=float, help="router: seconds one Redis call may take on the placement path "
       "before the local view decides (default 0.05)")

@@ -99,4 +99,6 @@ def worker_stats(*, worker_id: str, role: str, incarnation: str, engine: object,
         free_blocks=snapshot.free_blocks, total_blocks=snapshot.total_blocks,
         block_size=getattr(layout, "block_size", 0), transports=transports, kv_endpoint=kv_endpoint,
         address=address, num_leased=num_leased,
-        max_model_len=int(getattr(config, "max_position_embeddings", 0) or 0))
+        max_model_len=int(getattr(config, "max_position_embeddings", 0) or 0),
+        kv_bytes_per_block=int(getattr(layout, "num_layers", 0) * getattr(layout, "block_bytes", 0)),
+        max_num_seqs=int(getattr(getattr(engine, "config", None), "max_num_seqs", 0) or 0))

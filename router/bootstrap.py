@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Awaitable[None]]]:
     """(RouterServicer, async stop) for ``settings``."""
     from router.admission import limits_from_model_dir
+    from router.conditional import ConditionalConfig
     from router.directory import WorkerDirectory
     from router.metrics import RouterMetrics, serve_metrics
     from router.pipeline import Pipeline
@@ -42,12 +43,13 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
                     store, metrics=metrics)
     metrics.inflight.set_function(lambda: placer.inflight_total)
     await placer.start()
+    colocated = settings.mode == "colocated"
     directory = WorkerDirectory(placer, interval=settings.stats_interval,
-                                drain_timeout_s=max(settings.drain_timeout, 1.0) * 4)
+                                drain_timeout_s=max(settings.drain_timeout, 1.0) * 4, local_prefill=colocated)
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(directory.poll_forever())]
     if settings.discovery == "static":
-        await directory.set_addresses("prefill", settings.prefill)
+        await directory.set_addresses("prefill", () if colocated else settings.prefill)
         await directory.set_addresses("decode", settings.decode)
     elif settings.discovery == "file":
         from router.file_discovery import watch_workers_file
@@ -74,7 +76,12 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
             del pending[:-4]
 
         tasks.append(loop.create_task(source.run(on_update)))
-    pipeline = Pipeline(directory, placer, block_size=settings.block_size, lease_ms=settings.lease_ms)
+    conditional = None
+    if settings.conditional_disagg == "auto":
+        conditional = ConditionalConfig(min_uncached_tokens=settings.min_uncached_tokens,
+                                        local_prefill_tokens_per_s=settings.local_prefill_tokens_per_s)
+    pipeline = Pipeline(directory, placer, block_size=settings.block_size, lease_ms=settings.lease_ms,
+                        conditional=conditional, colocated=colocated)
     servicer = RouterServicer(pipeline=pipeline, directory=directory, limits=limits)
 
     async def stop() -> None:

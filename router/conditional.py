@@ -22,7 +22,9 @@ worker is (a loaded decode batch makes local prefill cost its other requests mor
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,3 +90,66 @@ def decide(*, prompt_tokens: int, cached_tokens: int, config: ConditionalConfig,
         reason = "disaggregate"
     return Decision(local=reason in ("short_suffix", "transfer_slower"), reason=reason,
                     uncached_tokens=uncached, transfer_s=transfer, recompute_s=recompute)
+
+
+class PrefillModePolicy:
+    """The router's side: feeds ``decide`` what it knows about a placed (prefill, decode) pair.
+
+    Inputs: the decode worker's cached prefix (from its Allocate), its last GetStats (load, batch
+    capacity, KV bytes per block), and the placer's measured bandwidth for the pair (only when
+    measured; else the configured default). Every decision is counted in
+    ``pdserve_router_prefill_decisions_total{mode, reason}`` on the placer's metrics registry.
+    ``colocated``: there is no prefill pool, every prompt is prefilled where it decodes.
+    """
+
+    def __init__(self, config: ConditionalConfig | None, placer: Any, *, colocated: bool = False) -> None:
+        self.config = config if config is not None else ConditionalConfig(enabled=False)
+        self.placer = placer
+        self.colocated = colocated
+        self.counter = _decisions_counter(getattr(getattr(placer, "metrics", None), "registry", None))
+        self._by_kv_bytes: dict[int, ConditionalConfig] = {}
+
+    def decide(self, req: Any, cached_tokens: int, p: Any, d: Any) -> Decision:
+        n = len(req.prompt_ids)
+        if self.colocated:
+            out = Decision(local=True, reason="colocated", uncached_tokens=n - min(cached_tokens, n - 1),
+                           transfer_s=0.0, recompute_s=0.0)
+        else:
+            stats = d.stats
+            links = getattr(self.placer, "links", None)
+            gbps = None
+            if p is not None and links is not None and links.measured(p.worker_id, d.worker_id):
+                gbps = links.bandwidth(p.worker_id, d.worker_id) / 1e9
+            out = decide(prompt_tokens=n, cached_tokens=cached_tokens, config=self._config_for(stats),
+                         link_gbps=gbps, decode_running=stats.num_running if stats else 0,
+                         decode_capacity=(stats.max_num_seqs if stats else 0) or 1)
+        if self.counter is not None:
+            self.counter.labels(mode="local" if out.local else "remote", reason=out.reason).inc()
+        return out
+
+    def _config_for(self, stats: Any) -> ConditionalConfig:
+        """The configured rates with the decode worker's real KV size per token, when it reports one."""
+        per_block = int(getattr(stats, "kv_bytes_per_block", 0) or 0)
+        block_size = int(getattr(stats, "block_size", 0) or 0)
+        if not (per_block and block_size):
+            return self.config
+        per_token = max(1, per_block // block_size)
+        cfg = self._by_kv_bytes.get(per_token)
+        if cfg is None:
+            cfg = dataclasses.replace(self.config, kv_bytes_per_token=per_token)
+            self._by_kv_bytes[per_token] = cfg
+        return cfg
+
+
+def _decisions_counter(registry: Any) -> Any:
+    if registry is None:
+        return None
+    from prometheus_client import Counter
+
+    name = "pdserve_router_prefill_decisions"
+    existing = getattr(registry, "_names_to_collectors", {}).get(name)
+    if existing is not None:  # a second pipeline on the same placer (tests)
+        return existing
+    return Counter(name, "Where prompts were prefilled: mode remote (prefill pool) | local (decode "
+                   "worker), with the conditional-disaggregation reason", ["mode", "reason"],
+                   registry=registry)

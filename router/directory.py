@@ -31,6 +31,10 @@ from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.placement import WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
+# Router in front of colocated workers: the placer pairs every decode worker with this stand-in
+# prefill worker (it is never dialed; the pipeline prefills on the decode worker), so placement,
+# session affinity, the prefix index and the metrics work unchanged without a prefill pool.
+LOCAL_PREFILL_ID = "local-prefill"
 STATS_TIMEOUT_S = 2.0
 REMOVED_GRACE_S = 120.0  # a removed worker's channel closes at the latest this long after removal
 
@@ -62,8 +66,9 @@ class WorkerHandle:
 
 class WorkerDirectory:
     def __init__(self, placer: object, *, interval: float = 0.5,
-                 drain_timeout_s: float = REMOVED_GRACE_S) -> None:
+                 drain_timeout_s: float = REMOVED_GRACE_S, local_prefill: bool = False) -> None:
         self.placer = placer
+        self.local_prefill = local_prefill
         self.interval = interval
         self.drain_timeout_s = drain_timeout_s
         self._by_addr: dict[str, WorkerHandle] = {}
@@ -188,7 +193,11 @@ class WorkerDirectory:
             self.mark_failed(h)
 
     def _publish(self) -> None:
-        self.placer.update_workers([h.info() for h in self._by_addr.values() if h.healthy])
+        infos = [h.info() for h in self._by_addr.values() if h.healthy]
+        if self.local_prefill:
+            infos.append(WorkerInfo(worker_id=LOCAL_PREFILL_ID, role="prefill", address="",
+                                    incarnation="local"))
+        self.placer.update_workers(infos)
 
     async def poll_forever(self) -> None:
         while True:

@@ -9,6 +9,13 @@ Lifecycle of one request (yielded as events to the servicer)::
       │ ──▶ FirstToken      streamed to the client at once (TTFT = queue + prefill + transfer)
     D.Decode (stream)       D waits for KV-complete, joins its batch ──▶ Tokens ... ──▶ Done(meta)
 
+Local prefill (``router/conditional.py``): right after Allocate, ``decide`` weighs D's cached prefix,
+the measured (P, D) link and D's load; when it says local (or the router fronts colocated workers and
+has no prefill pool), Prefill is skipped and ``Decode(prefill_locally=True)`` makes D compute the
+prompt itself: D's stream then carries token 1 too (TTFT = D's prefill), and the final message says
+``prefill_mode="local"`` with the reason. Token 1 comes from D's engine, so greedy and seeded output
+equal one engine's either way.
+
 Cleanup is the point of this module: whatever stage fails or is cancelled (client went away,
 deadline, dead worker), the ``finally`` releases D's reservation / aborts P's request, so both
 pools' free block counts return. A dead decode worker mid-stream ends the request with
@@ -30,6 +37,7 @@ from engine.prefix_hash import block_hashes
 from pdserve.v1 import decode_pb2, prefill_pb2
 from pdserve.wire import sampling_to_proto
 from router.admission import Admitted
+from router.conditional import ConditionalConfig, Decision, PrefillModePolicy
 from router.directory import WorkerDirectory
 from router.placement import NoWorkersAvailable, Outcome, Placement, PlacementRequest
 
@@ -76,6 +84,8 @@ class ServingMeta:
     fallback: bool = False
     fallback_reason: str = ""
     policy: str = ""
+    prefill_mode: str = "remote"  # "local": the decode worker computed the prompt
+    prefill_mode_reason: str = ""
     extra: dict = field(default_factory=dict)
 
 
@@ -87,11 +97,16 @@ class Done:
 
 
 class Pipeline:
-    def __init__(self, directory: WorkerDirectory, placer: object, *, block_size: int, lease_ms: int) -> None:
+    def __init__(self, directory: WorkerDirectory, placer: object, *, block_size: int, lease_ms: int,
+                 conditional: ConditionalConfig | None = None, colocated: bool = False) -> None:
         self.directory = directory
         self.placer = placer
         self.block_size = block_size
         self.lease_ms = lease_ms
+        # colocated: the decode pool is colocated workers and there is no prefill pool (the placer's
+        # prefill side is the directory's stand-in), so every request prefills on its decode worker.
+        self.colocated = colocated
+        self.local = PrefillModePolicy(conditional, placer, colocated=colocated)
 
     async def run(self, req: Admitted, timeout: float | None) -> AsyncIterator[object]:
         preq = PlacementRequest(request_id=req.request_id, session_id=req.session_id,
@@ -108,10 +123,10 @@ class Pipeline:
                     raise last or RequestFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
                 # Both handles stay usable until this attempt's last cleanup RPC, even if discovery
                 # removes the worker meanwhile (directory.py: drain, not cut).
-                p = self.directory.acquire(placement.prefill.worker_id)
+                p = None if self.colocated else self.directory.acquire(placement.prefill.worker_id)
                 d = self.directory.acquire(placement.decode.worker_id)
                 try:
-                    if p is None or d is None:
+                    if (p is None and not self.colocated) or d is None:
                         pairs = ((placement.prefill, p), (placement.decode, d))
                         exclude.update(w.worker_id for w, h in pairs if h is None)
                         continue
@@ -139,9 +154,10 @@ class Pipeline:
 
     async def _attempt(self, req: Admitted, preq: PlacementRequest, placement: Placement, sampling,
                        p, d, timeout: float | None) -> AsyncIterator[object]:
-        meta = ServingMeta(prefill_worker=p.worker_id, decode_worker=d.worker_id, policy=placement.policy,
-                           session_moved=placement.session_moved, session_hit=placement.session_hit,
-                           moved_from=placement.moved_from_str, move_reason=placement.move_reason)
+        meta = ServingMeta(prefill_worker=p.worker_id if p else d.worker_id, decode_worker=d.worker_id,
+                           policy=placement.policy, session_moved=placement.session_moved,
+                           session_hit=placement.session_hit, moved_from=placement.moved_from_str,
+                           move_reason=placement.move_reason)
         started = time.monotonic()
         state = _Cleanup(p, d, req.request_id)
         try:
@@ -157,13 +173,22 @@ class Pipeline:
         except BaseException:
             await state.run(decode_reserved=True, prefill_running=True)
             raise
+        local = first is None  # D computes the prompt: its stream carries token 1 as well
+        generated: list[int] = []
         try:
-            yield first
-            generated = [first.token_id]
-            async for event in self._decode_phase(req, d, first.token_id, timeout):
+            if not local:
+                yield first
+                generated.append(first.token_id)
+            async for event in self._decode_phase(req, d, 0 if local else first.token_id, timeout, local):
                 if isinstance(event, Tokens):
+                    if local and not generated:  # token 1 of a local prefill: this is the TTFT
+                        lps = event.logprobs
+                        yield FirstToken(event.token_ids[0], lps[0] if lps else None)
+                        if len(event.token_ids) > 1:
+                            yield Tokens(event.token_ids[1:], lps[1:])
+                    else:
+                        yield event
                     generated.extend(event.token_ids)
-                    yield event
                     continue
                 reason, completion = event
                 meta.extra["decode_s"] = time.monotonic() - started
@@ -182,13 +207,19 @@ class Pipeline:
                 self.directory.mark_failed_id(d.worker_id)
             self._feedback(preq, placement, meta, success=False, error=exc.message,
                            failed=d.worker_id if dead else "")
+            if local and not generated and exc.code in RETRYABLE:
+                # Nothing reached the client yet: like a failed prefill, another worker may serve it.
+                await state.run(decode_reserved=True, prefill_running=False)
+                yield exc
+                return
             raise
         finally:
             await state.run(decode_reserved=True, prefill_running=False)
         raise RequestFailed(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
 
     async def _prefill_phase(self, req: Admitted, sampling, p, d, meta: ServingMeta,
-                             timeout: float | None) -> FirstToken:
+                             timeout: float | None) -> FirstToken | None:
+        """Allocate on D, then Prefill on P (token 1), or None: D prefills locally (conditional)."""
         try:
             alloc = await d.stub.Allocate(decode_pb2.AllocateRequest(
                 request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
@@ -197,6 +228,14 @@ class Pipeline:
         except grpc.aio.AioRpcError as exc:
             raise _failed(exc, d.worker_id, "decode Allocate") from None
         meta.kv_blocks_reused = alloc.num_cached_tokens // self.block_size
+        decision: Decision = self.local.decide(req, alloc.num_cached_tokens, p, d)
+        meta.prefill_mode_reason = decision.reason
+        if decision.local:
+            meta.prefill_mode, meta.transport = "local", "local"
+            meta.prefill_worker = d.worker_id
+            meta.cached_tokens = alloc.num_cached_tokens
+            meta.extra["conditional"] = decision.to_dict()
+            return None
         transport, fallback = _choose_transport(list(p.stats.transports) if p.stats else [],
                                                 list(alloc.transports))
         if transport is None:
@@ -222,10 +261,11 @@ class Pipeline:
             meta.transport = res.transport
         return FirstToken(res.first_token_id, res.first_logprob if res.HasField("first_logprob") else None)
 
-    async def _decode_phase(self, req: Admitted, d, first_token_id: int,
-                            timeout: float | None) -> AsyncIterator[object]:
+    async def _decode_phase(self, req: Admitted, d, first_token_id: int, timeout: float | None,
+                            local: bool = False) -> AsyncIterator[object]:
         call = d.stub.Decode(decode_pb2.DecodeRequest(
-            request_id=req.request_id, first_token_id=first_token_id, kv_wait_ms=30_000), timeout=timeout)
+            request_id=req.request_id, first_token_id=first_token_id, kv_wait_ms=30_000,
+            prefill_locally=local), timeout=timeout)
         try:
             async for msg in call:
                 if msg.token_ids:
@@ -243,7 +283,8 @@ class Pipeline:
         try:
             self.placer.on_result(preq, placement, Outcome(
                 success=success, decode_block_hashes=decode_hashes,
-                prefill_block_hashes=list(preq.block_hashes),
+                # a locally prefilled prompt never reached the prefill worker's cache
+                prefill_block_hashes=list(preq.block_hashes) if meta.prefill_mode == "remote" else None,
                 decode_cached_blocks=meta.kv_blocks_reused,
                 prefill_cached_blocks=meta.prefill_cached_tokens // self.block_size,
                 blocks_sent=meta.kv_blocks_sent, bytes_sent=meta.kv_bytes_sent, transfer_s=meta.kv_transfer_s,
@@ -268,7 +309,7 @@ class _Cleanup:
         if decode_reserved:
             calls.append(self.d.stub.Release(decode_pb2.ReleaseRequest(request_id=self.rid),
                                              timeout=CLEANUP_TIMEOUT_S))
-        if prefill_running:
+        if prefill_running and self.p is not None:
             calls.append(self.p.stub.Abort(prefill_pb2.AbortRequest(request_id=self.rid),
                                            timeout=CLEANUP_TIMEOUT_S))
         with contextlib.suppress(Exception):

@@ -50,7 +50,8 @@ class GenerateStream:
             kv_blocks_reused=m.kv_blocks_reused,
             session_moved=m.session_moved, fallback=m.fallback, fallback_reason=m.fallback_reason,
             placement_policy=m.policy, moved_from=m.moved_from, move_reason=m.move_reason,
-            prefill_cached_tokens=m.prefill_cached_tokens, session_hit=m.session_hit)
+            prefill_cached_tokens=m.prefill_cached_tokens, session_hit=m.session_hit,
+            prefill_mode=m.prefill_mode, prefill_mode_reason=m.prefill_mode_reason)
         return router_pb2.GenerateResponse(request_id=self.req.request_id, text=self.text.finish(),
                                            final=final)
 

@@ -47,7 +47,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "incarnation", "layout_hash", "model_fingerprint", "queue_depth", "num_running", "free_blocks", "total_blocks", "block_size", "transports", "kv_endpoint", "address", "num_leased", "max_model_len")
+    __slots__ = ("worker_id", "role", "incarnation", "layout_hash", "model_fingerprint", "queue_depth", "num_running", "free_blocks", "total_blocks", "block_size", "transports", "kv_endpoint", "address", "num_leased", "max_model_len", "kv_bytes_per_block", "max_num_seqs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class WorkerStats(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASED_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     incarnation: str
@@ -78,4 +80,6 @@ class WorkerStats(_message.Message):
     address: str
     num_leased: int
     max_model_len: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., incarnation: _Optional[str] = ..., layout_hash: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., queue_depth: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., kv_endpoint: _Optional[bytes] = ..., address: _Optional[str] = ..., num_leased: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    kv_bytes_per_block: int
+    max_num_seqs: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., incarnation: _Optional[str] = ..., layout_hash: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., queue_depth: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., kv_endpoint: _Optional[bytes] = ..., address: _Optional[str] = ..., num_leased: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
