@@ -141,9 +141,9 @@ class NixlAgent:
                     raise ValueError(f"remote region of {info['nbytes']} bytes is not whole blocks")
                 self._remote_dlists[name] = self._prep(name, int(info["base"]), blocks, int(info["dev"]),
                                                        str(info["mem"]))
-            except Exception as exc:
-                self.remove_remote(name)
-                raise PeerUnavailable(f"preparing NIXL descriptors of {name!r} failed: {exc}") from exc
+            except Exception as exc:  # still usable: descriptors per request for this peer (post_write)
+                log.warning("NIXL: preparing descriptors of %s failed, building them per request: %s",
+                            name, exc)
         return name
 
     def remove_remote(self, name: str) -> None:

@@ -112,20 +112,26 @@ def test_streamed_pushes_queued_together_join_one_write():
 
 
 @needs_nixl
-def test_failed_list_preparation_falls_back_to_per_request_descriptors(monkeypatch):
+@pytest.mark.parametrize("which", ["local", "remote"])
+def test_failed_list_preparation_falls_back_to_per_request_descriptors(monkeypatch, which):
     cls = nixl_backend.NixlAgent
+    real = cls._prep
 
-    def broken(self, *args):
-        raise RuntimeError("simulated: no prepared lists in this NIXL")
-    monkeypatch.setattr(cls, "_prep", broken)
+    def flaky(self, agent, *args):
+        if which == "local" or agent != "NIXL_INIT_AGENT":
+            raise RuntimeError("simulated: no prepared lists in this NIXL")
+        return real(self, agent, *args)
+    monkeypatch.setattr(cls, "_prep", flaky)
 
     async def main():
         src, dst = LAYOUT.allocate(4), LAYOUT.allocate(4)
         fill_random(src, 13)
         a = await make_transport("nixl", LAYOUT, src).start()
         b = await make_transport("nixl", LAYOUT, dst).start()
-        assert "simulated" in a.nixl.prep_error and not a.nixl.can_post_blocks("anyone")
-        await send(a, b, "r", [0, 1, 3], [2, 3, 0])
+        assert ("simulated" in a.nixl.prep_error) is (which == "local")
+        res = await send(a, b, "r", [0, 1, 3], [2, 3, 0])
+        assert res["backend"] == "nixl" and a.stats()["nixl_remote_dlists"] == 0
+        assert not a.nixl.can_post_blocks(a._peers[next(iter(a._peers))].remote_agent)
         assert all(same(dst, src, d, s) for s, d in ((0, 2), (1, 3), (3, 0)))
         assert a.counters()["nixl_posted_xfers"] == 1
         await closed_clean(a, b)
