@@ -119,7 +119,10 @@ class DecodeWorker:
         lease = self.leases.take(request_id)
         if lease is None:
             if request_id in self.active:
-                await self.engine.abort(request_id)
+                # Abort in the engine but keep the request's output stream registered: the Decode
+                # stream then ends with finish_reason "abort" (AsyncEngine.abort drops the stream,
+                # which left the RPC hanging until its deadline).
+                await self.engine.call(lambda e: e.abort(request_id))
                 return True
             return False
         await self._free(request_id, expects_kv=lease.expects_kv)

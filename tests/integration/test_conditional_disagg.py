@@ -146,9 +146,10 @@ def test_decode_worker_errors_on_the_local_path_free_the_reservation(cluster, cl
     decode = next(h for h in cluster.workers if h.role == "decode")
     with grpc.insecure_channel(decode.address) as ch:
         stub = decode_pb2_grpc.DecodeStub(ch)
-        # Allocate, then the stream is dropped before the local prefill produced anything.
+        # Allocate, then the stream is dropped before the local prefill produced anything (if the
+        # cancel beats the Decode handler, the short lease is what frees the reservation).
         stub.Allocate(decode_pb2.AllocateRequest(request_id="gone-early", prompt_ids=ids(13, 40),
-                                                 max_tokens=50, lease_ms=30_000), timeout=10)
+                                                 max_tokens=50, lease_ms=2_000), timeout=10)
         call = stub.Decode(decode_pb2.DecodeRequest(request_id="gone-early", prefill_locally=True),
                            timeout=30)
         call.cancel()
@@ -164,10 +165,7 @@ def test_decode_worker_errors_on_the_local_path_free_the_reservation(cluster, cl
         first = next(stream)
         assert len(first.token_ids) >= 1 and first.completion_tokens == len(first.token_ids)
         assert stub.Release(decode_pb2.ReleaseRequest(request_id="aborted"), timeout=10).found
-        try:
-            rest = list(stream)
-            assert rest and rest[-1].finish_reason == "abort"
-        except grpc.RpcError as exc:  # or the worker reports the aborted request as an error
-            assert exc.code() != grpc.StatusCode.OK
+        rest = list(stream)
+        assert rest and rest[-1].finish_reason == "abort"
         stats = stub.GetStats(common_pb2.StatsRequest(), timeout=10)
         assert stats.kv_bytes_per_block > 0 and stats.max_num_seqs > 0
