@@ -24,6 +24,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--colocated", type=int, default=0, metavar="N",
+                   help="N colocated workers behind the router instead of prefill/decode pools")
+    p.add_argument("--conditional-disagg", choices=["off", "auto"],
+                   help="router: let decode workers prefill short/cheap prompts locally (default off)")
+    p.add_argument("--min-uncached-tokens", type=int, help="router, conditional: threshold (default 256)")
+    p.add_argument("--gpus-per-worker", type=int, default=0,
+                   help="GPUs per worker, round robin over the visible GPUs in launch order (prefill first)")
+    p.add_argument("--prefill-gpus", help="GPU ids for the prefill pool, e.g. 0 or 0,1 (with --decode-gpus)")
+    p.add_argument("--decode-gpus", help="GPU ids for the decode (or colocated) pool, e.g. 1")
     p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
     p.add_argument("--router-port", type=int, default=0, help="router port (default: a free one)")
     p.add_argument("--policy", default="prefix", choices=["round_robin", "least_loaded", "prefix",
@@ -43,17 +52,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from pdserve.launcher.backends import ProcessBackend, RayBackend
     from pdserve.launcher.cluster import Cluster, ClusterSpec
+    from pdserve.launcher.devices import DevicePlan, parse_ids, visible_gpus
 
     worker_args = ["--device", args.device]
     if args.num_blocks:
         worker_args += ["--num-blocks", str(args.num_blocks)]
     if args.max_num_seqs:
         worker_args += ["--max-num-seqs", str(args.max_num_seqs)]
+    router_args: list[str] = []
+    if args.conditional_disagg:
+        router_args += ["--conditional-disagg", args.conditional_disagg]
+    if args.min_uncached_tokens is not None:
+        router_args += ["--min-uncached-tokens", str(args.min_uncached_tokens)]
     try:
-        spec = ClusterSpec(model=str(Path(args.model).resolve()), num_prefill=args.prefill,
-                           num_decode=args.decode, transport=args.transport, router_port=args.router_port,
+        devices = DevicePlan(gpus_per_worker=args.gpus_per_worker, prefill_gpus=parse_ids(args.prefill_gpus),
+                             decode_gpus=parse_ids(args.decode_gpus),
+                             visible=visible_gpus(dict(os.environ)) if args.gpus_per_worker else ())
+        spec = ClusterSpec(model=str(Path(args.model).resolve()),
+                           num_prefill=0 if args.colocated else args.prefill,
+                           num_decode=args.colocated or args.decode, colocated=bool(args.colocated),
+                           transport=args.transport, router_port=args.router_port,
                            worker_args=tuple(worker_args), policy=args.policy,
-                           drain_timeout=args.drain_timeout)
+                           drain_timeout=args.drain_timeout, router_args=tuple(router_args), devices=devices)
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
@@ -68,7 +88,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         address = cluster.up()
         print(f"router: {address}", flush=True)
-        print(f"cluster up ({args.launcher}): {args.prefill} prefill, {args.decode} decode; "
+        pools = (f"{spec.num_decode} colocated" if spec.colocated
+                 else f"{spec.num_prefill} prefill, {spec.num_decode} decode")
+        print(f"cluster up ({args.launcher}): {pools}; "
               f"`pdserve down --run-dir {args.run_dir}` stops it", flush=True)
         cluster.serve()
     except Exception as exc:

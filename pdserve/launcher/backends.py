@@ -27,12 +27,21 @@ class WorkerHandle:
     pid: int
     backend: Any
     ref: Any  # ServeProcess (process backend) or an actor handle (ray backend)
+    devices: str = ""  # CUDA_VISIBLE_DEVICES given to it ("ray:N" when Ray picked N GPUs)
 
     def stop(self, timeout: float = 30.0) -> None:
         self.backend.stop(self, timeout)
 
     def alive(self) -> bool:
         return self.backend.alive(self)
+
+
+def device_env(env: dict[str, str], devices: tuple[str, ...]) -> dict[str, str]:
+    """The worker's environment: ``env`` with its own CUDA_VISIBLE_DEVICES when it was given devices."""
+    out = dict(env)
+    if devices:
+        out["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    return out
 
 
 class ProcessBackend:
@@ -42,10 +51,12 @@ class ProcessBackend:
         self.run_dir = run_dir
         self.env = env or {}
 
-    def start(self, role: str, args: list[str], name: str) -> WorkerHandle:
-        p = spawn(role, args, self.run_dir / "logs" / f"{name}.log", env=self.env)
+    def start(self, role: str, args: list[str], name: str, *, devices: tuple[str, ...] = (),
+              num_gpus: int = 0) -> WorkerHandle:
+        env = device_env(self.env, devices)
+        p = spawn(role, args, self.run_dir / "logs" / f"{name}.log", env=env)
         return WorkerHandle(role=role, worker_id=p.worker_id, address=p.address, pid=p.pid, backend=self,
-                            ref=p)
+                            ref=p, devices=",".join(devices))
 
     def stop(self, h: WorkerHandle, timeout: float) -> None:
         h.ref.stop(timeout)
@@ -75,12 +86,18 @@ class RayBackend:
         self.address = ray.get_runtime_context().gcs_address
         self._actor_cls = ray.remote(num_cpus=0)(ServeActor)
 
-    def start(self, role: str, args: list[str], name: str) -> WorkerHandle:
-        actor = self._actor_cls.options(name=f"pdserve-{name}", max_concurrency=4).remote()
-        info = self.ray.get(actor.start.remote(role, args, str(self.run_dir / "logs" / f"{name}.log"),
-                                               self.env))
+    def start(self, role: str, args: list[str], name: str, *, devices: tuple[str, ...] = (),
+              num_gpus: int = 0) -> WorkerHandle:
+        env = device_env(self.env, devices)
+        if num_gpus:
+            # Ray reserves the GPUs and sets CUDA_VISIBLE_DEVICES in the actor; the serve process
+            # inherits it, so the driver's own value must not be passed over it.
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+        actor = self._actor_cls.options(name=f"pdserve-{name}", max_concurrency=4, num_gpus=num_gpus).remote()
+        info = self.ray.get(actor.start.remote(role, args, str(self.run_dir / "logs" / f"{name}.log"), env))
         return WorkerHandle(role=role, worker_id=info["worker_id"], address=info["address"], pid=info["pid"],
-                            backend=self, ref=actor)
+                            backend=self, ref=actor,
+                            devices=info.get("devices") or ",".join(devices))
 
     def stop(self, h: WorkerHandle, timeout: float) -> None:
         try:
@@ -111,7 +128,10 @@ class ServeActor:
         # Bind everywhere, advertise the node's IP: pools may live on different Ray nodes.
         self.proc = spawn(role, args, log_path, env=env, host="0.0.0.0",
                           advertise_host=ray.util.get_node_ip_address())
-        return {"worker_id": self.proc.worker_id, "address": self.proc.address, "pid": self.proc.pid}
+        import os
+
+        return {"worker_id": self.proc.worker_id, "address": self.proc.address, "pid": self.proc.pid,
+                "devices": env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", ""))}
 
     def stop(self, timeout: float) -> int:
         return self.proc.stop(timeout) if self.proc else 0

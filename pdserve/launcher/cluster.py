@@ -2,10 +2,13 @@
 
 Lifecycle::
 
-    up()      start N prefill + M decode workers in parallel (Ray actors or processes); each is
-              healthy once it prints its ready line (model loaded, KV transport up, SERVING). Write
-              run_dir/workers.json, start the router with ``--discovery file`` on it, wait until the
-              router sees every worker healthy (ListWorkers), write run_dir/state.json.
+    up()      start N prefill + M decode workers (or M colocated workers, ``colocated=True``: the
+              router then runs ``--mode colocated`` and every request prefills where it decodes)
+              in parallel (Ray actors or processes), each on its own GPU(s) per ``devices``
+              (launcher/devices.py); each is healthy once it prints its ready line (model loaded,
+              KV transport up, SERVING). Write run_dir/workers.json, start the router with
+              ``--discovery file`` on it, wait until the router sees every worker healthy
+              (ListWorkers), write run_dir/state.json.
     serve()   loop until SIGTERM/SIGINT or `pdserve down`; apply scale requests that `pdserve scale`
               drops into run_dir/scale-request.json.
     scale()   grow: start workers, then add them to workers.json (the router picks them up);
@@ -29,6 +32,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.launcher.backends import WorkerHandle
+from pdserve.launcher.devices import DeviceAssigner, DevicePlan
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from router.file_discovery import write_workers_file
 
@@ -49,9 +53,14 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()
     policy: str = "prefix"
     drain_timeout: float = 30.0
+    # num_decode colocated workers behind the router, no prefill pool (the baseline, same router)
+    colocated: bool = False
+    devices: DevicePlan = field(default_factory=DevicePlan)
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
+        if self.colocated and (self.num_prefill != 0 or self.num_decode < 1):
+            raise ValueError("a colocated cluster has 0 prefill workers and at least 1 colocated worker")
+        if not self.colocated and (self.num_prefill < 1 or self.num_decode < 1):
             raise ValueError("a cluster needs at least 1 prefill and 1 decode worker")
         if self.transport not in ("auto", "nixl", "tcp"):
             raise ValueError(f"--transport must be auto, nixl or tcp, got {self.transport!r}")
@@ -66,21 +75,26 @@ class Cluster:
     router: WorkerHandle | None = None
     _seq: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
+    _devices: DeviceAssigner | None = None
 
     # ---- bring-up -------------------------------------------------------------------------------
     def up(self) -> str:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            futs = [pool.submit(self._start_worker, role, self._next_name(role))
-                    for role, n in (("prefill", self.spec.num_prefill), ("decode", self.spec.num_decode))
+        # Names and devices are handed out here in launch order (prefill pool first), on this thread.
+        launches = [(role, self._next_name(role)) for role, n in (("prefill", self.spec.num_prefill),
+                                                                  ("decode", self.spec.num_decode))
                     for _ in range(n)]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            futs = [pool.submit(self._start_worker, role, name, self._next_devices(role))
+                    for role, name in launches]
             for f in futs:
                 h = f.result()
                 self.workers[h.role].append(h)
         self._write_members()
         args = ["--discovery", "file", "--workers-file", str(self.run_dir / WORKERS_FILE), "--model",
                 self.spec.model, "--policy", self.spec.policy, "--port", str(self.spec.router_port),
-                "--drain-timeout", str(self.spec.drain_timeout), *self.spec.router_args]
+                "--drain-timeout", str(self.spec.drain_timeout),
+                *(("--mode", "colocated") if self.spec.colocated else ()), *self.spec.router_args]
         self.router = self.backend.start("router", args, "router")
         self.wait_router_sees(timeout=120)
         self.write_state()
@@ -89,12 +103,25 @@ class Cluster:
     def _next_name(self, role: str) -> str:
         # Names (= worker ids) are handed out here, on the caller's thread, never in the pool threads.
         self._seq += 1
-        return f"{role}-{self._seq}"
+        return f"{self._serve_role(role)}-{self._seq}"
 
-    def _start_worker(self, role: str, name: str) -> WorkerHandle:
+    def _serve_role(self, pool: str) -> str:
+        return "colocated" if self.spec.colocated and pool == "decode" else pool
+
+    def _next_devices(self, role: str) -> tuple[str, ...]:
+        if self._devices is None:
+            self._devices = DeviceAssigner(self.spec.devices)
+        return self._devices.next(role)
+
+    def _start_worker(self, role: str, name: str, devices: tuple[str, ...] = ()) -> WorkerHandle:
         args = ["--model", self.spec.model, "--transport", self.spec.transport, "--worker-id", name,
                 "--drain-timeout", str(self.spec.drain_timeout), *self.spec.worker_args]
-        return self.backend.start(role, args, name)
+        # Under Ray, round robin becomes a num_gpus request (Ray picks and isolates the devices).
+        gpus = self.spec.devices.ray_num_gpus(role) if getattr(self.backend, "name", "") == "ray" else 0
+        h = self.backend.start(self._serve_role(role), args, name, devices=() if gpus else devices,
+                               num_gpus=gpus)
+        h.role = role  # the pool it belongs to (a colocated worker serves the decode pool)
+        return h
 
     def _write_members(self) -> None:
         write_workers_file(str(self.run_dir / WORKERS_FILE),
@@ -124,7 +151,8 @@ class Cluster:
         state = {"pid": os.getpid(), "backend": self.backend.name,
                  "ray_address": getattr(self.backend, "address", None),
                  "router": self.router.address if self.router else None,
-                 "workers": [{"role": h.role, "worker_id": h.worker_id, "address": h.address, "pid": h.pid}
+                 "workers": [{"role": h.role, "worker_id": h.worker_id, "address": h.address, "pid": h.pid,
+                              "devices": getattr(h, "devices", "")}
                              for hs in self.workers.values() for h in hs],
                  "router_pid": self.router.pid if self.router else None, "updated": time.time()}
         tmp = self.run_dir / f"{STATE_FILE}.tmp"
@@ -138,8 +166,8 @@ class Cluster:
         current = self.workers[role]
         if n > len(current):
             with ThreadPoolExecutor(max_workers=8) as pool:
-                names = [self._next_name(role) for _ in range(n - len(current))]
-                new = list(pool.map(lambda name: self._start_worker(role, name), names))
+                plan = [(self._next_name(role), self._next_devices(role)) for _ in range(n - len(current))]
+                new = list(pool.map(lambda nd: self._start_worker(role, *nd), plan))
             current.extend(new)
             self._write_members()
             self.wait_router_sees(timeout=60)

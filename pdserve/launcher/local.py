@@ -35,10 +35,12 @@ class LocalCluster:
     def __init__(self, model: str | Path, *, prefill: int = 1, decode: int = 1, transport: str = "tcp",
                  run_dir: str | Path, worker_args: tuple[str, ...] = ("--num-blocks", "256"),
                  env: dict[str, str] | None = None, policy: str = "round_robin",
-                 drain_timeout: float = 10.0, router_args: tuple[str, ...] = ()) -> None:
+                 drain_timeout: float = 10.0, router_args: tuple[str, ...] = (),
+                 colocated: bool = False) -> None:
+        # colocated=True: ``decode`` colocated workers behind the router (``prefill`` must be 0)
         self.spec = ClusterSpec(model=str(model), num_prefill=prefill, num_decode=decode, transport=transport,
                                 worker_args=tuple(worker_args), policy=policy, drain_timeout=drain_timeout,
-                                router_args=("--stats-interval", "0.2", *router_args))
+                                router_args=("--stats-interval", "0.2", *router_args), colocated=colocated)
         self.env = {**QUIET_ENV, **(env or {})}
         self.cluster = Cluster(spec=self.spec, backend=ProcessBackend(Path(run_dir), self.env),
                                run_dir=Path(run_dir))
