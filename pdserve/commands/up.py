@@ -33,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="GPUs per worker, round robin over the visible GPUs in launch order (prefill first)")
     p.add_argument("--prefill-gpus", help="GPU ids for the prefill pool, e.g. 0 or 0,1 (with --decode-gpus)")
     p.add_argument("--decode-gpus", help="GPU ids for the decode (or colocated) pool, e.g. 1")
+    p.add_argument("--gpu-peers", action="store_true",
+                   help="each worker also sees the other GPUs after its own (NIXL cuda_ipc between GPUs)")
     p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
     p.add_argument("--router-port", type=int, default=0, help="router port (default: a free one)")
     p.add_argument("--policy", default="prefix", choices=["round_robin", "least_loaded", "prefix",
@@ -67,7 +69,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         devices = DevicePlan(gpus_per_worker=args.gpus_per_worker, prefill_gpus=parse_ids(args.prefill_gpus),
                              decode_gpus=parse_ids(args.decode_gpus),
-                             visible=visible_gpus(dict(os.environ)) if args.gpus_per_worker else ())
+                             visible=visible_gpus(dict(os.environ))
+                             if args.gpus_per_worker or args.gpu_peers else (), peers=args.gpu_peers)
         spec = ClusterSpec(model=str(Path(args.model).resolve()),
                            num_prefill=0 if args.colocated else args.prefill,
                            num_decode=args.colocated or args.decode, colocated=bool(args.colocated),

@@ -11,6 +11,10 @@ or colocated), and ``DeviceAssigner.next(role)`` hands out, per worker:
                          by both pools, so 1P1D on 2 GPUs = prefill on 0, decode on 1
     nothing              ()                                   the worker inherits the environment
 
+With ``peers`` (``--gpu-peers``) a worker sees its own device(s) first and then every other visible
+GPU (``CUDA_VISIBLE_DEVICES=1,0`` for the worker on GPU1): it still computes on its own (cuda:0),
+while UCX's cuda_ipc can map a peer GPU's memory for NIXL, which needs the peer to be visible.
+
 A list that runs out wraps around (workers then share a device) with a warning: on purpose for a
 small model, a mistake for a big one. Under Ray with round robin the launcher asks for
 ``num_gpus=N`` instead and lets Ray pick (Ray sets CUDA_VISIBLE_DEVICES in the actor); explicit ids
@@ -39,6 +43,7 @@ class DevicePlan:
     prefill_gpus: tuple[str, ...] = ()
     decode_gpus: tuple[str, ...] = ()
     visible: tuple[str, ...] = ()  # what round robin draws from
+    peers: bool = False  # append every other visible GPU after the worker's own
 
     def __post_init__(self) -> None:
         if self.gpus_per_worker < 0:
@@ -47,6 +52,8 @@ class DevicePlan:
             raise ValueError("give both --prefill-gpus and --decode-gpus, or --gpus-per-worker N")
         if self.gpus_per_worker and not (self.prefill_gpus and self.decode_gpus) and not self.visible:
             raise ValueError("--gpus-per-worker needs GPUs: none visible (CUDA_VISIBLE_DEVICES / torch)")
+        if self.peers and not self.visible:
+            raise ValueError("--gpu-peers needs the visible GPUs (CUDA_VISIBLE_DEVICES / torch)")
         for ids in (self.prefill_gpus, self.decode_gpus):
             if ids and len(ids) < self.per_worker:
                 raise ValueError(f"a pool list of {len(ids)} GPU(s) cannot give {self.per_worker} per worker")
@@ -64,7 +71,7 @@ class DevicePlan:
 
     def ray_num_gpus(self, role: str) -> int:
         """GPUs to request from Ray for a worker of ``role`` (0: pass explicit ids, or none)."""
-        return 0 if self.explicit(role) else self.gpus_per_worker
+        return 0 if self.explicit(role) or self.peers else self.gpus_per_worker
 
 
 class DeviceAssigner:
@@ -91,7 +98,10 @@ class DeviceAssigner:
             self._warned = True
             log.warning("more workers than GPUs (%d id(s), %d per worker): workers now share devices",
                         len(ids), n)
-        return tuple(ids[(start + i) % len(ids)] for i in range(n))
+        own = tuple(ids[(start + i) % len(ids)] for i in range(n))
+        if plan.peers:
+            return own + tuple(v for v in plan.visible if v not in own)
+        return own
 
 
 def assign(plan: DevicePlan, roles: list[str]) -> list[tuple[str, ...]]:

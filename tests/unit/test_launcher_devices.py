@@ -30,6 +30,16 @@ def test_explicit_pool_lists_and_colocated_uses_the_decode_list() -> None:
     assert plan.ray_num_gpus("prefill") == 0  # explicit ids travel as CUDA_VISIBLE_DEVICES
 
 
+def test_peers_see_every_gpu_own_first() -> None:
+    plan = DevicePlan(gpus_per_worker=1, visible=("0", "1"), peers=True)
+    assert assign(plan, ["prefill", "decode"]) == [("0", "1"), ("1", "0")]
+    explicit = DevicePlan(prefill_gpus=("0",), decode_gpus=("1",), visible=("0", "1"), peers=True)
+    assert assign(explicit, ["prefill", "decode"]) == [("0", "1"), ("1", "0")]
+    assert plan.ray_num_gpus("decode") == 0  # Ray would hide the peer: ids are passed instead
+    with pytest.raises(ValueError, match="gpu-peers"):
+        DevicePlan(prefill_gpus=("0",), decode_gpus=("1",), peers=True)
+
+
 def test_more_workers_than_gpus_wrap_around_with_a_warning(caplog) -> None:
     plan = DevicePlan(gpus_per_worker=1, visible=("0", "1"))
     with caplog.at_level("WARNING"):
