@@ -295,6 +295,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--items", default="roofline,transfer,transformers,disagg")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--disagg-modes", default="disaggregated,conditional,colocated",
+                    help="disagg item: which clusters to run (1P1D, 1P1D + conditional, 2 colocated), "
+                    "each behind one router, the time budget split between them")
     ap.add_argument("--variants", action="store_true",
                     help="also time tensor-core decode and NIXL progress-thread / fast-poll variants")
     args = ap.parse_args()
@@ -353,7 +356,8 @@ def main() -> None:
         except ImportError as exc:
             result["disagg_vs_colocated"] = {"status": "not run", "reason": f"bench/gpu_disagg.py: {exc}"}
         else:
-            result["disagg_vs_colocated"] = bench_disagg(out, quick=args.quick)
+            result["disagg_vs_colocated"] = bench_disagg(out, quick=args.quick,
+                                                         modes=tuple(args.disagg_modes.split(",")))
         save()
     save()
     from gpu_tables import print_tables

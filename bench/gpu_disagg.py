@@ -1,17 +1,24 @@
-"""Disaggregated 1P1D vs colocated on the same two GPUs, under ``pdserve bench``'s Poisson load.
+"""Disaggregated vs colocated on the same two GPUs, all behind one router, under ``pdserve bench`` load.
 
-* **disaggregated**: a prefill worker on GPU0, a decode worker on GPU1 (KV over NIXL, VRAM to VRAM),
-  one router (static discovery, prefix policy) — the ``pdserve serve`` processes ``pdserve up`` runs.
-* **colocated**: one colocated server per GPU. The router cannot front colocated workers yet, so the
-  load generator splits the arrivals itself: two Poisson streams at half the rate, one per server
-  (what a perfect round-robin router would do), merged into one set of samples.
+Every mode is a ``pdserve up --launcher process`` cluster (``pdserve.launcher.cluster.Cluster``), so
+the router, placement and metrics are the same code in each; only the workers differ:
 
-Each process sees both GPUs, its own first (``CUDA_VISIBLE_DEVICES=1,0`` for the GPU1 worker), so
-``--device cuda`` lands on its GPU and UCX's cuda_ipc can still map the peer GPU's memory. With one
-GPU everything shares GPU0 (a functional check only). Workloads: (a) long prompts (4096 in, 256
-out), where prefill interferes with colocated decode, and (b) a short-prompt control (256 in, 128
-out). Metrics from ``pdserve.loadgen.stats.summarize``: TTFT/ITL/TPOT/E2E p50/p90/p99, output tokens/s
-(per GPU = /2), goodput under TTFT <= 2 s and TPOT <= 50 ms. ITL samples are kept for the plot.
+* **disaggregated**: 1 prefill (GPU0) + 1 decode (GPU1), KV over NIXL VRAM to VRAM, policy prefix.
+* **conditional**: the same 1P1D with ``--conditional-disagg auto`` (router/conditional.py): prompts
+  whose uncached part is <= 256 tokens, or whose KV would take longer to move than to recompute,
+  are prefilled by the decode worker.
+* **colocated**: 2 colocated workers (one per GPU) behind the router (``--mode colocated``, what
+  ``pdserve up --colocated 2`` starts); the router places each request on one of them (before,
+  the load generator split the arrivals between two colocated servers).
+
+Devices come from ``pdserve.launcher.devices`` (``--gpu-peers``): each worker computes on its own
+GPU and sees the other one after it (``CUDA_VISIBLE_DEVICES=1,0`` for the GPU1 worker) so UCX's
+cuda_ipc can map the peer's memory. With one GPU everything shares GPU0 (a functional check only).
+Workloads: (a) long prompts (4096 in, 256 out), where prefill interferes with colocated decode, and
+(b) a short-prompt control (256 in, 128 out). Metrics from ``pdserve.loadgen.stats.summarize``:
+TTFT/ITL/TPOT/E2E p50/p90/p99, output tokens/s (per GPU = /2), goodput under TTFT <= 2 s and
+TPOT <= 50 ms. ITL samples are kept for the plot. ``python3 bench/gpu_disagg.py --dry-run`` prints
+the clusters it would start (roles, devices, router flags) and the rate points, without a GPU.
 """
 
 from __future__ import annotations
@@ -76,16 +83,51 @@ def write_checkpoint(out: Path, preset: str) -> Path:
     return out
 
 
-def _env(gpu: int, n_gpus: int) -> dict:
-    order = [gpu] + [i for i in range(n_gpus) if i != gpu]
-    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, order)), "OMP_NUM_THREADS": "4",
-            "TOKENIZERS_PARALLELISM": "false"}
+MODES = ("disaggregated", "conditional", "colocated")
+BENCH_ENV = {"OMP_NUM_THREADS": "4", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _worker_args(model: Path, kv_gb: float, transport: str) -> list[str]:
-    # Engine defaults otherwise (chunked prefill budget 2048 tokens per step), the same for every role.
-    return ["--model", str(model), "--device", "cuda", "--dtype", "bfloat16", "--kv-memory-gb", str(kv_gb),
-            "--max-num-seqs", "64", "--transport", transport]
+def _worker_args(kv_gb: float) -> tuple[str, ...]:
+    # Engine defaults otherwise (chunked prefill budget 2048 tokens per step), the same for every role;
+    # the launcher adds --model, --transport and --worker-id.
+    return ("--device", "cuda", "--dtype", "bfloat16", "--kv-memory-gb", str(kv_gb), "--max-num-seqs", "64")
+
+
+def cluster_specs(model: str | Path, *, n_gpus: int, kv_gb: float, transport: str = "nixl",
+                  modes: tuple[str, ...] = MODES) -> dict:
+    """mode -> ClusterSpec: which workers, on which GPUs, with which router flags (no GPU needed)."""
+    from pdserve.launcher.cluster import ClusterSpec
+    from pdserve.launcher.devices import DevicePlan
+
+    gpus = tuple(str(i) for i in range(max(n_gpus, 1)))
+    two = len(gpus) >= 2
+    # 1P1D: prefill on GPU0, decode on GPU1, each seeing the other after its own (cuda_ipc).
+    pd = (DevicePlan(prefill_gpus=("0",), decode_gpus=("1",), visible=gpus[:2], peers=True) if two
+          else DevicePlan(prefill_gpus=("0",), decode_gpus=("0",)))
+    common = dict(model=str(model), worker_args=_worker_args(kv_gb), policy="prefix", drain_timeout=30.0)
+    specs = {
+        "disaggregated": ClusterSpec(num_prefill=1, num_decode=1, transport=transport, devices=pd, **common),
+        "conditional": ClusterSpec(num_prefill=1, num_decode=1, transport=transport, devices=pd,
+                                   router_args=("--conditional-disagg", "auto"), **common),
+        "colocated": ClusterSpec(num_prefill=0, num_decode=2 if two else 1, colocated=True, transport="tcp",
+                                 devices=DevicePlan(gpus_per_worker=1, visible=gpus[:2]), **common),
+    }
+    return {m: specs[m] for m in modes}
+
+
+def describe(specs: dict) -> dict:
+    """What each mode's cluster runs: (serve role, devices) per worker in launch order, router flags."""
+    from pdserve.launcher.devices import assign
+
+    out = {}
+    for mode, spec in specs.items():
+        pools = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
+        roles = ["colocated" if spec.colocated and r == "decode" else r for r in pools]
+        out[mode] = {"workers": [{"role": r, "CUDA_VISIBLE_DEVICES": ",".join(d)}
+                                 for r, d in zip(roles, assign(spec.devices, pools), strict=True)],
+                     "router_args": [*spec.router_args, *(("--mode", "colocated") if spec.colocated else ())],
+                     "transport": spec.transport}
+    return out
 
 
 def _load(address: str, workload: str, rate: float, n: int, seed: int, vocab: int):
@@ -127,12 +169,14 @@ def _sweep(addresses: list[str], points: list[tuple[str, float, int]], deadline:
 
 
 def bench_disagg(out: str | Path, *, quick: bool = False, preset: str = "llama3-8b",
-                 budget_s: float | None = None) -> dict:
-    from pdserve.launcher.procs import spawn
+                 budget_s: float | None = None, modes: tuple[str, ...] | None = None) -> dict:
+    from pdserve.launcher.backends import ProcessBackend
+    from pdserve.launcher.cluster import Cluster
 
     out = Path(out)
     t_start = time.monotonic()
     budget = budget_s if budget_s is not None else float(os.environ.get("PDSERVE_DISAGG_BUDGET_S", "420"))
+    modes = modes or tuple(m for m in os.environ.get("PDSERVE_DISAGG_MODES", ",".join(MODES)).split(",") if m)
     n_gpus = torch.cuda.device_count()
     shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
     root = "/dev/shm" if shm_free > (40 << 30) else "/tmp"  # RAM-backed when it has room for 16 GB
@@ -143,53 +187,29 @@ def bench_disagg(out: str | Path, *, quick: bool = False, preset: str = "llama3-
     points = [(w, r, n) for w, (_, _, rates, n) in WORKLOADS.items() for r in (rates[:1] if quick else rates)]
     transport = "nixl"
     kv_gb = 30.0 if preset == "llama3-8b" else 4.0
+    specs = cluster_specs(model, n_gpus=n_gpus, kv_gb=kv_gb, transport=transport, modes=modes)
     res = {"preset": preset, "gpus": n_gpus, "checkpoint_s": ckpt_s, "slo": SLO, "transport": transport,
            "workloads": {k: {"input": v[0], "output": v[1]} for k, v in WORKLOADS.items()},
-           "colocated_routing": "client splits Poisson arrivals evenly across the two colocated servers"}
+           "modes": describe(specs),
+           "colocated_routing": "one router in front of the colocated workers (--mode colocated)"}
     logs = out / "disagg-logs"
     logs.mkdir(exist_ok=True)
-    half = t_start + ckpt_s + (budget - ckpt_s) / 2
-    # --- disaggregated 1P1D ---
-    procs = []
-    try:
-        t0 = time.monotonic()
-        pre = spawn("prefill", _worker_args(model, kv_gb, transport), logs / "prefill.log",
-                    env=_env(0, n_gpus), timeout=300)
-        procs.append(pre)
-        dec = spawn("decode", _worker_args(model, kv_gb, transport), logs / "decode.log",
-                    env=_env(1 % n_gpus, n_gpus), timeout=300)
-        procs.append(dec)
-        router = spawn("router", ["--model", str(model), "--prefill", pre.address, "--decode", dec.address,
-                                  "--policy", "prefix"], logs / "router.log", timeout=120)
-        procs.append(router)
-        res["disaggregated_startup_s"] = time.monotonic() - t0
-        print(f"  disaggregated up in {res['disaggregated_startup_s']:.0f} s", flush=True)
-        asyncio.run(_warm(router.address, vocab))
-        res["disaggregated"] = _sweep([router.address], points, half, vocab)
-    except Exception as exc:
-        res["disaggregated_error"] = f"{type(exc).__name__}: {exc}"
-        print(f"  disaggregated failed: {exc}", flush=True)
-    finally:
-        for p in reversed(procs):
-            p.stop(30)
-    # --- colocated, one server per GPU ---
-    procs = []
-    try:
-        t0 = time.monotonic()
-        for gpu in range(max(n_gpus, 1))[:2]:
-            procs.append(spawn("colocated", _worker_args(model, kv_gb, "tcp"), logs / f"colocated{gpu}.log",
-                               env=_env(gpu, n_gpus), timeout=300))
-        res["colocated_servers"] = len(procs)
-        res["colocated_startup_s"] = time.monotonic() - t0
-        for p in procs:
-            asyncio.run(_warm(p.address, vocab))
-        res["colocated"] = _sweep([p.address for p in procs], points, t_start + budget, vocab)
-    except Exception as exc:
-        res["colocated_error"] = f"{type(exc).__name__}: {exc}"
-        print(f"  colocated failed: {exc}", flush=True)
-    finally:
-        for p in procs:
-            p.stop(30)
+    share = (budget - ckpt_s) / max(len(specs), 1)
+    for i, (mode, spec) in enumerate(specs.items()):
+        backend = ProcessBackend(logs / mode, dict(BENCH_ENV))
+        cluster = Cluster(spec=spec, backend=backend, run_dir=logs / mode)
+        try:
+            t0 = time.monotonic()
+            router = cluster.up()
+            res[f"{mode}_startup_s"] = time.monotonic() - t0
+            print(f"  {mode} up in {res[f'{mode}_startup_s']:.0f} s", flush=True)
+            asyncio.run(_warm(router, vocab))
+            res[mode] = _sweep([router], points, t_start + ckpt_s + share * (i + 1), vocab)
+        except Exception as exc:
+            res[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"  {mode} failed: {exc}", flush=True)
+        finally:
+            cluster.down()
     res["comparison"] = compare(res)
     res["markdown"] = markdown(res)
     try:
@@ -211,25 +231,29 @@ async def _warm(address: str, vocab: int) -> None:
 
 
 def compare(res: dict) -> dict:
-    """Per matching (workload, rate): p90 ITL colocated / disaggregated, goodput and tokens/s per GPU."""
-    d, c = res.get("disaggregated") or {}, res.get("colocated") or {}
+    """Per matching (workload, rate), each disaggregated mode against colocated: p90 ITL colocated /
+    mode, goodput and tokens/s per GPU (key ``workload@rate`` for 1P1D, ``conditional:workload@rate``)."""
+    c = res.get("colocated") or {}
     out = {}
-    for key in d:
-        a, b = d[key], c.get(key)
-        if not b or "itl_ms" not in a or "itl_ms" not in b:
-            continue
-        out[key] = {"p90_itl_colocated_over_disagg": b["itl_ms"]["p90"] / a["itl_ms"]["p90"],
-                    "goodput_disagg": a["goodput"], "goodput_colocated": b["goodput"],
-                    "tokens_per_s_per_gpu_disagg": a["output_token_throughput"] / 2,
-                    "tokens_per_s_per_gpu_colocated": b["output_token_throughput"] / 2,
-                    "p90_ttft_ms_disagg": a["ttft_ms"]["p90"], "p90_ttft_ms_colocated": b["ttft_ms"]["p90"]}
+    for mode, prefix in (("disaggregated", ""), ("conditional", "conditional:")):
+        d = res.get(mode) or {}
+        for key in d:
+            a, b = d[key], c.get(key)
+            if not b or "itl_ms" not in a or "itl_ms" not in b:
+                continue
+            out[prefix + key] = {"p90_itl_colocated_over_disagg": b["itl_ms"]["p90"] / a["itl_ms"]["p90"],
+                                 "goodput_disagg": a["goodput"], "goodput_colocated": b["goodput"],
+                                 "tokens_per_s_per_gpu_disagg": a["output_token_throughput"] / 2,
+                                 "tokens_per_s_per_gpu_colocated": b["output_token_throughput"] / 2,
+                                 "p90_ttft_ms_disagg": a["ttft_ms"]["p90"],
+                                 "p90_ttft_ms_colocated": b["ttft_ms"]["p90"]}
     return out
 
 
 def markdown(res: dict) -> list[str]:
     rows = ["| workload @ rate | mode | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | TPOT p90 ms | E2E p90 s | "
             "tok/s/GPU | goodput req/s |", "|---|---|---|---|---:|---:|---:|---:|"]
-    for mode in ("disaggregated", "colocated"):
+    for mode in MODES:
         for key, s in (res.get(mode) or {}).items():
             if "ttft_ms" not in s:
                 rows.append(f"| {key} | {mode} | {s.get('status', '?')} | | | | | |")
@@ -242,7 +266,7 @@ def markdown(res: dict) -> list[str]:
     for key, c in res.get("comparison", {}).items():
         rows.append(f"\n{key}: p90 ITL colocated/disaggregated = {c['p90_itl_colocated_over_disagg']:.2f}x, "
                     f"goodput {c['goodput_disagg']:.2f} vs {c['goodput_colocated']:.2f} req/s")
-    for k in ("disaggregated_error", "colocated_error"):
+    for k in (f"{m}_error" for m in MODES):
         if k in res:
             rows.append(f"\n{k}: {res[k]}")
     return rows
@@ -257,7 +281,7 @@ def plot_itl(res: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, workload in zip(axes, WORKLOADS, strict=True):
-        for mode, style in (("disaggregated", "-"), ("colocated", "--")):
+        for mode, style in (("disaggregated", "-"), ("conditional", ":"), ("colocated", "--")):
             for key, s in (res.get(mode) or {}).items():
                 if key.startswith(workload) and s.get("itl_samples_ms"):
                     x = np.sort(np.asarray(s["itl_samples_ms"]))
@@ -276,6 +300,12 @@ def plot_itl(res: dict, path: Path) -> None:
 if __name__ == "__main__":  # a functional run on any GPU machine: python3 bench/gpu_disagg.py OUT [preset]
     import sys
 
+    if "--dry-run" in sys.argv:  # no GPU: what would run
+        n = int(os.environ.get("PDSERVE_DRY_RUN_GPUS", "2"))
+        plan = {"modes": describe(cluster_specs("MODEL", n_gpus=n, kv_gb=30.0)),
+                "points": [(w, r, k) for w, (_, _, rates, k) in WORKLOADS.items() for r in rates]}
+        print(json.dumps(plan, indent=1))
+        raise SystemExit(0)
     preset = sys.argv[2] if len(sys.argv) > 2 else "small"
     if preset == "small":  # 4096-token context: shorter prompts
         WORKLOADS.update(long_prompt=("2048", "128", (2.0,), 12), short_prompt=("256", "64", (4.0,), 16))
