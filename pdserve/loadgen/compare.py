@@ -1,9 +1,15 @@
-"""Disaggregated 1P1D vs colocated, side by side on this host: ``python -m pdserve.loadgen.compare``.
+"""Disaggregated vs colocated, side by side on this host: ``python -m pdserve.loadgen.compare``.
 
-Starts a 1 prefill + 1 decode + router cluster (the `pdserve up --launcher process` code path) and
-one colocated server on the same model, runs the same `pdserve bench` workload against each (same
-seed, so the same prompts and arrival times), prints both tables plus ratios and writes one JSON.
-Timings are only meaningful as ratios taken in one run on one machine; nothing here asserts them.
+Modes (``--modes``, each started with the `pdserve up --launcher process` code path, one at a time):
+
+    disaggregated_1p1d   1 prefill + 1 decode + router
+    conditional_1p1d     the same with --conditional-disagg auto (short prompts prefill on decode)
+    colocated_2_router   2 colocated workers behind one router (--mode colocated)
+    colocated            one colocated server, no router (the original baseline)
+
+The same `pdserve bench` workload runs against each (same seed, so the same prompts and arrival
+times); it prints every table plus ratios against ``--baseline`` and writes one JSON. Timings are
+only meaningful as ratios taken in one run on one machine; nothing here asserts them.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import tempfile
 import time
@@ -32,6 +39,48 @@ def bench(router: str, args: argparse.Namespace) -> dict:
     return summarize(samples, duration, ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
 
 
+MODES = ("disaggregated_1p1d", "conditional_1p1d", "colocated_2_router", "colocated")
+
+
+def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
+    worker_args = ("--num-blocks", str(args.num_blocks))
+    if mode == "colocated":
+        proc = colocated(args.model, log_path=tmp / "colocated.log", args=worker_args)
+        try:
+            return bench(proc.address, args)
+        finally:
+            proc.stop(30)
+    router_args: tuple[str, ...] = ()
+    if mode == "conditional_1p1d":
+        router_args = ("--conditional-disagg", "auto", "--min-uncached-tokens", str(args.min_uncached_tokens))
+    two = mode == "colocated_2_router"
+    port = _free_port()
+    with LocalCluster(args.model, prefill=0 if two else 1, decode=2 if two else 1, colocated=two,
+                      transport=args.transport, run_dir=tmp / mode, worker_args=worker_args, policy="prefix",
+                      router_args=(*router_args, "--metrics-port", str(port))) as c:
+        summary = bench(c.router, args)
+        summary["prefill_decisions"] = _decisions(port)  # warm-up requests included
+        return summary
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _decisions(port: int) -> dict[str, float]:
+    """The router's pdserve_router_prefill_decisions_total, as {"mode/reason": count}."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    pat = re.compile(r'^pdserve_router_prefill_decisions_total\{mode="(\w+)",reason="(\w+)"\} (\S+)$')
+    return {f"{m.group(1)}/{m.group(2)}": float(m.group(3)) for m in map(pat.match, text.splitlines()) if m}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=".models/tiny")
@@ -47,30 +96,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tpot-slo-ms", type=float, default=50.0)
     p.add_argument("--transport", default="tcp", choices=["tcp", "nixl", "auto"])
     p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma separated, of {', '.join(MODES)}")
+    p.add_argument("--baseline", default="colocated_2_router", help="mode the ratios divide by")
+    p.add_argument("--min-uncached-tokens", type=int, default=256, help="conditional_1p1d's threshold")
     p.add_argument("--json", default="bench/results/cluster-cpu.json")
     args = p.parse_args(argv)
-    worker_args = ("--num-blocks", str(args.num_blocks))
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
-        with LocalCluster(args.model, prefill=1, decode=1, transport=args.transport, run_dir=Path(tmp) / "pd",
-                          worker_args=worker_args, policy="prefix") as c:
-            results["disaggregated_1p1d"] = bench(c.router, args)
-        proc = colocated(args.model, log_path=Path(tmp) / "colocated.log", args=worker_args)
-        try:
-            results["colocated"] = bench(proc.address, args)
-        finally:
-            proc.stop(30)
+        for mode in modes:
+            results[mode] = run_mode(mode, args, Path(tmp))
     for name, summary in results.items():
         print(format_table(summary, title=f"== {name}"))
         print()
-    d, c = results["disaggregated_1p1d"], results["colocated"]
-    ratios = {f"{m}_p50_pd_over_colocated": d[m]["p50"] / c[m]["p50"] if c[m]["p50"] else None
-              for m in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")}
-    ratios["throughput_pd_over_colocated"] = (d["output_token_throughput"] / c["output_token_throughput"]
-                                              if c["output_token_throughput"] else None)
-    print("ratios (disaggregated / colocated):", json.dumps(ratios, indent=1))
+    base = results.get(args.baseline)
+    ratios = {}
+    for mode, d in results.items():
+        if base is None or mode == args.baseline:
+            continue
+        r = {f"{m}_p50": d[m]["p50"] / base[m]["p50"] if base[m]["p50"] else None
+             for m in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")}
+        r["throughput"] = (d["output_token_throughput"] / base["output_token_throughput"]
+                           if base["output_token_throughput"] else None)
+        ratios[f"{mode}_over_{args.baseline}"] = r
+    print(f"ratios (mode / {args.baseline}):", json.dumps(ratios, indent=1))
     out = {"results": results, "ratios": ratios, "args": vars(args),
-           "host": {"platform": platform.platform(), "python": platform.python_version()},
+           "host": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpus": os.cpu_count()},
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2, default=float) + "\n")
