@@ -122,10 +122,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         dtype = next(model.parameters()).dtype
         cfg = self.model_config
-        self.kv_layout = KVLayout(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, block_size=config.block_size,
-                                  dtype=dtype_name(dtype), memory=self.device.type,
-                                  model_fingerprint=_model_fingerprint(cfg, model))
+        self.kv_layout = KVLayout.for_model(cfg, block_size=config.block_size, dtype=dtype,
+                                            memory=self.device.type,
+                                            model_fingerprint=_model_fingerprint(cfg, model))
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
         num_blocks = self._num_blocks()

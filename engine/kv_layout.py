@@ -77,6 +77,16 @@ class KVLayout:
         if self.order != LAYOUT_ORDER:
             raise ValueError(f"KVLayout.order {self.order!r} is not supported (only {LAYOUT_ORDER!r})")
 
+    @classmethod
+    def for_model(cls, model_config, *, block_size: int = 16, dtype: torch.dtype | str = "float32",
+                  memory: str = "cpu", model_fingerprint: str = "") -> KVLayout:
+        """The layout of a model's KV cache; ``model_config`` is anything with ``num_layers``,
+        ``num_kv_heads`` and ``head_dim`` (an ``engine.config.ModelConfig``), so this file needs
+        no engine import and stays the one thing ``kvtransfer`` may depend on."""
+        return cls(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                   head_dim=model_config.head_dim, block_size=block_size, dtype=dtype_name(dtype),
+                   memory=memory, model_fingerprint=model_fingerprint)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
