@@ -193,7 +193,13 @@ class Peer:
                 await asyncio.sleep(0.02)
         await self.send_frame(Msg.PROBE, {"nonce": nonce})
         # Half the handshake budget, so that a silent NIXL path still leaves time to fall back to TCP.
-        await asyncio.wait_for(fut, self.t.config.handshake_timeout_s / 2)
+        # Meanwhile our own agent must make progress too (UCX wire-up replies): hold our poller busy.
+        notifs = self.t.receiver.notifs
+        notifs.hold()
+        try:
+            await asyncio.wait_for(fut, self.t.config.handshake_timeout_s / 2)
+        finally:
+            notifs.unhold()
 
     # -- I/O ---------------------------------------------------------------------------------------
     def _waiter(self, key: tuple) -> asyncio.Future:

@@ -4,7 +4,8 @@ Without NIXL's progress thread, UCX makes progress -- wires up a new sender, lan
 that travels over UCX's TCP transport, delivers notifications -- only inside our calls into the agent.
 So this task's schedule is the receiver's NIXL latency::
 
-    idle (no NIXL transfer bound, no probe waiting)   wait for a kick, at most 10 ms between polls
+    idle (no NIXL transfer bound, no probe waiting,   wait for a kick, at most 10 ms between polls
+      no hold from this process's sending side)
     kick() (HELLO wanting NIXL, PROBE, BEGIN on NIXL) poll at once, then without sleeping for
       or a notification with more NIXL work pending   nixl_spin_s: a small transfer completes inside it
     a notification leaving nothing pending            back to idle at once (no spinning for nobody)
@@ -39,6 +40,7 @@ class NixlNotifications:
         self.probe_seen: dict[str, float] = {}
         self.probe_waiting: dict[str, tuple[object, float]] = {}
         self._spin_until = 0.0
+        self._holds = 0
         self._wake = asyncio.Event()
         self._task = receiver.loop.create_task(self._run(), name="kvtransfer-nixl-poll")
 
@@ -46,6 +48,16 @@ class NixlNotifications:
         """Something NIXL is about to happen: poll now and without sleeping for nixl_spin_s."""
         self._spin_until = time.monotonic() + self.config.nixl_spin_s
         self._wake.set()
+
+    def hold(self) -> None:
+        """This process's sending side needs UCX progress too (wire-up during a handshake, a WRITE and
+        its notification leaving): poll as if busy until unhold(). The agent is one UCX worker, so this
+        one poller progresses both directions (and only it may take notifications off the agent)."""
+        self._holds += 1
+        self.kick()
+
+    def unhold(self) -> None:
+        self._holds -= 1
 
     def on_probe(self, conn, nonce: str) -> None:
         if self.probe_seen.pop(nonce, None) is not None:
@@ -62,7 +74,8 @@ class NixlNotifications:
         self._task.cancel()
 
     def _busy(self) -> bool:
-        return bool(self.probe_waiting) or any(e.backend == "nixl" for e in self.rx.expectations.values())
+        return (self._holds > 0 or bool(self.probe_waiting)
+                or any(e.backend == "nixl" for e in self.rx.expectations.values()))
 
     async def _run(self) -> None:
         interval = self.config.nixl_poll_interval_s

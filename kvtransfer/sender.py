@@ -177,6 +177,16 @@ class SendHandle:
         if peer.backend == "tcp":
             await self._run_tcp(peer, meta)
             return
+        # UCX progress for this process's side of the WRITEs and the notification, also between our
+        # own state polls and after the last one (see rx_nixl.NixlNotifications.hold).
+        notifs = self.t.receiver.notifs
+        notifs.hold()
+        try:
+            await self._run_nixl(peer, meta)
+        finally:
+            notifs.unhold()
+
+    async def _run_nixl(self, peer, meta: dict) -> None:
         await peer.send_frame(Msg.BEGIN, meta)
         await self._begin_ok
         while True:

@@ -173,3 +173,25 @@ def test_new_nixl_settings_are_validated():
     for bad in (-0.001, 11, "1"):
         with pytest.raises(ValueError, match="nixl_spin_s"):
             TransportConfig(nixl_spin_s=bad)
+
+
+@needs_nixl
+def test_receiver_poller_is_woken_by_the_transfer_not_its_idle_timer(monkeypatch):
+    """With the idle poll period raised to 60 s, handshake and transfers still finish well inside the
+    test's deadline: HELLO, PROBE and BEGIN wake the receiver's NIXL poller (before, an idle receiver
+    finished its sleep first, up to 10 ms per transfer)."""
+    from kvtransfer import rx_nixl
+    monkeypatch.setattr(rx_nixl, "_IDLE_S", 60.0)
+
+    async def main():
+        src, dst = LAYOUT.allocate(4), LAYOUT.allocate(4)
+        fill_random(src, 14)
+        a = await make_transport("nixl", LAYOUT, src).start()
+        b = await make_transport("nixl", LAYOUT, dst).start()
+        await asyncio.sleep(0.05)  # both pollers now in their (60 s) idle wait
+        for i in range(3):
+            res = await asyncio.wait_for(send(a, b, f"w{i}", [i], [3 - i]), 20)
+            assert res["backend"] == "nixl" and same(dst, src, 3 - i, i)
+            await asyncio.sleep(0.02)  # idle again between transfers
+        await closed_clean(a, b)
+    run(main())
