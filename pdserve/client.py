@@ -71,7 +71,8 @@ class Result:
                "finish_reason": self.finish_reason}
         for key in ("prefill_worker", "decode_worker", "transport", "kv_blocks_sent", "kv_bytes_sent",
                     "kv_blocks_reused", "session_moved", "session_hit", "moved_from", "move_reason",
-                    "prefill_cached_tokens", "fallback", "fallback_reason", "usage"):
+                    "prefill_cached_tokens", "prefill_mode", "prefill_mode_reason", "fallback",
+                    "fallback_reason", "usage"):
             out[key] = self.final.get(key)
         out["ttft_ms"] = self.ttft_s * 1e3
         out["mean_itl_ms"] = self.mean_itl_s * 1e3 if self.itl_s else None

@@ -221,6 +221,7 @@ def test_cli_client_json_and_error(cluster, capsys) -> None:
                 "kv_blocks_sent", "kv_bytes_sent", "kv_blocks_reused"):
         assert key in out
     assert len(out["token_ids"]) == 4 and out["transport"] == "tcp"
+    assert out["prefill_mode"] == "remote"  # conditional disaggregation is off by default
     assert main(["client", "--router", cluster.router, "--prompt-ids", "5", "--max-tokens", "0"]) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
     # the same text prompt through `pdserve generate` (one in-process engine) and the cluster
