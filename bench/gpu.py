@@ -149,14 +149,7 @@ def roofline(model: CausalLM, cfg, ceil: dict, quick: bool, *, tensor_cores: boo
     max_ctx = max(contexts) + BLOCK
     per_seq = -(-max_ctx // BLOCK)
     num_blocks = max(batches) * per_seq + 1
-    layout = KVLayout(
-        num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        block_size=BLOCK,
-        dtype="bfloat16",
-        memory="cuda",
-    )
+    layout = KVLayout.for_model(cfg, block_size=BLOCK, dtype="bfloat16", memory="cuda")
     kv = torch.empty(layout.cache_shape(num_blocks), dtype=torch.bfloat16, device="cuda")
     kv.normal_()  # random K/V: timing on zeros can flatter
     kw = dict(
@@ -247,14 +240,7 @@ def roofline(model: CausalLM, cfg, ceil: dict, quick: bool, *, tensor_cores: boo
 
 @torch.inference_mode()
 def prefill_4k(model: CausalLM, cfg, ceil: dict, kw: dict, tokens: int = 4096) -> dict:
-    layout = KVLayout(
-        num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        block_size=BLOCK,
-        dtype="bfloat16",
-        memory="cuda",
-    )
+    layout = KVLayout.for_model(cfg, block_size=BLOCK, dtype="bfloat16", memory="cuda")
     n_blocks = tokens // BLOCK
     kv = layout.allocate(n_blocks, device="cuda")
     backend = FlashInferAttentionBackend(**kw)

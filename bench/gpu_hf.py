@@ -58,14 +58,7 @@ def vs_transformers(model: CausalLM, cfg, prompt_len: int = 128, new: int = 128)
     hf_s = min(gen(new + 1) - gen(1) for _ in range(2))
     hf_tps = new / hf_s
     # pdserve: the decode path the engine runs for one request (graph replay + lm_head + argmax + sync).
-    layout = KVLayout(
-        num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        block_size=BLOCK,
-        dtype="bfloat16",
-        memory="cuda",
-    )
+    layout = KVLayout.for_model(cfg, block_size=BLOCK, dtype="bfloat16", memory="cuda")
     n_blocks = -(-(prompt_len + new + 1) // BLOCK)
     kv = layout.allocate(n_blocks + 1, device="cuda")
     kw = dict(

@@ -46,13 +46,7 @@ def test_graph_decode_equals_eager(model, batch):
         dtype=torch.bfloat16,
     )
     eager, graphed = FlashInferAttentionBackend(**kw), FlashInferAttentionBackend(**kw)
-    layout = KVLayout(
-        num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        block_size=BLOCK,
-        dtype="bfloat16",
-    )
+    layout = KVLayout.for_model(cfg, block_size=BLOCK, dtype="bfloat16")
     steps, per_seq = 20, 16
     cache_e = layout.allocate(per_seq * batch + 1, device=DEV)
     g = random.Random(batch)
@@ -107,13 +101,7 @@ def test_can_run_only_decode_batches_within_limits(model):
         device=DEV,
         dtype=torch.bfloat16,
     )
-    layout = KVLayout(
-        num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        block_size=BLOCK,
-        dtype="bfloat16",
-    )
+    layout = KVLayout.for_model(cfg, block_size=BLOCK, dtype="bfloat16")
     runner = DecodeGraphRunner(
         model,
         backend,
