@@ -245,7 +245,9 @@ def bench_transfer(out: str | Path, *, quick: bool = False, tokens: int = 4096,
     ]
     if transfer_variants:
         variants[1:1] = [("nixl_progress_thread", "nixl", {"nixl_progress_thread": True}, reps),
-                         ("nixl_poll_50us", "nixl", {"nixl_poll_interval_s": 5e-5}, reps)]
+                         ("nixl_poll_50us", "nixl", {"nixl_poll_interval_s": 5e-5}, reps),
+                         # descriptors built per request instead of prepared once per peer
+                         ("nixl_unprepped", "nixl", {"nixl_prepped": False}, reps)]
     for key, kind, overrides, reps in variants:
         try:
             pair = TransferPair(layout, rx_device=rx_dev, tx_device=0, num_blocks=blocks + 16, kind=kind,
