@@ -27,6 +27,7 @@ from pdserve.launcher.local import LocalCluster, colocated
 from pdserve.loadgen.dist import parse_dist
 from pdserve.loadgen.runner import RunConfig, run
 from pdserve.loadgen.stats import format_table, summarize
+from pdserve.probe import free_port, scrape_metrics
 
 
 def bench(router: str, args: argparse.Namespace) -> dict:
@@ -54,7 +55,7 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
     if mode == "conditional_1p1d":
         router_args = ("--conditional-disagg", "auto", "--min-uncached-tokens", str(args.min_uncached_tokens))
     two = mode == "colocated_2_router"
-    port = _free_port()
+    port = free_port()
     with LocalCluster(args.model, prefill=0 if two else 1, decode=2 if two else 1, colocated=two,
                       transport=args.transport, run_dir=tmp / mode, worker_args=worker_args, policy="prefix",
                       router_args=(*router_args, "--metrics-port", str(port))) as c:
@@ -63,22 +64,13 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
         return summary
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _decisions(port: int) -> dict[str, float]:
     """The router's pdserve_router_prefill_decisions_total, as {"mode/reason": count}."""
     import re
-    import urllib.request
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    pat = re.compile(r'^pdserve_router_prefill_decisions_total\{mode="(\w+)",reason="(\w+)"\} (\S+)$')
-    return {f"{m.group(1)}/{m.group(2)}": float(m.group(3)) for m in map(pat.match, text.splitlines()) if m}
+    pat = re.compile(r'^pdserve_router_prefill_decisions_total\{mode="(\w+)",reason="(\w+)"\}$')
+    return {f"{m.group(1)}/{m.group(2)}": value for name, value in scrape_metrics(port).items()
+            if (m := pat.match(name))}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,9 +13,7 @@ blocks back on both workers, nothing leased or running, the router's in-flight g
 
 from __future__ import annotations
 
-import socket
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -23,26 +21,12 @@ from test_cluster_1p1d import reference, run_concurrently
 
 from pdserve.client import Client
 from pdserve.launcher.local import LocalCluster
+from pdserve.probe import free_port
+from pdserve.probe import scrape_metrics as scrape
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 THRESHOLD = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def wait_clean(cluster, port: int) -> None:

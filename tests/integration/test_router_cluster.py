@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import socket
 import threading
 import time
 import urllib.request
@@ -28,25 +27,11 @@ from test_router_redis import RedisServer
 from pdserve.client import Client
 from pdserve.launcher.local import QUIET_ENV, LocalCluster
 from pdserve.launcher.procs import spawn
+from pdserve.probe import free_port
+from pdserve.probe import scrape_metrics as scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 BS = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def total(metrics: dict[str, float], prefix: str) -> float:
@@ -59,7 +44,7 @@ def cluster(make_checkpoint, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("router2p3d")
     redis_srv = RedisServer()
     redis_srv.start()
-    ports = (_free_port(), _free_port())
+    ports = (free_port(), free_port())
     common = ("--redis", redis_srv.url, "--store-timeout", "2.0")
     router_b = None
     try:
@@ -329,7 +314,7 @@ def test_transport_fallback_reported_and_counted(cluster, tmp_path, leak_check) 
                         tmp_path / "prefill-auto.log",
                         env={**QUIET_ENV, "UCX_TLS": "tcp"})
         assert list(get_stats(prefill.address, "prefill").transports)[:1] == ["nixl"], "NIXL not usable here"
-        port = _free_port()
+        port = free_port()
         router = spawn("router", ["--model", str(cluster.model), "--prefill", prefill.address, "--decode",
                                   decode.address, "--metrics-port", str(port)], tmp_path / "router-c.log",
                        env=QUIET_ENV)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import subprocess
 import time
 
 import pytest
 import redis
 
+from pdserve.probe import free_port
 from router.discovery.redis_leases import RedisLeaseDiscovery
 from router.placement import Outcome, Placer, PlacerConfig, WorkerInfo, WorkerLoad
 from router.placement.fakes import request
@@ -27,18 +27,12 @@ from router.state.store import StoreUnavailable
 pytestmark = pytest.mark.timeout(60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     def __init__(self) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             pytest.fail("redis-server binary not found (apt-get install redis-server)")
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
