@@ -32,6 +32,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
+# C0 control characters (a random-weight model emits NUL, ESC, ...) would garble a terminal;
+# the streamed text shows them escaped. --json output keeps the exact text.
+_CONTROL = {c: f"\\x{c:02x}" for c in range(32) if chr(c) not in "\n\t"} | {127: "\\x7f"}
+
+
+def printable(text: str) -> str:
+    return text.translate(_CONTROL)
+
+
 def _run(args: argparse.Namespace) -> int:
     import grpc
 
@@ -54,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
             for msg in client.stream(req, timeout=args.timeout):
                 chunk = col.add(msg)
                 if not args.json and chunk.text:
-                    print(chunk.text, end="", flush=True)
+                    print(printable(chunk.text), end="", flush=True)
     except grpc.RpcError as exc:
         print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
