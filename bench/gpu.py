@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from engine.attention import backend_geometry  # noqa: E402
 from engine.attention.base import BatchSpec  # noqa: E402
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend  # noqa: E402
 from engine.checkpoint import preset_config  # noqa: E402
@@ -152,14 +153,7 @@ def roofline(model: CausalLM, cfg, ceil: dict, quick: bool, *, tensor_cores: boo
     layout = KVLayout.for_model(cfg, block_size=BLOCK, dtype="bfloat16", memory="cuda")
     kv = torch.empty(layout.cache_shape(num_blocks), dtype=torch.bfloat16, device="cuda")
     kv.normal_()  # random K/V: timing on zeros can flatter
-    kw = dict(
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        block_size=BLOCK,
-        device="cuda",
-        dtype=torch.bfloat16,
-    )
+    kw = dict(backend_geometry(cfg, block_size=BLOCK), device="cuda", dtype=torch.bfloat16)
     backend = FlashInferAttentionBackend(decode_tensor_cores=tensor_cores, **kw)
     runner = DecodeGraphRunner(
         model,

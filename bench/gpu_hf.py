@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from engine.attention import backend_geometry
 from engine.attention.base import BatchSpec
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend
 from engine.cuda_graphs import CudaGraphConfig, DecodeGraphRunner
@@ -61,14 +62,7 @@ def vs_transformers(model: CausalLM, cfg, prompt_len: int = 128, new: int = 128)
     layout = KVLayout.for_model(cfg, block_size=BLOCK, dtype="bfloat16", memory="cuda")
     n_blocks = -(-(prompt_len + new + 1) // BLOCK)
     kv = layout.allocate(n_blocks + 1, device="cuda")
-    kw = dict(
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        block_size=BLOCK,
-        device="cuda",
-        dtype=torch.bfloat16,
-    )
+    kw = dict(backend_geometry(cfg, block_size=BLOCK), device="cuda", dtype=torch.bfloat16)
     backend = FlashInferAttentionBackend(**kw)
     runner = DecodeGraphRunner(
         model, backend, kv, CudaGraphConfig(max_batch=1, max_model_len=n_blocks * BLOCK, buckets=(1,))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import BatchSpec, get_backend
+from engine.attention import BatchSpec, backend_geometry, get_backend
 from engine.kv_layout import KVLayout
 from engine.model import CausalLM
 from engine.sampler import Sampler
@@ -41,10 +41,8 @@ class ModelRunner:
         self.device = device
         self.layout = layout
         self.kv_cache = layout.allocate(num_blocks, device=device)
-        self.backend = get_backend(attention_backend, device=device, num_heads=cfg.num_heads,
-                                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                   block_size=layout.block_size, sliding_window=cfg.sliding_window,
-                                   dtype=layout.torch_dtype)
+        self.backend = get_backend(attention_backend, device=device, dtype=layout.torch_dtype,
+                                   **backend_geometry(cfg, block_size=layout.block_size))
         self.sampler = Sampler(device, seed=seed)
         self.cuda_graphs = None  # engine.cuda_graphs.DecodeGraphRunner once enable_cuda_graphs() captured
 

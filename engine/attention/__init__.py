@@ -10,6 +10,14 @@ from engine.attention.torch_backend import TorchAttentionBackend
 BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
 
 
+def backend_geometry(model_config, *, block_size: int) -> dict:
+    """A backend's model-shaped constructor arguments from an ``engine.config.ModelConfig``;
+    callers add ``device`` (and ``dtype`` for flashinfer)."""
+    return dict(num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
+                head_dim=model_config.head_dim, block_size=block_size,
+                sliding_window=model_config.sliding_window)
+
+
 def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype | None = None,
                 **kwargs) -> AttentionBackend:
     """``name``: ``"torch"``, ``"flashinfer"`` or ``"auto"`` (the best backend for ``device``: flashinfer
@@ -29,4 +37,4 @@ def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype | N
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "BatchSpec", "TorchAttentionBackend", "get_backend",
-           "BACKENDS"]
+           "backend_geometry", "BACKENDS"]

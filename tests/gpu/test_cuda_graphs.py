@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from engine.attention import backend_geometry
 from engine.attention.base import BatchSpec
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend
 from engine.checkpoint import preset_config
@@ -37,14 +38,7 @@ def model(request):
 @pytest.mark.parametrize("batch", [3, 8, 1])
 def test_graph_decode_equals_eager(model, batch):
     cfg = model.config
-    kw = dict(
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        block_size=BLOCK,
-        device=DEV,
-        dtype=torch.bfloat16,
-    )
+    kw = dict(backend_geometry(cfg, block_size=BLOCK), device=DEV, dtype=torch.bfloat16)
     eager, graphed = FlashInferAttentionBackend(**kw), FlashInferAttentionBackend(**kw)
     layout = KVLayout.for_model(cfg, block_size=BLOCK, dtype="bfloat16")
     steps, per_seq = 20, 16
@@ -93,14 +87,8 @@ def test_graph_decode_equals_eager(model, batch):
 
 def test_can_run_only_decode_batches_within_limits(model):
     cfg = model.config
-    backend = FlashInferAttentionBackend(
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        block_size=BLOCK,
-        device=DEV,
-        dtype=torch.bfloat16,
-    )
+    backend = FlashInferAttentionBackend(**backend_geometry(cfg, block_size=BLOCK), device=DEV,
+                                         dtype=torch.bfloat16)
     layout = KVLayout.for_model(cfg, block_size=BLOCK, dtype="bfloat16")
     runner = DecodeGraphRunner(
         model,

@@ -21,6 +21,7 @@ import zlib
 import pytest
 import torch
 
+from engine.attention import backend_geometry
 from engine.attention.base import BatchSpec
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend, supports
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -188,13 +189,7 @@ def teacher_forced(model, backend, prompts: list[list[int]], forced: list[list[i
 def greedy_reference(model, prompts, steps):
     """Free-running greedy tokens of ``model`` (float32, torch backend): ``[B, steps + 1]``."""
     cfg = model.config
-    kw = dict(
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        block_size=16,
-        device=DEV,
-    )
+    kw = dict(backend_geometry(cfg, block_size=16), device=DEV)
     forced = [[0] * (steps + 1) for _ in prompts]
     for step in range(steps + 1):  # O(steps^2) but tiny models: re-run with the tokens known so far
         logits = teacher_forced(model, TorchAttentionBackend(**kw), prompts, forced)
@@ -217,13 +212,7 @@ def test_model_logits_and_greedy_tokens_match_torch_backend(preset, overrides):
     prompts = [[g.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (5, 37, 64, 130)]
     forced, ref = greedy_reference(ref_model, prompts, steps=16)
     model = build_model(cfg, device=DEV, dtype=torch.bfloat16)
-    kw = dict(
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        block_size=16,
-        device=DEV,
-    )
+    kw = dict(backend_geometry(cfg, block_size=16), device=DEV)
     log_t = teacher_forced(model, TorchAttentionBackend(**kw), prompts, forced)
     log_f = teacher_forced(model, FlashInferAttentionBackend(dtype=torch.bfloat16, **kw), prompts, forced)
     assert _rel(log_f, log_t) < 2e-2, "flashinfer logits differ from the torch backend's beyond bf16 rounding"
