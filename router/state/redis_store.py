@@ -18,6 +18,7 @@ serving from their local view while it is down.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -66,6 +67,7 @@ class RedisStore:
             raise ValueError("need 0 < backoff_base_s <= backoff_max_s")
         self.url = url
         self.ns = namespace
+        self.socket_timeout_s = socket_timeout_s
         self._r = aredis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
             retry=Retry(NoBackoff(), 0), decode_responses=True)
@@ -195,7 +197,8 @@ class RedisStore:
         return out
 
     async def close(self) -> None:
+        # Bounded: a router shutting down must not wait on a half-open socket to a dead Redis.
         try:
-            await self._r.aclose()
-        except (RedisError, OSError):
+            await asyncio.wait_for(self._r.aclose(), max(1.0, 4 * self.socket_timeout_s))
+        except (RedisError, OSError, asyncio.TimeoutError):
             pass

@@ -263,27 +263,28 @@ def test_redis_killed_mid_run_then_restarted(server):
         assert not a.store.available
 
         server.start()  # same port, empty (no persistence): the binding must be re-established
-        for _ in range(100):
+        deadline = time.monotonic() + 20
+        while not a.store.available and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-            p = await a.aplace(request("back", _toks(64, 5), session_id="s"))
-            if a.store.available:
-                break
+            await asyncio.wait_for(a.aplace(request("back", _toks(64, 5), session_id="s")), 5)
         assert a.store.available and a.store.reconnects >= 1
-        p = await a.aplace(request("back2", _toks(64, 5), session_id="s"))
+        p = await asyncio.wait_for(a.aplace(request("back2", _toks(64, 5), session_id="s")), 5)
         assert p.decode.worker_id == p0.decode.worker_id
         # On a loaded machine the freshly restarted server can still time out a call, which puts
         # the store back into its backoff window; read again once the window has passed.
         stored = None
-        for _ in range(100):
+        deadline = time.monotonic() + 20
+        while stored is None and time.monotonic() < deadline:
             try:
-                stored = await a.store.get_session("s")
-            except StoreUnavailable:
+                stored = await asyncio.wait_for(a.store.get_session("s"), 5)
+            except (StoreUnavailable, asyncio.TimeoutError):
                 await asyncio.sleep(0.05)
                 continue
-            if stored is not None:
-                break
-            await a.aplace(request("back3", _toks(64, 5), session_id="s"))
+            if stored is None:
+                await asyncio.wait_for(a.aplace(request("back3", _toks(64, 5), session_id="s")), 5)
         assert stored is not None and stored.decode_id == p0.decode.worker_id
-        await a.close()
+        await asyncio.wait_for(a.close(), 10)
 
-    asyncio.run(main())
+    # Every await above is bounded, and so is the whole scenario: a hang fails here with the
+    # coroutine's traceback (where it was stuck) instead of a bare pytest-timeout in the selector.
+    asyncio.run(asyncio.wait_for(main(), 50))
