@@ -8,7 +8,10 @@ policy on those same workers (``session+prefix``, ``prefix``, ``round_robin``), 
    each router. Each policy gets its own token content (seed), so no run finds another's KV.
    Reports KV blocks/bytes sent, the share of the no-reuse bytes (every prompt block shipped on
    every turn) and the prompt-cache hit ratio (decode side: blocks not shipped; prefill side:
-   tokens not recomputed), overall and for turns >= 2.
+   tokens not recomputed), overall and for turns >= 2. Run twice per policy: every session starting
+   at once (a cold start: no decode worker holds the system prompt yet when the first turns
+   arrive) and sessions arriving as a Poisson stream (``--session-rate``), closer to steady-state
+   chat traffic where the shared system prompt is already cached when a new session starts.
 2. **shared system prompt** — ``--burst`` sessionless requests at once, all starting with one long
    system prompt: requests per decode worker (max / mean) under the load bound vs round robin.
 
@@ -73,8 +76,9 @@ def _wait_routers(addresses, n: int) -> None:
 
 
 def chat(router: str, *, sessions: int, turns: int, system_len: int, user_len: str, output_len: str,
-         seed: int, label: str) -> list[Sample]:
-    cfg = RunConfig(router=router, rate=float("inf"), num_requests=0, input_len=parse_dist(user_len),
+         seed: int, label: str, session_rate: float = float("inf")) -> list[Sample]:
+    """``session_rate``: sessions per second, Poisson (inf = every session's first turn at once)."""
+    cfg = RunConfig(router=router, rate=session_rate, num_requests=0, input_len=parse_dist(user_len),
                     output_len=parse_dist(output_len), sessions=sessions, turns=turns, seed=seed,
                     system_prompt_len=system_len, session_prefix=label)
     samples, _ = asyncio.run(run(cfg))
@@ -103,14 +107,18 @@ def format_report(results: dict) -> str:
     rows = [("policy", "req", "KV blocks", "KV MiB", "vs no-reuse", "hit dec", "hit pref", "t>=2 dec",
              "t>=2 bytes", "moves", "burst max/mean")]
     for policy, r in results["policies"].items():
-        c, b = r["chat"], r.get("burst", {})
-        per_worker = b.get("requests_per_decode_worker", "")
-        rows.append((policy, str(c["requests"]), str(c["kv_blocks_sent"]),
-                     f"{c['kv_bytes_sent'] / 2**20:.2f}", f"{c['bytes_vs_no_reuse']:.1%}",
-                     f"{c['decode_hit_ratio']:.1%}",
-                     f"{c['prefill_hit_ratio']:.1%}", f"{c['turn2plus']['decode_hit_ratio']:.1%}",
-                     f"{c['turn2plus']['bytes_vs_no_reuse']:.1%}", str(c["session_moves"]),
-                     f"{b.get('decode_max_over_mean', float('nan')):.2f} {per_worker}"))
+        for name, key in ((policy, "chat"), (f"{policy} (arriving)", "chat_arriving")):
+            if key not in r:
+                continue
+            c = r[key]
+            b = r.get("burst", {}) if key == "chat" else {}
+            burst_cell = (f"{b.get('decode_max_over_mean', float('nan')):.2f} "
+                          f"{b.get('requests_per_decode_worker', '')}") if b else "-"
+            rows.append((name, str(c["requests"]), str(c["kv_blocks_sent"]),
+                         f"{c['kv_bytes_sent'] / 2**20:.2f}", f"{c['bytes_vs_no_reuse']:.1%}",
+                         f"{c['decode_hit_ratio']:.1%}", f"{c['prefill_hit_ratio']:.1%}",
+                         f"{c['turn2plus']['decode_hit_ratio']:.1%}",
+                         f"{c['turn2plus']['bytes_vs_no_reuse']:.1%}", str(c["session_moves"]), burst_cell))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     return "\n".join(lines)
@@ -127,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-len", type=int, default=256, help="shared system prompt (tokens)")
     p.add_argument("--user-len", default="uniform:24:72", help="new user tokens per turn")
     p.add_argument("--output-len", default="32")
+    p.add_argument("--session-rate", type=float, default=2.0,
+                   help="sessions/s for the arriving-sessions chat run (0 = skip it)")
     p.add_argument("--burst", type=int, default=24, help="shared-system-prompt burst size (0 = skip)")
     p.add_argument("--burst-system-len", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
@@ -143,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
                            system_len=args.system_len, user_len=args.user_len,
                            output_len=args.output_len, seed=100 + i, label=policy.replace("+", "-"))
             entry = {"chat": {"requests": len(samples), **chat_report(samples, args.block_size)}}
+            if args.session_rate > 0:
+                arriving = chat(routers[policy], sessions=args.sessions, turns=args.turns,
+                                system_len=args.system_len, user_len=args.user_len,
+                                output_len=args.output_len, seed=300 + i,
+                                label=policy.replace("+", "-") + "-arr", session_rate=args.session_rate)
+                entry["chat_arriving"] = {"requests": len(arriving),
+                                          **chat_report(arriving, args.block_size)}
             if args.burst:
                 ok = [s for s in burst(routers[policy], n=args.burst, system_len=args.burst_system_len,
                                        output_len=48, seed=200 + i) if s.ok]
