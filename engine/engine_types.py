@@ -1,0 +1,71 @@
+"""The engine's value types: how to run a model (``EngineConfig``) and what a step returns
+(``StepOutput``, ``Reservation``). Re-exported by ``engine.engine``; see docs/engine-contract.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.kv_layout import dtype_name
+from engine.model_runner import TokenLogprob
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How to run a model. ``model`` is a Hugging Face-style directory (or None with ``LLMEngine(model=)``).
+
+    KV cache size: ``num_blocks`` if given, else ``kv_cache_bytes``, else on CUDA
+    ``gpu_memory_utilization`` of the device minus what is in use after loading, else (CPU) enough for
+    ``max_num_seqs`` full-context sequences capped at 1 GiB.
+    """
+
+    model: str | None = None
+    dtype: str | None = None  # None: the checkpoint's
+    device: str = "auto"  # "auto": cuda when available
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_queue: int = 1024
+    attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    seed: int | None = None  # for requests without their own seed
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs})")
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefilled" | "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    # Finished requests with stop strings: the output text cut before the matched stop string.
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class Reservation:
+    block_ids: list[int]
+    num_cached_tokens: int  # leading prompt tokens whose KV is already in those blocks
