@@ -42,6 +42,7 @@ from .errors import (
     UnknownRequest,
     error_to_wire,
 )
+from .future_result import FutureResult
 from .memory import KVMemory
 from .protocol import PROTOCOL_VERSION, Msg, meta_int, meta_int_list, meta_str
 from .rx_nixl import NixlNotifications
@@ -49,7 +50,7 @@ from .rx_nixl import NixlNotifications
 log = logging.getLogger("kvtransfer.rx")
 
 
-class Expectation:
+class Expectation(FutureResult):
     """Handle for one expected transfer; ``await wait()`` returns when its KV is complete, or raises once
     nothing of the request can be written any more (sender confirmed or gone, or abort_ack_timeout_s)."""
 
@@ -71,16 +72,6 @@ class Expectation:
         self._future = loop.create_future()
         # Nobody awaiting a failed expectation must not produce "exception never retrieved" noise.
         self._future.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def exception(self) -> BaseException | None:
-        return self._future.exception() if self._future.done() else None
-
-    async def wait(self) -> dict:
-        """{request_id, bytes, seconds, backend}; raises the TransferError that ended it."""
-        return await asyncio.shield(self._future)
 
 
 @dataclass

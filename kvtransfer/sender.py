@@ -33,13 +33,14 @@ import numpy as np
 
 from .blocks import merge_regions, pair_runs, plan_segments, validate_layers
 from .errors import InvalidTransfer, PeerUnavailable, TransferAborted, TransferError, TransferTimeout
+from .future_result import FutureResult
 from .protocol import Msg, notif_message
 
 log = logging.getLogger("kvtransfer.tx")
 _FINISH = ("finish",)
 
 
-class SendHandle:
+class SendHandle(FutureResult):
     def __init__(self, transport, rid: str, endpoint: dict, src: tuple[int, ...], dst: tuple[int, ...],
                  timeout: float) -> None:
         self.t = transport
@@ -95,15 +96,6 @@ class SendHandle:
         self._check_all_pushed()
         self._finished = True
         self._ops.put_nowait(_FINISH)
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def exception(self) -> BaseException | None:
-        return self._future.exception() if self._future.done() else None
-
-    async def wait(self) -> dict:
-        return await asyncio.shield(self._future)
 
     async def abort(self, reason: str = "aborted by sender") -> None:
         """Stop; returns once nothing of this transfer is in flight any more."""
