@@ -12,22 +12,17 @@ from __future__ import annotations
 
 import pytest
 from test_cluster_1p1d import reference, run_concurrently
-from test_conditional_disagg import free_port, ids, scrape, wait_clean
+from test_conditional_disagg import ids, metered_cluster, scrape, wait_clean
 
 from pdserve.client import Client
-from pdserve.launcher.local import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
 def cluster(make_checkpoint, tmp_path_factory):
-    model = make_checkpoint("llama")
-    port = free_port()
-    with LocalCluster(model, prefill=0, decode=2, colocated=True, run_dir=tmp_path_factory.mktemp("coloc"),
-                      policy="session+prefix", router_args=("--metrics-port", str(port))) as c:
-        c.model, c.metrics_port = model, port
-        c.start_free = c.free_blocks()
+    with metered_cluster(make_checkpoint("llama"), tmp_path_factory.mktemp("coloc"), prefill=0, decode=2,
+                         colocated=True) as c:
         yield c
 
 

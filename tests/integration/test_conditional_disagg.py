@@ -13,6 +13,7 @@ blocks back on both workers, nothing leased or running, the router's in-flight g
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import grpc
@@ -29,6 +30,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 THRESHOLD = 32
 
 
+@contextlib.contextmanager
+def metered_cluster(model, run_dir, *, router_args=(), **kw):
+    """A LocalCluster (session+prefix) whose router serves metrics; records the starting free blocks
+    that ``wait_clean`` checks against."""
+    port = free_port()
+    with LocalCluster(model, run_dir=run_dir, policy="session+prefix",
+                      router_args=(*router_args, "--metrics-port", str(port)), **kw) as c:
+        c.model, c.metrics_port = model, port
+        c.start_free = c.free_blocks()
+        yield c
+
+
 def wait_clean(cluster, port: int) -> None:
     stats = cluster.wait_idle(cluster.start_free)
     assert {w: s.free_blocks for w, s in stats.items()} == cluster.start_free
@@ -41,14 +54,10 @@ def wait_clean(cluster, port: int) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(make_checkpoint, tmp_path_factory):
-    model = make_checkpoint("llama")
-    port = free_port()
     args = ("--conditional-disagg", "auto", "--min-uncached-tokens", str(THRESHOLD),
-            "--local-prefill-tokens-per-s", "1", "--metrics-port", str(port))
-    with LocalCluster(model, prefill=1, decode=1, transport="tcp", run_dir=tmp_path_factory.mktemp("cond"),
-                      router_args=args, policy="session+prefix") as c:
-        c.model, c.metrics_port = model, port
-        c.start_free = c.free_blocks()
+            "--local-prefill-tokens-per-s", "1")
+    with metered_cluster(make_checkpoint("llama"), tmp_path_factory.mktemp("cond"), prefill=1, decode=1,
+                         transport="tcp", router_args=args) as c:
         yield c
 
 
