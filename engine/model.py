@@ -15,6 +15,7 @@ model only calls ``backend.forward`` once per layer with the step's planned meta
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -223,16 +224,21 @@ class CausalLM(nn.Module):
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                attn: AttentionMetadata) -> torch.Tensor:
+                attn: AttentionMetadata, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` for a flat batch.
 
         ``input_ids``, ``positions``: ``[T]`` int64. ``kv_cache``: ``[layers, blocks, 2, block_size,
         kv_heads, head_dim]`` (``engine.kv_layout``); this step's keys/values are written into it.
+        ``after_layer(i)`` (eager steps only, never inside a captured graph) is called once layer
+        ``i``'s work has been issued, i.e. its keys/values are queued for writing on the current
+        stream: a KV sender records a CUDA event there to start shipping layer ``i`` early.
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv_cache[i], attn)
+            if after_layer is not None:
+                after_layer(i)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
