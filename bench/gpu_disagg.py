@@ -8,8 +8,16 @@ the router, placement and metrics are the same code in each; only the workers di
   whose uncached part is <= 256 tokens, or whose KV would take longer to move than to recompute,
   are prefilled by the decode worker.
 * **colocated**: 2 colocated workers (one per GPU) behind the router (``--mode colocated``, what
-  ``pdserve up --colocated 2`` starts); the router places each request on one of them (before,
-  the load generator split the arrivals between two colocated servers).
+  ``pdserve up --colocated 2`` starts) with the engine's default chunked-prefill budget (2048 tokens
+  per step); the router places each request on one of them.
+* **colocated-chunk512**: the same with a 512-token budget, the latency-tuned colocated setting
+  (shorter prefill stalls in more decode steps): the stronger baseline for p99, the weaker for p90.
+
+The prefill pool is compute-tuned (``--prefill-args "--max-num-batched-tokens 8192"``: a 4k prompt in
+one step, nothing to protect there); decode and colocated workers keep the engine defaults otherwise.
+The conditional mode runs only the short-prompt control: on 4k prompts it decides exactly as 1P1D.
+Every rate point draws its own prompts (seeded by workload and rate, the same prompts in every mode):
+reusing one seed let the prefix cache answer every later point's prompts without any prefill.
 
 Devices come from ``pdserve.launcher.devices`` (``--gpu-peers``): each worker computes on its own
 GPU and sees the other one after it (``CUDA_VISIBLE_DEVICES=1,0`` for the GPU1 worker) so UCX's
@@ -30,12 +38,13 @@ import os
 import random
 import shutil
 import time
+import zlib
 from pathlib import Path
 
 import torch
 
 WORKLOADS = {  # name: (input_len, output_len, rates req/s over both GPUs, requests per rate point)
-    "long_prompt": ("4096", "256", (2.0, 4.0, 6.0), 30),
+    "long_prompt": ("4096", "256", (2.0, 4.0, 6.0), 48),
     "short_prompt": ("256", "128", (8.0, 16.0, 32.0), 64),
 }
 SLO = {"ttft_slo_ms": 2000.0, "tpot_slo_ms": 50.0}
@@ -83,7 +92,10 @@ def write_checkpoint(out: Path, preset: str) -> Path:
     return out
 
 
-MODES = ("disaggregated", "conditional", "colocated")
+MODES = ("disaggregated", "conditional", "colocated", "colocated-chunk512")
+BASELINES = ("colocated", "colocated-chunk512")
+MODE_WORKLOADS = {"conditional": ("short_prompt",)}  # on 4k prompts conditional == 1P1D (see above)
+PREFILL_POOL_ARGS = ("--max-num-batched-tokens", "8192")
 BENCH_ENV = {"OMP_NUM_THREADS": "4", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -105,12 +117,15 @@ def cluster_specs(model: str | Path, *, n_gpus: int, kv_gb: float, transport: st
     pd = (DevicePlan(prefill_gpus=("0",), decode_gpus=("1",), visible=gpus[:2], peers=True) if two
           else DevicePlan(prefill_gpus=("0",), decode_gpus=("0",)))
     common = dict(model=str(model), worker_args=_worker_args(kv_gb), policy="prefix", drain_timeout=30.0)
+    pd_common = dict(num_prefill=1, num_decode=1, transport=transport, devices=pd,
+                     prefill_args=PREFILL_POOL_ARGS, **common)
+    colo = dict(num_prefill=0, num_decode=2 if two else 1, colocated=True, transport="tcp",
+                devices=DevicePlan(gpus_per_worker=1, visible=gpus[:2]), **common)
     specs = {
-        "disaggregated": ClusterSpec(num_prefill=1, num_decode=1, transport=transport, devices=pd, **common),
-        "conditional": ClusterSpec(num_prefill=1, num_decode=1, transport=transport, devices=pd,
-                                   router_args=("--conditional-disagg", "auto"), **common),
-        "colocated": ClusterSpec(num_prefill=0, num_decode=2 if two else 1, colocated=True, transport="tcp",
-                                 devices=DevicePlan(gpus_per_worker=1, visible=gpus[:2]), **common),
+        "disaggregated": ClusterSpec(**pd_common),
+        "conditional": ClusterSpec(router_args=("--conditional-disagg", "auto"), **pd_common),
+        "colocated": ClusterSpec(**colo),
+        "colocated-chunk512": ClusterSpec(decode_args=("--max-num-batched-tokens", "512"), **colo),
     }
     return {m: specs[m] for m in modes}
 
@@ -123,8 +138,10 @@ def describe(specs: dict) -> dict:
     for mode, spec in specs.items():
         pools = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
         roles = ["colocated" if spec.colocated and r == "decode" else r for r in pools]
-        out[mode] = {"workers": [{"role": r, "CUDA_VISIBLE_DEVICES": ",".join(d)}
+        out[mode] = {"workers": [{"role": r, "CUDA_VISIBLE_DEVICES": ",".join(d),
+                                  "args": list(spec.prefill_args if r == "prefill" else spec.decode_args)}
                                  for r, d in zip(roles, assign(spec.devices, pools), strict=True)],
+                     "workloads": list(MODE_WORKLOADS.get(mode, WORKLOADS)),
                      "router_args": [*spec.router_args, *(("--mode", "colocated") if spec.colocated else ())],
                      "transport": spec.transport}
     return out
@@ -139,6 +156,12 @@ def _load(address: str, workload: str, rate: float, n: int, seed: int, vocab: in
                          output_len=parse_dist(outp), vocab_size=vocab, seed=seed, timeout_s=240.0))
 
 
+def point_seed(workload: str, rate: float) -> int:
+    """The prompts' seed of one rate point: its own per point (no prefix-cache carry-over between
+    points), the same in every mode (each mode is measured on the same prompts)."""
+    return zlib.crc32(f"{workload}@{rate:g}".encode()) & 0xFFFFFF
+
+
 def _sweep(addresses: list[str], points: list[tuple[str, float, int]], deadline: float, vocab: int) -> dict:
     """Run every (workload, rate, n) point against the servers (load split evenly across them)."""
     from pdserve.loadgen.stats import summarize
@@ -151,7 +174,8 @@ def _sweep(addresses: list[str], points: list[tuple[str, float, int]], deadline:
         k = len(addresses)
 
         async def both(workload=workload, rate=rate, n=n, k=k):
-            return await asyncio.gather(*(_load(a, workload, rate / k, max(1, n // k), 100 + i, vocab)
+            return await asyncio.gather(*(_load(a, workload, rate / k, max(1, n // k),
+                                                point_seed(workload, rate) + i, vocab)
                                           for i, a in enumerate(addresses)))
 
         t0 = time.perf_counter()
@@ -204,7 +228,8 @@ def bench_disagg(out: str | Path, *, quick: bool = False, preset: str = "llama3-
             res[f"{mode}_startup_s"] = time.monotonic() - t0
             print(f"  {mode} up in {res[f'{mode}_startup_s']:.0f} s", flush=True)
             asyncio.run(_warm(router, vocab))
-            res[mode] = _sweep([router], points, t_start + ckpt_s + share * (i + 1), vocab)
+            mine = [p for p in points if p[0] in MODE_WORKLOADS.get(mode, WORKLOADS)]
+            res[mode] = _sweep([router], mine, t_start + ckpt_s + share * (i + 1), vocab)
         except Exception as exc:
             res[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"
             print(f"  {mode} failed: {exc}", flush=True)
@@ -231,22 +256,27 @@ async def _warm(address: str, vocab: int) -> None:
 
 
 def compare(res: dict) -> dict:
-    """Per matching (workload, rate), each disaggregated mode against colocated: p90 ITL colocated /
-    mode, goodput and tokens/s per GPU (key ``workload@rate`` for 1P1D, ``conditional:workload@rate``)."""
-    c = res.get("colocated") or {}
+    """Per matching (workload, rate), each disaggregated mode against each colocated baseline: p90 ITL
+    colocated / mode, goodput, tokens/s per GPU, p90 TTFT. Keys: ``workload@rate`` (1P1D vs colocated),
+    ``conditional:workload@rate``, and `` vs colocated-chunk512`` appended for the other baseline."""
     out = {}
-    for mode, prefix in (("disaggregated", ""), ("conditional", "conditional:")):
-        d = res.get(mode) or {}
-        for key in d:
-            a, b = d[key], c.get(key)
-            if not b or "itl_ms" not in a or "itl_ms" not in b:
-                continue
-            out[prefix + key] = {"p90_itl_colocated_over_disagg": b["itl_ms"]["p90"] / a["itl_ms"]["p90"],
-                                 "goodput_disagg": a["goodput"], "goodput_colocated": b["goodput"],
-                                 "tokens_per_s_per_gpu_disagg": a["output_token_throughput"] / 2,
-                                 "tokens_per_s_per_gpu_colocated": b["output_token_throughput"] / 2,
-                                 "p90_ttft_ms_disagg": a["ttft_ms"]["p90"],
-                                 "p90_ttft_ms_colocated": b["ttft_ms"]["p90"]}
+    for base in BASELINES:
+        c = res.get(base) or {}
+        suffix = "" if base == "colocated" else f" vs {base}"
+        for mode, prefix in (("disaggregated", ""), ("conditional", "conditional:")):
+            d = res.get(mode) or {}
+            for key in d:
+                a, b = d[key], c.get(key)
+                if not b or "itl_ms" not in a or "itl_ms" not in b:
+                    continue
+                out[prefix + key + suffix] = {
+                    "baseline": base,
+                    "p90_itl_colocated_over_disagg": b["itl_ms"]["p90"] / a["itl_ms"]["p90"],
+                    "p99_itl_colocated_over_disagg": b["itl_ms"]["p99"] / a["itl_ms"]["p99"],
+                    "goodput_disagg": a["goodput"], "goodput_colocated": b["goodput"],
+                    "tokens_per_s_per_gpu_disagg": a["output_token_throughput"] / 2,
+                    "tokens_per_s_per_gpu_colocated": b["output_token_throughput"] / 2,
+                    "p90_ttft_ms_disagg": a["ttft_ms"]["p90"], "p90_ttft_ms_colocated": b["ttft_ms"]["p90"]}
     return out
 
 
@@ -264,7 +294,9 @@ def markdown(res: dict) -> list[str]:
                         f"{s['e2e_ms']['p90'] / 1e3:.2f} | {s['output_token_throughput'] / 2:.0f} | "
                         f"{s['goodput']:.2f} |")
     for key, c in res.get("comparison", {}).items():
-        rows.append(f"\n{key}: p90 ITL colocated/disaggregated = {c['p90_itl_colocated_over_disagg']:.2f}x, "
+        p99 = c.get("p99_itl_colocated_over_disagg", 0.0)
+        rows.append(f"\n{key}: p90 ITL {c.get('baseline', 'colocated')}/disaggregated = "
+                    f"{c['p90_itl_colocated_over_disagg']:.2f}x (p99 {p99:.2f}x), "
                     f"goodput {c['goodput_disagg']:.2f} vs {c['goodput_colocated']:.2f} req/s")
     for k in (f"{m}_error" for m in MODES):
         if k in res:
@@ -281,7 +313,8 @@ def plot_itl(res: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, workload in zip(axes, WORKLOADS, strict=True):
-        for mode, style in (("disaggregated", "-"), ("conditional", ":"), ("colocated", "--")):
+        for mode, style in (("disaggregated", "-"), ("conditional", ":"), ("colocated", "--"),
+                            ("colocated-chunk512", "-.")):
             for key, s in (res.get(mode) or {}).items():
                 if key.startswith(workload) and s.get("itl_samples_ms"):
                     x = np.sort(np.asarray(s["itl_samples_ms"]))

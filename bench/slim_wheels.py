@@ -129,7 +129,10 @@ def main() -> None:
             print(
                 f"{whl.name}: {whl.stat().st_size / 2**20:.1f} MiB -> {size / 2**20:.1f} MiB ({kept} files)"
             )
-    for whl in sorted(args.src.glob("apache_tvm_ffi-*.whl")):
+    # Copied as they are: flashinfer's one missing dependency, and the gRPC stack the cluster benchmark
+    # needs (the device image may lack it or carry another protobuf than the generated code wants).
+    for whl in sorted(w for pat in ("apache_tvm_ffi-*.whl", "grpcio*-*.whl", "protobuf-*.whl")
+                      for w in args.src.glob(pat)):
         (args.dst / whl.name).write_bytes(whl.read_bytes())
         print(f"{whl.name}: copied ({whl.stat().st_size / 2**20:.1f} MiB)")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -46,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--prefill-args", default="", metavar="FLAGS",
+                   help="extra `pdserve serve` flags for prefill workers only, one quoted string "
+                        "(e.g. \"--max-num-batched-tokens 8192\": a compute-tuned prefill pool)")
+    p.add_argument("--decode-args", default="", metavar="FLAGS",
+                   help="extra `pdserve serve` flags for decode (and colocated) workers only "
+                        "(e.g. \"--kv-memory-gb 100\": a memory-tuned decode pool)")
     p.add_argument("--run-dir", default=DEFAULT_RUN_DIR)
     p.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_run)
@@ -76,6 +83,8 @@ def _run(args: argparse.Namespace) -> int:
                            num_decode=args.colocated or args.decode, colocated=bool(args.colocated),
                            transport=args.transport, router_port=args.router_port,
                            worker_args=tuple(worker_args), policy=args.policy,
+                           prefill_args=tuple(shlex.split(args.prefill_args)),
+                           decode_args=tuple(shlex.split(args.decode_args)),
                            drain_timeout=args.drain_timeout, router_args=tuple(router_args), devices=devices)
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)

@@ -50,6 +50,10 @@ class ClusterSpec:
     transport: str = "auto"
     router_port: int = 0
     worker_args: tuple[str, ...] = ()
+    # Extra flags per pool, after worker_args (the later flag wins): a compute-tuned prefill pool and a
+    # memory-tuned decode pool. Colocated workers take the decode pool's.
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     policy: str = "prefix"
     drain_timeout: float = 30.0
@@ -115,7 +119,8 @@ class Cluster:
 
     def _start_worker(self, role: str, name: str, devices: tuple[str, ...] = ()) -> WorkerHandle:
         args = ["--model", self.spec.model, "--transport", self.spec.transport, "--worker-id", name,
-                "--drain-timeout", str(self.spec.drain_timeout), *self.spec.worker_args]
+                "--drain-timeout", str(self.spec.drain_timeout), *self.spec.worker_args,
+                *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args)]
         # Under Ray, round robin becomes a num_gpus request (Ray picks and isolates the devices).
         gpus = self.spec.devices.ray_num_gpus(role) if getattr(self.backend, "name", "") == "ray" else 0
         h = self.backend.start(self._serve_role(role), args, name, devices=() if gpus else devices,

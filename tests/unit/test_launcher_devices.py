@@ -72,9 +72,11 @@ class RecordingBackend:
     def __init__(self, name: str = "process") -> None:
         self.name = name
         self.started: list[tuple[str, str, tuple[str, ...], int]] = []
+        self.args: dict[str, list[str]] = {}
 
     def start(self, role, args, name, *, devices=(), num_gpus=0) -> WorkerHandle:
         self.started.append((role, name, tuple(devices), num_gpus))
+        self.args[name] = list(args)
         return WorkerHandle(role=role, worker_id=name, address=f"127.0.0.1:{len(self.started)}", pid=0,
                             backend=self, ref=None, devices=",".join(devices))
 
@@ -117,3 +119,14 @@ def test_device_assigner_is_stateful_per_pool() -> None:
     a = DeviceAssigner(DevicePlan(prefill_gpus=("0", "1"), decode_gpus=("2", "3")))
     assert [a.next("decode"), a.next("prefill"), a.next("decode"), a.next("prefill")] == [
         ("2",), ("0",), ("3",), ("1",)]
+
+
+def test_per_pool_flags_follow_the_common_ones() -> None:
+    spec = ClusterSpec(model="m", num_prefill=1, num_decode=1, worker_args=("--max-num-seqs", "8"),
+                       prefill_args=("--max-num-batched-tokens", "8192"), decode_args=("--kv-memory-gb", "9"))
+    _, backend = _launch(spec)
+    assert backend.args["prefill-1"][-4:] == ["--max-num-seqs", "8", "--max-num-batched-tokens", "8192"]
+    assert backend.args["decode-2"][-4:] == ["--max-num-seqs", "8", "--kv-memory-gb", "9"]
+    colo = ClusterSpec(model="m", num_prefill=0, num_decode=1, colocated=True, decode_args=("--x", "1"))
+    _, backend = _launch(colo)
+    assert backend.args["colocated-1"][-2:] == ["--x", "1"]

@@ -25,20 +25,31 @@ def gd():
 
 def test_two_gpus_each_worker_on_its_own(gd) -> None:
     plan = gd.describe(gd.cluster_specs("M", n_gpus=2, kv_gb=30.0))
-    assert plan["disaggregated"]["workers"] == [{"role": "prefill", "CUDA_VISIBLE_DEVICES": "0,1"},
-                                                {"role": "decode", "CUDA_VISIBLE_DEVICES": "1,0"}]
+    assert plan["disaggregated"]["workers"] == [
+        {"role": "prefill", "CUDA_VISIBLE_DEVICES": "0,1", "args": ["--max-num-batched-tokens", "8192"]},
+        {"role": "decode", "CUDA_VISIBLE_DEVICES": "1,0", "args": []}]
     assert plan["disaggregated"]["transport"] == "nixl" and plan["disaggregated"]["router_args"] == []
     assert plan["conditional"]["router_args"] == ["--conditional-disagg", "auto"]
-    assert plan["colocated"]["workers"] == [{"role": "colocated", "CUDA_VISIBLE_DEVICES": "0"},
-                                            {"role": "colocated", "CUDA_VISIBLE_DEVICES": "1"}]
+    assert plan["colocated"]["workers"] == [{"role": "colocated", "CUDA_VISIBLE_DEVICES": "0", "args": []},
+                                            {"role": "colocated", "CUDA_VISIBLE_DEVICES": "1", "args": []}]
     assert plan["colocated"]["router_args"] == ["--mode", "colocated"]
+    assert [w["args"] for w in plan["colocated-chunk512"]["workers"]] == [
+        ["--max-num-batched-tokens", "512"]] * 2
+    assert plan["conditional"]["workloads"] == ["short_prompt"]
+    assert plan["disaggregated"]["workloads"] == ["long_prompt", "short_prompt"]
+
+
+def test_every_rate_point_draws_its_own_prompts_the_same_in_every_mode(gd) -> None:
+    seeds = {gd.point_seed(w, r) for w, (_, _, rates, _) in gd.WORKLOADS.items() for r in rates}
+    assert len(seeds) == sum(len(v[2]) for v in gd.WORKLOADS.values())
+    assert gd.point_seed("long_prompt", 2.0) == gd.point_seed("long_prompt", 2)
 
 
 def test_one_gpu_shares_it_and_modes_filter(gd) -> None:
     plan = gd.describe(gd.cluster_specs("M", n_gpus=1, kv_gb=4.0, modes=("disaggregated", "colocated")))
     assert list(plan) == ["disaggregated", "colocated"]
     assert [w["CUDA_VISIBLE_DEVICES"] for w in plan["disaggregated"]["workers"]] == ["0", "0"]
-    assert plan["colocated"]["workers"] == [{"role": "colocated", "CUDA_VISIBLE_DEVICES": "0"}]
+    assert plan["colocated"]["workers"] == [{"role": "colocated", "CUDA_VISIBLE_DEVICES": "0", "args": []}]
 
 
 def _summary(ttft: float, itl: float, goodput: float) -> dict:
@@ -51,10 +62,13 @@ def test_compare_and_markdown_cover_all_three_modes(gd) -> None:
     res = {"disaggregated": {"long_prompt@2": _summary(300, 10, 1.8)},
            "conditional": {"long_prompt@2": _summary(280, 12, 1.9)},
            "colocated": {"long_prompt@2": _summary(250, 40, 1.5), "short_prompt@8": {"status": "skipped"}},
+           "colocated-chunk512": {"long_prompt@2": _summary(250, 30, 1.5)},
            "conditional_error": "RuntimeError: x"}
     cmp = gd.compare(res)
     assert cmp["long_prompt@2"]["p90_itl_colocated_over_disagg"] == pytest.approx(4.0)
     assert cmp["conditional:long_prompt@2"]["p90_itl_colocated_over_disagg"] == pytest.approx(40 / 12)
+    assert cmp["long_prompt@2 vs colocated-chunk512"]["p90_itl_colocated_over_disagg"] == pytest.approx(3.0)
+    assert cmp["long_prompt@2 vs colocated-chunk512"]["baseline"] == "colocated-chunk512"
     res["comparison"] = cmp
     text = "\n".join(gd.markdown(res))
     assert "| long_prompt@2 | conditional |" in text and "skipped" in text and "conditional_error" in text
