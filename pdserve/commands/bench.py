@@ -27,7 +27,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sessions", type=int, default=0, help="multi-turn: number of sessions")
     p.add_argument("--turns", type=int, default=1, help="multi-turn: turns per session")
     p.add_argument("--vocab-size", type=int, default=1000, help="prompt ids are drawn below this")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="prompts and arrivals are drawn from it: a second run with the same seed against the "
+                        "same cluster sends the same prompts, which its prefix cache then serves without "
+                        "prefill; give each rate point of a sweep its own seed")
     p.add_argument("--system-prompt-len", type=int, default=0,
                    help="tokens of one shared prefix prepended to every request / session")
     p.add_argument("--block-size", type=int, default=16, help="workers' KV block size (for the KV report)")
