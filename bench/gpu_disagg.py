@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 WORKLOADS = {  # name: (input_len, output_len, rates req/s over both GPUs, requests per rate point)
-    "long_prompt": ("4096", "256", (2.0, 4.0, 6.0), 48),
+    "long_prompt": ("4096", "256", (2.0, 4.0, 6.0, 7.0), 56),  # 1P1D's prefill GPU saturates near 7.5/s
     "short_prompt": ("256", "128", (8.0, 16.0, 32.0), 64),
 }
 SLO = {"ttft_slo_ms": 2000.0, "tpot_slo_ms": 50.0}
