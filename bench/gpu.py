@@ -275,9 +275,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--items", default="roofline,transfer,transformers,disagg")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--disagg-modes", default="disaggregated,conditional,colocated",
-                    help="disagg item: which clusters to run (1P1D, 1P1D + conditional, 2 colocated), "
-                    "each behind one router, the time budget split between them")
+    ap.add_argument("--disagg-modes", default="disaggregated,conditional,colocated,colocated-chunk512",
+                    help="disagg item: which clusters to run (1P1D, 1P1D + conditional, 2 colocated with "
+                    "the default and a 512-token chunk budget), each behind one router, the time budget "
+                    "split between them")
+    ap.add_argument("--tag", default="", help="suffix of the result file name (gpu-<device>-<date>-TAG.json)")
     ap.add_argument("--variants", action="store_true",
                     help="also time tensor-core decode and NIXL progress-thread / fast-poll variants")
     args = ap.parse_args()
@@ -301,7 +303,7 @@ def main() -> None:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    suffix = "-variants" if args.variants else ""
+    suffix = (f"-{args.tag}" if args.tag else "") + ("-variants" if args.variants else "")
     path = out / f"gpu-{info['slug']}-{dt.date.today().isoformat()}{suffix}.json"
 
     def save():
