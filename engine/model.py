@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -66,10 +67,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.kernels: ModuleType | None = None  # engine.fused_ops when CausalLM.set_fused_ops chose it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:  # one kernel, same rounding
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32, cast back, then scale: the order transformers uses.
         return _rms_norm(x.float(), self.eps).to(x.dtype).mul_(self.weight)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``x.add_(delta)`` (``x``: the running residual, updated in place), then the norm of ``x``."""
+        if self.kernels is not None:
+            return self.kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        return self(x.add_(delta))
 
 
 if hasattr(F, "rms_norm"):  # torch >= 2.4: one fused op
@@ -106,8 +116,12 @@ class FusedLinears:
     def matches(self, linears: tuple[nn.Linear, ...]) -> bool:
         return all(lin.weight is p for lin, p in zip(linears, self._params, strict=True))
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The concatenated output ``[T, sum(sizes)]``."""
+        return F.linear(x, self.weight, self.bias)
+
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.matmul(x).split(self.sizes, dim=-1)
 
 
 class Attention(nn.Module):
@@ -123,6 +137,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, h, bias=False)
         self.fused: FusedLinears | None = None
+        self.kernels: ModuleType | None = None  # engine.fused_ops when CausalLM.set_fused_ops chose it
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
@@ -136,8 +151,11 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)  # a strided view when fused
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        if self.kernels is not None:
+            q, k = self.kernels.rope_qk(q, k, cos, sin)  # one launch for both, same rounding
+        else:
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
         out = attn.backend.forward(q, k, v, kv_layer, attn)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -150,10 +168,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
         self.fused: FusedLinears | None = None
+        self.kernels: ModuleType | None = None  # engine.fused_ops when CausalLM.set_fused_ops chose it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         projs = (self.gate_proj, self.up_proj)
         if self.fused is not None and self.fused.matches(projs):
+            if self.kernels is not None:  # silu(gate) * up straight from the [T, 2 * I] output
+                return self.down_proj(self.kernels.silu_mul(self.fused.matmul(x)))
             gate, up = self.fused(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -171,9 +192,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
-        # x is the model's own running residual (never a caller's tensor): add in place.
-        x.add_(self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, attn))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        # x is the model's own running residual (never a caller's tensor): add in place (the first
+        # add fused into the post-attention norm when the fused kernels are on).
+        h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, attn))
+        return x.add_(self.mlp(h))
 
 
 class DecoderModel(nn.Module):
@@ -200,18 +223,49 @@ class CausalLM(nn.Module):
         self._inv_freq = rope_inv_freq(config)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
 
-    def fuse_projections(self) -> None:
-        """Fuse q/k/v and gate/up into one matmul each (call once the weights are in place)."""
+    def fuse_projections(self, fused_ops: bool | None = None) -> None:
+        """Fuse q/k/v and gate/up into one matmul each (call once the weights are in place), and pick
+        the element-wise kernels (``set_fused_ops(fused_ops)``)."""
         for layer in self.model.layers:
             att, mlp = layer.self_attn, layer.mlp
             att.fused = FusedLinears([att.q_proj, att.k_proj, att.v_proj])
             mlp.fused = FusedLinears([mlp.gate_proj, mlp.up_proj])
+        self.set_fused_ops(fused_ops)
+
+    def set_fused_ops(self, enabled: bool | None = None) -> bool:
+        """Use ``engine.fused_ops`` (Triton: add+RMSNorm, RoPE of q and k, silu*up) or torch ops.
+
+        ``None``: when ``engine.fused_ops.available`` says so for the weights' device and dtype (CUDA,
+        fp16/bf16, triton importable, ``PDSERVE_FUSED_OPS`` not 0); CPU and float32 models never
+        import triton. ``True`` forces them (tests: CPU tensors under ``TRITON_INTERPRET=1``).
+        Decided here once, not per step; ``.to()`` turns them off again. Returns whether they are on.
+        """
+        kernels = None
+        if enabled is None:
+            p = self.model.embed_tokens.weight
+            if p.device.type == "cuda" and p.dtype in (torch.float16, torch.bfloat16):
+                from engine import fused_ops
+
+                kernels = fused_ops if fused_ops.available(p.device, p.dtype) else None
+        elif enabled:
+            from engine import fused_ops
+
+            if fused_ops.triton is None:
+                raise RuntimeError("set_fused_ops(True): triton is not installed")
+            kernels = fused_ops
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.kernels = kernels
+        return kernels is not None
 
     def _apply(self, fn, recurse: bool = True):
-        # .to()/.half()/... move the named parameters; the fused copies would go stale.
+        # .to()/.half()/... move the named parameters; the fused copies would go stale, and the
+        # fused kernels' choice depends on the new device and dtype.
         for module in self.modules():
             if getattr(module, "fused", None) is not None:
                 module.fused = None
+            if getattr(module, "kernels", None) is not None:
+                module.kernels = None
         return super()._apply(fn, recurse)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
