@@ -44,25 +44,9 @@ def markdown(r: dict) -> str:
         ]
     t = r.get("transfer")
     if t:
-        out += [
-            f"## Transfer: {t['tokens']}-token KV ({t['bytes'] / 2**20:.0f} MiB) GPU{t['src_device']} -> "
-            f"GPU{t['dst_device']}",
-            "",
-            "| path | ms | GB/s | vs direct copy | byte-exact |",
-            "|---|---:|---:|---:|---|",
-            f"| direct copy | {t['direct_copy']['seconds'] * 1e3:.2f} | "
-            f"{t['direct_copy']['GBps']:.1f} | 100% | - |",
-        ]
-        for k in ("nixl", "nixl_progress_thread", "nixl_poll_50us", "tcp"):
-            x = t.get(k) or {}
-            if "error" in x:
-                out.append(f"| {k} | error: {x['error'][:80]} | | | |")
-            elif x:
-                out.append(
-                    f"| {k} | {x['seconds'] * 1e3:.2f} | {x['GBps']:.1f} | "
-                    f"{x['fraction_of_direct_copy']:.1%} | {x['byte_exact']} |"
-                )
-        out.append("")
+        from gpu_transfer import transfer_markdown
+
+        out += transfer_markdown(t)
     v = r.get("decode_tensor_core_variant")
     if v:
         out += ["## Variant: tensor-core decode kernel (same run)", "",
@@ -70,9 +54,6 @@ def markdown(r: dict) -> str:
         out += [f"| {x['batch']} | {x['context']} | {x['step_ms']:.2f} | {x['hbm_bound_ms']:.2f} | "
                 f"{x['fraction_of_bound']:.1%} |" for x in v["decode"]]
         out.append("")
-    if t and t.get("ucx_transports"):
-        out += ["UCX protocol choices for GPU memory (UCX_PROTO_INFO):", ""]
-        out += [f"- `{line}`" for line in t["ucx_transports"][:8]] + [""]
     h = r.get("transformers")
     if h:
         out += [

@@ -48,13 +48,17 @@ def _peer(
     from engine.kv_layout import KVLayout
     from kvtransfer import make_transport
 
-    torch.cuda.set_device(device)
+    dev = "cpu" if device == "cpu" else f"cuda:{device}"
+    cuda = dev != "cpu"
+    if cuda:
+        torch.cuda.set_device(device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     layout = KVLayout.from_dict(layout_dict)
-    kv = layout.allocate(num_blocks, device=f"cuda:{device}")
+    kv = layout.allocate(num_blocks, device=dev)
     if role == "tx":  # random bytes, on the device (never zeros: they hide unwritten blocks)
-        g = torch.Generator(device=f"cuda:{device}").manual_seed(1234)
+        g = torch.Generator(device=dev).manual_seed(1234)
         kv.view(-1).view(torch.uint8).random_(0, 256, generator=g)
-    torch.cuda.synchronize()
+    sync()
 
     async def main() -> None:
         t = await make_transport(kind, layout, kv, **(overrides or {})).start()
@@ -69,12 +73,19 @@ def _peer(
                     reply = {}
                 elif op == "wait":
                     reply = await pending.pop(cmd["rid"]).wait()
+                    reply["t_done"] = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
                 elif op == "send":
+                    t0 = time.monotonic()
                     reply = await t.start_send(
                         cmd["rid"], cmd["endpoint"], cmd["src"], cmd["dst"], timeout=60
                     ).wait()
+                    reply["t_start"] = t0
+                elif op == "zero":
+                    kv.zero_()
+                    sync()
+                    reply = {}
                 elif op == "digest":
-                    torch.cuda.synchronize()
+                    sync()
                     h = hashlib.sha256()
                     for b in cmd["blocks"]:
                         h.update(kv[:, b].contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
@@ -150,7 +161,8 @@ class TransferPair:
         self.conns["rx"].send({"op": "wait", "rid": rid})
         self.conns["tx"].send({"op": "send", "rid": rid, "endpoint": self.endpoint, "src": src, "dst": dst})
         sent, got = self._recv("tx"), self._recv("rx")
-        return {**sent, "wall_seconds": time.perf_counter() - t0, "rx_seconds": got["seconds"]}
+        return {**sent, "wall_seconds": time.perf_counter() - t0, "rx_seconds": got["seconds"],
+                "rx_done_after_start_s": got["t_done"] - sent["t_start"]}
 
     def digest(self, role: str, blocks: list[int]) -> dict:
         return self._call(role, op="digest", blocks=blocks)
@@ -188,102 +200,286 @@ def ucx_transports(log_dir: str | Path, kind: str = "nixl") -> list[str]:
     return out[:40]
 
 
-def bench_transfer(out: str | Path, *, quick: bool = False, tokens: int = 4096,
-                   transfer_variants: bool = False) -> dict:
-    """A ``tokens``-token KV of the llama3-8b shape (512 MiB at 4k) GPU0 -> GPU1 (or GPU0 -> GPU0 on a
-    one-GPU machine) through NIXL and through the TCP fallback, each side its own process, against a
-    plain device-to-device copy of the same bytes measured in the same run (median of repeats)."""
+# (key, kind, TransportConfig overrides, extra env): fresh processes each, after the default "nixl"
+# pair (which also runs the scattered / same-id patterns). poll_nap / spin test the fix for asyncio's
+# 1 ms timer floor (TransportConfig.nixl_poll_nap); the old 50 us-poll row measured the same as the
+# default because asyncio.sleep(5e-5) waits ~1.16 ms too, so it is gone.
+KV_VARIANTS = [
+    ("nixl_nap_50us", "nixl", {"nixl_poll_nap": True, "nixl_poll_interval_s": 5e-5}, {}),
+    ("nixl_spin_10ms", "nixl", {"nixl_spin_s": 0.01}, {}),
+    ("nixl_progress_thread", "nixl", {"nixl_progress_thread": True}, {}),
+]
+# UCX environments for the raw rows (fresh processes each; a subset of the raw variants). CACHE=n:
+# cuda_ipc opens (maps) the target's IPC handle on every put instead of once -- what first use costs.
+# Tried on CPU and dropped: UCX_TLS without tcp (NIXL's UCX backend then fails to create its loopback
+# endpoint, "Destination is unreachable") and UCX_PROTO_ENABLE=n (NIXL_ERR_BACKEND on every post).
+RAW_ENVS = [
+    ("raw_ipc_cache_off", {"UCX_CUDA_IPC_CACHE": "n"}),
+]
+RAW_ENV_SUBSET = ("1desc", "32desc")
+
+
+def _row(runs: list[dict], nbytes: int, direct_s: float, exact: dict, overrides: dict, env: dict) -> dict:
+    import statistics
+
+    sec = statistics.median(r["seconds"] for r in runs)
+    return {
+        "seconds": sec,
+        "GBps": nbytes / sec / 1e9,
+        "runs": len(runs),
+        "rx_seconds": statistics.median(r["rx_seconds"] for r in runs),
+        "rx_done_after_start_s": statistics.median(r["rx_done_after_start_s"] for r in runs),
+        "wall_seconds": statistics.median(r["wall_seconds"] for r in runs),
+        "backend": runs[0]["backend"],
+        "byte_exact": exact["digest"],
+        "others_zero": exact["others_zero"],
+        "fraction_of_direct_copy": direct_s / sec,
+        "config_overrides": overrides,
+        "env": env,
+    }
+
+
+def _print_row(key: str, x: dict, nbytes: int, direct_s: float) -> None:
+    if "error" in x:
+        print(f"  {key}: error {x['error'][:200]}", flush=True)
+        return
+    sec = x["seconds"]
+    print(f"  {key}: {nbytes / 2**20:.0f} MiB in {sec * 1e3:.2f} ms = {nbytes / sec / 1e9:.1f} GB/s "
+          f"({direct_s / sec:.1%} of the direct copy), byte-exact={x['byte_exact']}", flush=True)
+
+
+def _kv_pair(res: dict, key: str, kind: str, overrides: dict, env: dict, patterns: dict, *, layout, rx_dev,
+             tx_dev, num_blocks: int, reps: int, out, nbytes: int, direct_s: float) -> None:
+    """One TransferPair; a row per id pattern (the first pattern's row is ``key`` itself)."""
+    try:
+        pair = TransferPair(layout, rx_device=rx_dev, tx_device=tx_dev, num_blocks=num_blocks, kind=kind,
+                            log_dir=out, overrides=overrides, tag=key, env=env)
+    except Exception as exc:
+        res[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        return
+    try:
+        for pname, (src, dst) in patterns.items():
+            rkey = key if pname == "contiguous" else f"{key}_{pname}"
+            try:
+                pair._call("rx", op="zero")
+                for i in range(2):
+                    pair.transfer(f"{rkey}-warm-{i}", src, dst)
+                runs = [pair.transfer(f"{rkey}-{i}", src, dst) for i in range(reps)]
+                want, have = pair.digest("tx", src), pair.digest("rx", dst)
+                exact = {"digest": want["digest"] == have["digest"], "others_zero": have["others_zero"]}
+                res[rkey] = {**_row(runs, nbytes, direct_s, exact, overrides, env), "ids": pname}
+            except Exception as exc:
+                res[rkey] = {"error": f"{type(exc).__name__}: {exc}"}
+            _print_row(rkey, res[rkey], nbytes, direct_s)
+    finally:
+        res.setdefault("stats", {})[key] = pair.close()
+
+
+def _direct_copy(nbytes: int, tx: str, rx: str) -> float:
     import statistics
 
     import torch
 
+    cuda = tx != "cpu"
+    src_t = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=tx)
+    dst_t = torch.empty(nbytes, dtype=torch.uint8, device=rx)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(torch.device(tx))
+            torch.cuda.synchronize(torch.device(rx))
+
+    times = []
+    for i in range(25):
+        sync()
+        t0 = time.perf_counter()
+        dst_t.copy_(src_t)
+        sync()
+        if i >= 5:
+            times.append(time.perf_counter() - t0)
+    del src_t, dst_t
+    if cuda:
+        torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def bench_transfer(out: str | Path, *, quick: bool = False, tokens: int = 4096,
+                   transfer_variants: bool = False, cpu: bool = False) -> dict:
+    """A ``tokens``-token KV of the llama3-8b shape (512 MiB at 4k) GPU0 -> GPU1 (or GPU0 -> GPU0 on a
+    one-GPU machine; host memory with ``cpu=True``, the dry run for a machine without CUDA), each side
+    its own process, against a plain copy of the same bytes measured in the same run (median):
+
+    * ``raw`` (gpu_nixl_raw): NIXL WRITEs with no kvtransfer -- one descriptor, N descriptors, K xfers --
+      and ``ipc_copy``, a copy_ into the receiver's tensor mapped through torch CUDA IPC;
+    * ``nixl`` (contiguous ids, as the bench always did), ``nixl_scattered``, ``nixl_same_ids``: kvtransfer
+      as the services use it; ``tcp``: the TCP fallback staged through host memory;
+    * with ``transfer_variants``: kvtransfer configs (KV_VARIANTS) and UCX environments for the raw
+      rows (RAW_ENVS), each in fresh processes.
+    """
+    import random
+
+    import torch
+    from gpu_nixl_raw import VARIANTS, bench_raw
+
     from engine.kv_layout import KVLayout
 
+    t_start = time.perf_counter()
     layout = KVLayout(
         num_layers=32,
         num_kv_heads=8,
         head_dim=128,
         block_size=16,
         dtype="bfloat16",
-        memory="cuda",
+        memory="cpu" if cpu else "cuda",
         model_fingerprint="bench-llama3-8b",
     )
     blocks = tokens // layout.block_size
     nbytes = layout.num_layers * blocks * layout.block_bytes
-    rx_dev = 1 if torch.cuda.device_count() > 1 else 0
-    src_t = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda:0")
-    dst_t = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{rx_dev}")
-    times = []
-    for i in range(25):
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(rx_dev)
-        t0 = time.perf_counter()
-        dst_t.copy_(src_t)
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(rx_dev)
-        if i >= 5:
-            times.append(time.perf_counter() - t0)
-    direct_s = statistics.median(times)
-    del src_t, dst_t
-    torch.cuda.empty_cache()
+    rx_dev = "cpu" if cpu else (1 if torch.cuda.device_count() > 1 else 0)
+    tx_dev = "cpu" if cpu else 0
+    dev_name = (lambda d: "cpu" if d == "cpu" else f"cuda:{d}")
+    direct_s = _direct_copy(nbytes, dev_name(tx_dev), dev_name(rx_dev))
     res = {
         "tokens": tokens,
         "bytes": nbytes,
-        "src_device": 0,
+        "src_device": tx_dev,
         "dst_device": rx_dev,
         "direct_copy": {
             "seconds": direct_s,
             "GBps": nbytes / direct_s / 1e9,
-            "what": f"torch copy_ cuda:0 -> cuda:{rx_dev}, contiguous, same process",
+            "what": f"torch copy_ {dev_name(tx_dev)} -> {dev_name(rx_dev)}, contiguous, same process",
         },
     }
-    src, dst = list(range(blocks)), list(range(8, 8 + blocks))
+    print(f"  direct copy: {direct_s * 1e3:.2f} ms = {nbytes / direct_s / 1e9:.1f} GB/s", flush=True)
     reps = 5 if quick else 15
-    variants = [  # (result key, kind, TransportConfig overrides, repeats); "nixl" is the services' default
-        ("nixl", "nixl", {}, reps),
-        ("tcp", "tcp", {}, 2 if quick else 3),
-    ]
+    raw = bench_raw(out, nbytes=nbytes, device_tx=dev_name(tx_dev), device_rx=dev_name(rx_dev), tag="raw",
+                    reps=5 if quick else 10)
+    res["raw"] = raw
+    for name, x in raw.get("rows", {}).items():
+        if "error" not in x:
+            x["fraction_of_direct_copy"] = direct_s / x["seconds"]
+            if "notif_s" in x:
+                x["notif_fraction_of_direct_copy"] = direct_s / x["notif_s"]
+        _print_row(f"raw {name}", x, nbytes, direct_s)
+    if "error" in raw:
+        print(f"  raw: error {raw['error'][:300]}", flush=True)
+    num_blocks = blocks + 16
+    rng = random.Random(11)
+    patterns = {  # (src ids, dst ids); contiguous = what this bench always measured
+        "contiguous": (list(range(blocks)), list(range(8, 8 + blocks))),
+        "scattered": (list(range(blocks)), rng.sample(range(num_blocks), blocks)),
+        "same_ids": (list(range(blocks)), list(range(blocks))),
+    }
+    kw = dict(layout=layout, rx_dev=rx_dev, tx_dev=tx_dev, num_blocks=num_blocks, reps=reps, out=out,
+              nbytes=nbytes, direct_s=direct_s)
+    _kv_pair(res, "nixl", "nixl", {}, {}, patterns, **kw)
     if transfer_variants:
-        variants[1:1] = [("nixl_progress_thread", "nixl", {"nixl_progress_thread": True}, reps),
-                         ("nixl_poll_50us", "nixl", {"nixl_poll_interval_s": 5e-5}, reps),
-                         # descriptors built per request instead of prepared once per peer
-                         ("nixl_unprepped", "nixl", {"nixl_prepped": False}, reps)]
-    for key, kind, overrides, reps in variants:
-        try:
-            pair = TransferPair(layout, rx_device=rx_dev, tx_device=0, num_blocks=blocks + 16, kind=kind,
-                                log_dir=out, overrides=overrides, tag=key)
-        except Exception as exc:
-            res[key] = {"error": f"{type(exc).__name__}: {exc}"}
-            continue
-        try:
-            for i in range(2):
-                pair.transfer(f"{key}-warm-{i}", src, dst)
-            runs = [pair.transfer(f"{key}-{i}", src, dst) for i in range(reps)]
-            exact = pair.digest("tx", src)["digest"] == pair.digest("rx", dst)["digest"]
-            sec = statistics.median(r["seconds"] for r in runs)
-            res[key] = {
-                "seconds": sec,
-                "GBps": nbytes / sec / 1e9,
-                "runs": len(runs),
-                "rx_seconds": statistics.median(r["rx_seconds"] for r in runs),
-                "wall_seconds": statistics.median(r["wall_seconds"] for r in runs),
-                "backend": runs[0]["backend"],
-                "byte_exact": exact,
-                "fraction_of_direct_copy": direct_s / sec,
-                "config_overrides": overrides,
-            }
-            print(
-                f"  {key}: {nbytes / 2**20:.0f} MiB in {sec * 1e3:.2f} ms = {nbytes / sec / 1e9:.1f} GB/s "
-                f"({direct_s / sec:.1%} of the direct copy), byte-exact={exact}",
-                flush=True,
-            )
-        except Exception as exc:
-            res[key] = {"error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            pair.close()
+        for key, kind, overrides, env in KV_VARIANTS:
+            _kv_pair(res, key, kind, overrides, env, {"contiguous": patterns["contiguous"]}, **kw)
+        subset = [v for v in VARIANTS if v[0] in RAW_ENV_SUBSET]
+        for key, env in RAW_ENVS:
+            r = bench_raw(out, nbytes=nbytes, device_tx=dev_name(tx_dev), device_rx=dev_name(rx_dev), env=env,
+                          tag=key, reps=5, variants=subset, ipc=False)
+            res[key] = r
+            for name, x in r.get("rows", {}).items():
+                if "error" not in x:
+                    x["fraction_of_direct_copy"] = direct_s / x["seconds"]
+                _print_row(f"{key} {name}", x, nbytes, direct_s)
+            if "error" in r:
+                print(f"  {key}: error {r['error'][:300]}", flush=True)
+    _kv_pair(res, "tcp", "tcp", {}, {}, {"contiguous": patterns["contiguous"]},
+             **{**kw, "reps": 2 if quick else 3})
     res["ucx_transports"] = ucx_transports(out, "nixl")
+    res["ucx_transports_raw"] = ucx_transports(out, "raw")
+    one = raw.get("rows", {}).get("1desc", {})
     res["goal"] = {
         "nixl_fraction_of_direct_copy": res.get("nixl", {}).get("fraction_of_direct_copy"),
+        "raw_1desc_fraction_of_direct_copy": one.get("fraction_of_direct_copy"),
         "target": 0.85,
     }
+    res["section_wall_s"] = time.perf_counter() - t_start
+    print(f"  transfer section: {res['section_wall_s']:.0f} s", flush=True)
     return res
+
+
+def _ms(x: dict | None, key: str = "seconds") -> str:
+    return "-" if not x or x.get(key) is None else f"{x[key] * 1e3:.2f}"
+
+
+def transfer_markdown(t: dict) -> list[str]:
+    """The transfer section of the GPU report (bench/gpu_tables.py)."""
+    direct = t["direct_copy"]["seconds"]
+    nb = t["bytes"]
+    where = [f"GPU{d}" if isinstance(d, int) else str(d) for d in (t["src_device"], t["dst_device"])]
+    out = [
+        f"## Transfer: {t['tokens']}-token KV ({nb / 2**20:.0f} MiB) {where[0]} -> {where[1]}",
+        "",
+        "kvtransfer rows: start_send -> receiver's DONE seen by the sender (`rx ms`: -> receiver's "
+        "expectation complete). Raw rows: post -> all xfers DONE on the initiator (`notif ms`: -> target "
+        "saw the notification).",
+        "",
+        "| path | ms | GB/s | vs direct copy | rx / notif ms | byte-exact |",
+        "|---|---:|---:|---:|---:|---|",
+        f"| direct copy (one process) | {direct * 1e3:.2f} | {nb / direct / 1e9:.1f} | 100% | - | - |",
+    ]
+
+    def line(name: str, x: dict, second: str) -> None:
+        if "error" in x:
+            out.append(f"| {name} | error: {x['error'][:100]} | | | | |")
+        elif x:
+            out.append(f"| {name} | {x['seconds'] * 1e3:.2f} | {nb / x['seconds'] / 1e9:.1f} | "
+                       f"{direct / x['seconds']:.1%} | {_ms(x, second)} | {x.get('byte_exact')} |")
+
+    raw = t.get("raw") or {}
+    if "error" in raw:
+        out.append(f"| raw nixl | error: {raw['error'][:100]} | | | | |")
+    for name, x in (raw.get("rows") or {}).items():
+        line(f"raw {name}", x, "notif_s")
+    for key, x in t.items():
+        if isinstance(x, dict) and ("seconds" in x or "error" in x) and key not in ("direct_copy", "raw"):
+            if "rows" not in x and "nbytes" not in x:
+                line(key, x, "rx_done_after_start_s")
+    for key, x in t.items():
+        if key.startswith("raw_") and isinstance(x, dict) and ("rows" in x or "error" in x):
+            if "error" in x:
+                out.append(f"| {key} | error: {x['error'][:100]} | | | | |")
+            for name, y in (x.get("rows") or {}).items():
+                line(f"{key} {name}", y, "notif_s")
+    out.append("")
+    tel = [(n, x["telemetry"]) for n, x in (raw.get("rows") or {}).items() if x.get("telemetry")]
+    if tel:
+        out += ["NIXL telemetry of the last raw post (descriptors as NIXL counted them, post/xfer us):", ""]
+        out += [f"- {n}: {x}" for n, x in tel] + [""]
+    for title, key in (("kvtransfer", "ucx_transports"), ("raw", "ucx_transports_raw")):
+        if t.get(key):
+            out += [f"UCX protocol choices for GPU memory ({title} processes, UCX_PROTO_INFO):", ""]
+            out += [f"- `{line_}`" for line_ in t[key][:10]] + [""]
+    if t.get("section_wall_s") is not None:
+        out += [f"Transfer section wall time: {t['section_wall_s']:.0f} s.", ""]
+    return out
+
+
+def main() -> None:
+    """CPU dry run (host memory, DRAM registration): ``python bench/gpu_transfer.py --cpu --out DIR``."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cpu", action="store_true", help="host memory (no CUDA needed)")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", action="store_true")
+    args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    res = bench_transfer(args.out, quick=args.quick, tokens=args.tokens, transfer_variants=args.variants,
+                         cpu=args.cpu)
+    (Path(args.out) / "transfer.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    text = "\n".join(transfer_markdown(res))
+    (Path(args.out) / "transfer.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [ROOT, str(Path(__file__).resolve().parent)]
+    main()
