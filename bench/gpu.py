@@ -19,6 +19,8 @@ safetensors first would only measure the disk).
 * **transformers** — single-request greedy decode tokens/s of the same weights through
   ``transformers`` ``generate`` against pdserve's decode path (``gpu_hf.py``).
 * ``--variants``: tensor-core decode rows, and NIXL with its progress thread / a 50 us poll.
+* ``--variants`` also times decode with ``engine.fused_ops``' Triton kernels off and on
+  (``decode_fused_ops_variant``: batch x context, each with freshly captured graphs).
 """
 
 from __future__ import annotations
@@ -214,13 +216,16 @@ def roofline(model: CausalLM, cfg, ceil: dict, quick: bool, *, tensor_cores: boo
     runner.graphs.clear()
     kv.untyped_storage().resize_(0)  # the 32 GB cache: gone before the prefill allocates its own
     torch.cuda.empty_cache()
+    fused = model.model.norm.kernels is not None  # engine.fused_ops' Triton kernels in the graphs
     if not with_prefill:
-        return {"decode": rows, "decode_tensor_cores": backend.use_tensor_cores, "graph_capture_s": capture_s}
+        return {"decode": rows, "decode_tensor_cores": backend.use_tensor_cores, "graph_capture_s": capture_s,
+                "fused_ops": fused}
     pre = prefill_4k(model, cfg, ceil, kw)
     goal_row = max((r for r in rows if r["batch"] == max(batches)), key=lambda r: r["context"])
     return {
         "decode": rows,
         "decode_tensor_cores": backend.use_tensor_cores,
+        "fused_ops": fused,
         "prefill": pre,
         "graph_capture_s": capture_s,
         "goals": {
@@ -230,6 +235,42 @@ def roofline(model: CausalLM, cfg, ceil: dict, quick: bool, *, tensor_cores: boo
             "prefill_goal": 0.55,
         },
     }
+
+
+def fused_ops_variant(model: CausalLM, cfg, ceil: dict, quick: bool) -> dict:
+    """Decode steps with ``engine.fused_ops``' Triton kernels off, then on (``CausalLM.set_fused_ops``),
+    each through its own freshly captured graphs, side by side in one run."""
+    batches, contexts = ([1, 64], [1024]) if quick else ([1, 16, 64], [1024, 4096])
+    runs = {}
+    try:
+        for on in (False, True):
+            if model.set_fused_ops(on) is not on:
+                raise RuntimeError(f"set_fused_ops({on}) did not take")
+            print(f"  decode, fused ops {'on' if on else 'off'}:", flush=True)
+            runs[on] = roofline(model, cfg, ceil, quick, with_prefill=False, batches=batches,
+                                contexts=contexts)
+    except Exception as exc:  # a variant must not cost the rest of the run
+        return {"status": "not run", "reason": f"{type(exc).__name__}: {exc}"}
+    finally:
+        model.set_fused_ops()  # back to the engine's own choice
+    rows = []
+    for off, on in zip(runs[False]["decode"], runs[True]["decode"], strict=True):
+        rows.append({
+            "batch": off["batch"],
+            "context": off["context"],
+            "off_step_ms": off["step_ms"],
+            "on_step_ms": on["step_ms"],
+            "speedup": off["step_ms"] / on["step_ms"],
+            "hbm_bound_ms": on["hbm_bound_ms"],
+            "off_fraction_of_bound": off["fraction_of_bound"],
+            "on_fraction_of_bound": on["fraction_of_bound"],
+            "off_eager_step_ms": off.get("eager_step_ms"),
+            "on_eager_step_ms": on.get("eager_step_ms"),
+        })
+        print(f"  b={off['batch']:3d} ctx={off['context']:5d}: {off['step_ms']:.2f} -> "
+              f"{on['step_ms']:.2f} ms "
+              f"({off['fraction_of_bound']:.1%} -> {on['fraction_of_bound']:.1%} of the bound)", flush=True)
+    return {"decode": rows, "off": runs[False], "on": runs[True]}
 
 
 @torch.inference_mode()
@@ -319,6 +360,8 @@ def main() -> None:
             result["decode_tensor_core_variant"] = roofline(model, cfg, ceil, args.quick, tensor_cores=True,
                                                             with_prefill=False, batches=[16, 64],
                                                             contexts=[1024, 4096])
+            save()
+            result["decode_fused_ops_variant"] = fused_ops_variant(model, cfg, ceil, args.quick)
             save()
         if "transformers" in items:
             from gpu_hf import vs_transformers

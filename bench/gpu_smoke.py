@@ -1,5 +1,6 @@
-"""First look on a device machine: flashinfer and nixl import, the attention kernels build, NIXL registers
-VRAM. Prints one line per check and exits non-zero if any failed (run by bench/device_run.sh smoke)."""
+"""First look on a device machine: flashinfer and nixl import, the attention kernels build, the
+engine.fused_ops Triton kernels compile and match the torch ops, NIXL registers VRAM. Prints one line
+per check and exits non-zero if any failed (run by bench/device_run.sh smoke)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,35 @@ def fi_kernels(head_dim: int, kv_heads: int):
     return f"rel err vs fp32 torch backend {err:.1e}"
 
 
+def fused_ops_kernels():
+    import torch
+    import torch.nn.functional as F
+    import triton
+
+    from engine import fused_ops
+    from engine.model import apply_rope
+
+    assert fused_ops.available("cuda", torch.bfloat16), "triton missing or PDSERVE_FUSED_OPS=0"
+    dt, t = torch.bfloat16, 5
+    x, d = torch.randn(t, 4096, device="cuda", dtype=dt), torch.randn(t, 4096, device="cuda", dtype=dt)
+    w = torch.rand(4096, device="cuda", dtype=dt)
+    ref = F.rms_norm(x.float(), (4096,), eps=1e-5).to(dt).mul_(w)
+    norm_err = float((fused_ops.rms_norm(x, w, 1e-5).float() - ref.float()).abs().max())
+    res = x.clone()
+    fused_ops.add_rms_norm(res, d, w, 1e-5)
+    assert torch.equal(res, x + d)
+    qkv = torch.randn(t, 6144, device="cuda", dtype=dt)
+    q, k = qkv[:, :4096].view(t, 32, 128), qkv[:, 4096:5120].view(t, 8, 128)
+    ang = torch.rand(t, 1, 64, device="cuda") * 100
+    cos, sin = ang.cos().to(dt), ang.sin().to(dt)
+    qo, ko = fused_ops.rope_qk(q, k, cos, sin)
+    assert torch.equal(qo, apply_rope(q, cos, sin)) and torch.equal(ko, apply_rope(k, cos, sin))
+    gu = torch.randn(t, 2 * 14336, device="cuda", dtype=dt)
+    g, u = gu.clone().split(14336, -1)
+    silu_err = float((fused_ops.silu_mul(gu).float() - F.silu(g).mul_(u).float()).abs().max())
+    return f"triton {triton.__version__}; rope bit-exact; max |diff| norm {norm_err:.1e}, silu {silu_err:.1e}"
+
+
 def nixl_vram():
     import torch
 
@@ -69,6 +99,7 @@ def main() -> int:
     ok = check("import flashinfer", fi_import)
     ok &= check("flashinfer kernels bf16 head_dim 128 (JIT build)", lambda: fi_kernels(128, 8))
     ok &= check("flashinfer kernels bf16 head_dim 64 (JIT build)", lambda: fi_kernels(64, 8))
+    ok &= check("engine.fused_ops Triton kernels (compile + vs torch)", fused_ops_kernels)
     ok &= check("nixl agent + VRAM registration", nixl_vram)
     return 0 if ok else 1
 

@@ -54,6 +54,19 @@ def markdown(r: dict) -> str:
         out += [f"| {x['batch']} | {x['context']} | {x['step_ms']:.2f} | {x['hbm_bound_ms']:.2f} | "
                 f"{x['fraction_of_bound']:.1%} |" for x in v["decode"]]
         out.append("")
+    fv = r.get("decode_fused_ops_variant")
+    if fv:
+        out += ["## Variant: decode with engine.fused_ops' Triton kernels off vs on (same run)", ""]
+        if fv.get("status") == "not run":
+            out += [f"not run: {fv.get('reason')}", ""]
+        else:
+            out += ["| batch | context | off ms | on ms | speedup | fraction off | fraction on | "
+                    "eager off ms | eager on ms |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            out += [f"| {x['batch']} | {x['context']} | {x['off_step_ms']:.2f} | {x['on_step_ms']:.2f} | "
+                    f"{x['speedup']:.2f}x | {x['off_fraction_of_bound']:.1%} | "
+                    f"{x['on_fraction_of_bound']:.1%} | "
+                    f"{_f(x['off_eager_step_ms'])} | {_f(x['on_eager_step_ms'])} |" for x in fv["decode"]]
+            out.append("")
     h = r.get("transformers")
     if h:
         out += [
