@@ -38,6 +38,13 @@ class TransportConfig:
     # 2-core box spinning made NIXL latency worse, not better (measured side by side, docs/kvtransfer.md);
     # try it (e.g. 0.002) where each worker has cores of its own.
     nixl_spin_s: float = 0.0
+    # Between two polls of a pending NIXL transfer, block the event-loop thread in time.sleep for
+    # nixl_poll_interval_s (then yield once) instead of awaiting asyncio.sleep: asyncio's epoll timer
+    # rounds every wait up to a whole millisecond (CPython selectors.EpollSelector), so a 0.5 ms or 50 us
+    # interval really polls every ~1.16 ms (measured), and each NIXL hop (WRITE done -> notification sent
+    # -> notification seen) waits for one such poll. A nap costs no CPU (the thread sleeps) but delays
+    # the loop's other tasks by up to the interval. Only used for intervals below 1 ms.
+    nixl_poll_nap: bool = False
     # Descriptor lists prepared once per (agent, remote agent); a request posts by block index. False
     # builds descriptors per request (also the automatic fallback when NIXL cannot prepare lists).
     nixl_prepped: bool = True

@@ -9,7 +9,8 @@ So this task's schedule is the receiver's NIXL latency::
     kick() (HELLO wanting NIXL, PROBE, BEGIN on NIXL) poll at once, then without sleeping for
       or a notification with more NIXL work pending   nixl_spin_s: a small transfer completes inside it
     a notification leaving nothing pending            back to idle at once (no spinning for nobody)
-    busy after the spin window                        poll every nixl_poll_interval_s
+    busy after the spin window                        poll every nixl_poll_interval_s (asyncio.sleep:
+                                                      really >= ~1 ms; nixl_poll_nap: a nap, see poll_pause)
 
 Before, an idle receiver slept 10 ms between polls and only switched to the short interval on its next
 wake-up, so a transfer announced right after a poll waited up to 10 ms for its completion to be seen.
@@ -31,6 +32,21 @@ from .protocol import Msg, parse_notif
 
 log = logging.getLogger("kvtransfer.rx")
 _IDLE_S = 0.01
+_TIMER_RESOLUTION_S = 0.001  # asyncio's epoll timeouts are whole milliseconds, rounded up
+
+
+async def poll_pause(config, spinning: bool = False) -> None:
+    """One pause between two polls of pending NIXL work (see TransportConfig.nixl_poll_nap): a bare
+    yield while spinning, a nap of nixl_poll_interval_s in this thread when asked for one below the
+    event loop's timer resolution, else asyncio.sleep(nixl_poll_interval_s) (>= ~1 ms in practice)."""
+    interval = config.nixl_poll_interval_s
+    if spinning:
+        await asyncio.sleep(0)
+    elif config.nixl_poll_nap and interval < _TIMER_RESOLUTION_S:
+        time.sleep(interval)
+        await asyncio.sleep(0)
+    else:
+        await asyncio.sleep(interval)
 
 
 class NixlNotifications:
@@ -78,7 +94,6 @@ class NixlNotifications:
                 or any(e.backend == "nixl" for e in self.rx.expectations.values()))
 
     async def _run(self) -> None:
-        interval = self.config.nixl_poll_interval_s
         last_sweep = time.monotonic()
         while True:
             got = False
@@ -95,10 +110,8 @@ class NixlNotifications:
             if now - last_sweep > 1.0:
                 last_sweep = now
                 self._sweep(now)
-            if now < self._spin_until:
-                await asyncio.sleep(0)
-            elif self._busy():
-                await asyncio.sleep(interval)
+            if now < self._spin_until or self._busy():
+                await poll_pause(self.config, spinning=now < self._spin_until)
             else:
                 self._wake.clear()
                 with contextlib.suppress(asyncio.TimeoutError):

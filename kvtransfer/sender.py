@@ -35,6 +35,7 @@ from .blocks import merge_regions, pair_runs, plan_segments, validate_layers
 from .errors import InvalidTransfer, PeerUnavailable, TransferAborted, TransferError, TransferTimeout
 from .future_result import FutureResult
 from .protocol import Msg, notif_message
+from .rx_nixl import poll_pause
 
 log = logging.getLogger("kvtransfer.tx")
 _FINISH = ("finish",)
@@ -207,7 +208,7 @@ class SendHandle(FutureResult):
         progress thread, bytes move only inside our NIXL calls: an unpolled WRITE stalls)."""
         while self._ops.empty() and self._xfers:
             self._reap()
-            await asyncio.sleep(self.t.config.nixl_poll_interval_s)
+            await poll_pause(self.t.config)
         return await self._ops.get()
 
     def _reap(self) -> None:
@@ -286,7 +287,7 @@ class SendHandle(FutureResult):
         spin_until = time.monotonic() + cfg.nixl_spin_s
         for handle in list(self._xfers):
             while (state := nixl.state(handle)) == "PROC":
-                await asyncio.sleep(0 if time.monotonic() < spin_until else cfg.nixl_poll_interval_s)
+                await poll_pause(cfg, spinning=time.monotonic() < spin_until)
             if state != "DONE":
                 raise PeerUnavailable(f"NIXL WRITE of {self.request_id!r} to {peer.name} failed ({state})")
             nixl.release(handle)

@@ -53,12 +53,14 @@ def same(dst, src, d, s):
 
 
 @needs_nixl
-def test_nixl_write_streaming_concurrency_and_abort():
+@pytest.mark.parametrize("cfg", [{}, {"nixl_poll_nap": True, "nixl_poll_interval_s": 5e-5}],
+                         ids=["asyncio_sleep", "poll_nap"])
+def test_nixl_write_streaming_concurrency_and_abort(cfg):
     async def main():
         src, dst = LAYOUT.allocate(16), LAYOUT.allocate(24)
         fill_random(src, 3)
-        a = await make_transport("auto", LAYOUT, src).start()
-        b = await make_transport("nixl", LAYOUT, dst).start()
+        a = await make_transport("auto", LAYOUT, src, **cfg).start()
+        b = await make_transport("nixl", LAYOUT, dst, **cfg).start()
         ep = b.endpoint()
         assert ep["backends"] == ["nixl"] and ep["nixl_agent"]
         # One-shot, scattered ids: coalesced runs (0-2 -> 5-7) plus singles.
