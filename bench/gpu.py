@@ -18,7 +18,8 @@ safetensors first would only measure the disk).
 * **transfer** — see ``gpu_transfer.bench_transfer``.
 * **transformers** — single-request greedy decode tokens/s of the same weights through
   ``transformers`` ``generate`` against pdserve's decode path (``gpu_hf.py``).
-* ``--variants``: tensor-core decode rows, and NIXL with its progress thread / a 50 us poll.
+* ``--variants``: tensor-core decode rows; transfer: kvtransfer NIXL configs (sub-ms poll naps, a spin
+  window, the progress thread) and a UCX environment for the raw-NIXL rows, each in fresh processes.
 * ``--variants`` also times decode with ``engine.fused_ops``' Triton kernels off and on
   (``decode_fused_ops_variant``: batch x context, each with freshly captured graphs).
 """
@@ -322,7 +323,7 @@ def main() -> None:
                     "split between them")
     ap.add_argument("--tag", default="", help="suffix of the result file name (gpu-<device>-<date>-TAG.json)")
     ap.add_argument("--variants", action="store_true",
-                    help="also time tensor-core decode and NIXL progress-thread / fast-poll variants")
+                    help="also time tensor-core decode and the NIXL transfer variants (gpu_transfer.py)")
     args = ap.parse_args()
     items = set(args.items.split(","))
     info = machine()
