@@ -86,9 +86,11 @@ def _peer(
                     reply = {}
                 elif op == "digest":
                     sync()
-                    h = hashlib.sha256()
-                    for b in cmd["blocks"]:
-                        h.update(kv[:, b].contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+                    # One gather in block order (as many bytes as the transfer), one copy to the host.
+                    idx = torch.tensor(cmd["blocks"], dtype=torch.long, device=kv.device)
+                    sel = kv.index_select(1, idx).contiguous().view(-1).view(torch.uint8)
+                    h = hashlib.sha256(sel.cpu().numpy())
+                    del sel
                     others = sorted(set(range(num_blocks)) - set(cmd["blocks"]))
                     zero = bool((kv[:, others].view(-1).view(torch.uint8) == 0).all()) if others else True
                     reply = {"digest": h.hexdigest(), "others_zero": zero}
