@@ -8,13 +8,14 @@ gate two, plus the residual add. Here each group is one launch:
   then the norm of the new ``x``): float32 normalisation, cast to the model dtype, then the product
   with the weight rounded to the dtype, as ``engine.model.RMSNorm`` does. The sum of squares is a
   tree reduction and ``rsqrt`` is the hardware's, so a float32 intermediate can differ from torch's
-  by an ulp; after the cast to bf16/fp16 that shows up as a rare 1-ulp difference of the output.
+  by an ulp; after the cast to bf16/fp16 that shows up as a rare 1-ulp (2 after the weight product)
+  difference of the output.
 * ``rope_qk(q, k, cos, sin)``: both rotations in one launch, out of place into contiguous
   ``[T, heads, head_dim]`` tensors (``k`` may be a strided view of the fused qkv output). The same
   products and sums as ``engine.model.apply_rope``, each rounded to the dtype, so bit-identical.
 * ``silu_mul(gate_up)``: ``silu(gate) * up`` from the fused ``[T, 2 * I]`` projection, with silu in
   float32 rounded to the dtype before the product (torch's order). ``exp`` is the hardware's, so a
-  rare 1-ulp difference is possible there too.
+  rare 1- or 2-ulp difference is possible there too.
 
 Nothing here syncs with the host or allocates outside torch's caching allocator, and the grids
 depend only on shapes, so every op can be captured in a CUDA graph. ``engine.model`` decides once,
