@@ -127,6 +127,8 @@ if triton is not None:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype not in HALF_DTYPES:  # the kernels round to fp16/bf16: float32 keeps the torch ops
+        raise ValueError(f"fused_ops: fp16/bf16 tensors only, got {x.dtype}")
     if x.stride(-1) != 1:
         raise ValueError("fused_ops: the last dimension must be contiguous")
     return x

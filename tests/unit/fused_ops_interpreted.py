@@ -147,6 +147,10 @@ def test_shape_errors(fo):
         fo.add_rms_norm(x, torch.zeros(2, 4, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16), EPS)
     with pytest.raises(ValueError):
         fo.silu_mul(torch.zeros(2, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        fo.silu_mul(torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        fo.rms_norm(torch.zeros(2, 8), torch.ones(8), EPS)
     q = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
     cos = torch.zeros(2, 1, 4, dtype=torch.bfloat16)
     with pytest.raises(ValueError):
