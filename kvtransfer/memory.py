@@ -4,9 +4,24 @@ Host (CPU) tensors are read and written in place through a memoryview of their s
 path receives straight into the destination blocks (``recv_into``) and sends straight from the
 source blocks (``sendmsg``). Device (CUDA) tensors cannot be handed to a socket; the TCP path stages
 them through host buffers (one copy each way). NIXL reads/writes device memory directly (VRAM).
+
+Staging device memory (the TCP fallback between GPUs), per DATA frame (<= max_frame_bytes):
+
+    send   stage_out(segments)   one page-locked buffer for the whole frame, filled by asynchronous
+                                 device->host copies of its coalesced runs on a side stream (ordered after
+                                 the caller's current stream); await ready(event) before the bytes are
+                                 read -- the sender stages frame i+1 while frame i is on the socket
+    recv   recv_views(segments)  one page-locked buffer the socket is read into
+           flush(segments, buf)  asynchronous host->device copies on the side stream: the next frame is
+                                 read while they run; drain() waits for all of them (before END completes)
+
+Page-locked buffers come from torch's caching host allocator (pin_memory=True): a buffer is reused
+only once the copies recorded on it have finished, so nothing here frees or recycles them by hand.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import torch
 
@@ -41,6 +56,8 @@ class KVMemory:
         # Same storage, viewed as flat bytes (works for bf16, which numpy cannot represent).
         self._flat = tensor.view(-1).view(torch.uint8)
         self._host = memoryview(self._flat.numpy()) if self.is_host else None
+        self._stream = None  # side stream for staging copies (device memory), made on first use
+        self._flushing = None  # event after the last host->device flush
 
     @property
     def base_address(self) -> int:
@@ -57,31 +74,84 @@ class KVMemory:
     def offset(self, layer: int, block: int) -> int:
         return (layer * self.num_blocks + block) * self.block_bytes
 
-    def send_views(self, segments: list[tuple[int, int, int]]) -> list[memoryview]:
-        """Buffers holding (offset, length, _) segments' bytes, zero-copy for host memory."""
-        if not self.staged:
-            return [self._host[off:off + n] for off, n, _ in segments]
-        return [memoryview(self._flat[off:off + n].cpu().numpy()) for off, n, _ in segments]
+    def _side_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
 
-    def recv_views(self, segments: list[tuple[int, int, int]]) -> tuple[list[memoryview], bytearray | None]:
-        """Writable buffers for incoming segments; a staging buffer to flush() afterwards when staged."""
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=not self.is_host)
+
+    def stage_out(self, segments: list[tuple[int, int, int]]) -> tuple[list[memoryview], object | None]:
+        """Views of the segments' bytes and the CUDA event after which they may be read (None: now).
+        Host memory: zero-copy views. Staged: one host buffer for all segments (see the module doc)."""
         if not self.staged:
             return [self._host[off:off + n] for off, n, _ in segments], None
-        staging = bytearray(sum(n for _, n, _ in segments))
-        view = memoryview(staging)
+        buf = self._host_buffer(sum(n for _, n, _ in segments))
+        event = None
+        if self.is_host:  # force_staging on a host tensor (tests the staged path): plain copies
+            pos = 0
+            for off, n, _ in segments:
+                buf[pos:pos + n].copy_(self._flat[off:off + n])
+                pos += n
+        else:
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # after the KV was written
+            with torch.cuda.stream(stream):
+                pos = 0
+                for off, n, _ in segments:
+                    buf[pos:pos + n].copy_(self._flat[off:off + n], non_blocking=True)
+                    pos += n
+                event = torch.cuda.Event()
+                event.record(stream)
+        return self._split(memoryview(buf.numpy()), segments), event
+
+    @staticmethod
+    async def ready(event) -> None:
+        """Wait (off the event loop) for a stage_out event."""
+        if event is not None and not event.query():
+            await asyncio.to_thread(event.synchronize)
+
+    @staticmethod
+    def _split(view: memoryview, segments) -> list[memoryview]:
         views, pos = [], 0
         for _, n, _ in segments:
             views.append(view[pos:pos + n])
             pos += n
-        return views, staging
+        return views
 
-    def flush(self, segments: list[tuple[int, int, int]], staging: bytearray) -> None:
-        """Copy a staged payload into the tensor (device memory, or host when force_staging)."""
-        src = torch.frombuffer(staging, dtype=torch.uint8)
-        pos = 0
-        for off, n, _ in segments:
-            self._flat[off:off + n].copy_(src[pos:pos + n], non_blocking=False)
-            pos += n
+    def recv_views(self, segments: list[tuple[int, int, int]]) -> tuple[list[memoryview], object | None]:
+        """Writable buffers for incoming segments; a staging buffer to flush() afterwards when staged."""
+        if not self.staged:
+            return [self._host[off:off + n] for off, n, _ in segments], None
+        staging = self._host_buffer(sum(n for _, n, _ in segments))
+        return self._split(memoryview(staging.numpy()), segments), staging
+
+    def flush(self, segments: list[tuple[int, int, int]], staging) -> None:
+        """Copy a staged payload into the tensor: device memory asynchronously (drain() waits), a host
+        tensor (force_staging) at once."""
+        src = staging if isinstance(staging, torch.Tensor) else torch.frombuffer(staging, dtype=torch.uint8)
+        if self.is_host:
+            pos = 0
+            for off, n, _ in segments:
+                self._flat[off:off + n].copy_(src[pos:pos + n])
+                pos += n
+            return
+        stream = self._side_stream()
+        with torch.cuda.stream(stream):
+            pos = 0
+            for off, n, _ in segments:
+                self._flat[off:off + n].copy_(src[pos:pos + n], non_blocking=True)
+                pos += n
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._flushing = event  # stream order: later copies finish after earlier ones
+
+    def drain(self) -> None:
+        """Block until every flush() so far has landed in device memory (a few ms at most: one frame)."""
+        event, self._flushing = self._flushing, None
+        if event is not None:
+            event.synchronize()
 
     def region_bytes(self, offset: int, nbytes: int) -> bytes:
         """A copy of a region (checksums, tests)."""

@@ -79,7 +79,7 @@ class _DataCtx:
     exp: Expectation
     segments: list[tuple[int, int, int]]
     views: list[memoryview]
-    staging: bytearray | None
+    staging: object | None  # host staging buffer (device memory), flushed once the payload is in
     crc: int | None
 
 
@@ -347,4 +347,5 @@ class Receiver:
         if missing or exp.received != exp.nbytes:
             raise InvalidTransfer(f"END of {exp.request_id!r} before all KV arrived: {missing} "
                                   f"(layer, block) pairs missing, {exp.received}/{exp.nbytes} bytes")
+        self.memory.drain()  # staged device memory: the last frames' host->device copies have landed
         self._complete(exp)

@@ -7,7 +7,8 @@ Lifecycle::
     worker task            peer (cached handshake) -> BEGIN (NIXL: wait BEGIN_OK, since a one-sided
                            write cannot be taken back; TCP: pipelined, the receiver checks BEGIN before
                            any DATA of the request) -> one step per pushed layer range -> finish
-        TCP                DATA frames (segments of coalesced block runs, <= max_frame_bytes), then END
+        TCP                DATA frames (segments of coalesced block runs, <= max_frame_bytes), then END;
+                           device memory goes through page-locked buffers, one frame staged ahead
         NIXL               one WRITE per pushed layer range (ranges queued meanwhile join it; a one-shot
                            send is ONE WRITE for all layers), by index into descriptor lists prepared
                            once per (agent, remote agent); finish waits for all to be DONE, then a NIXL
@@ -233,29 +234,51 @@ class SendHandle(FutureResult):
                     pending = []
                 op = await self._ops.get()
             final = op is _FINISH or op[2]
-            frames = pending + ([] if op is _FINISH else self._tcp_frames(op[1]))
+            tail = [(Msg.END, {"rid": self.request_id, "nbytes": self.nbytes}, None, 0)] if final else []
+            await self._send_tcp(peer, pending, () if op is _FINISH else op[1], tail)
             pending = []
-            if final:
-                frames.append((Msg.END, {"rid": self.request_id, "nbytes": self.nbytes}, None, 0))
-            await peer.send_frames(frames)
             if final:
                 break
         self.state = "completing"
         await self._done
 
-    def _tcp_frames(self, layers: tuple[int, ...]) -> list:
-        bb, mem, frames = self.t.layout.block_bytes, self.t.memory, []
-        for frame in plan_segments(layers, self.runs, bb, self.t.config.max_frame_bytes):
-            segs = [(mem.offset(layer, s), n * bb, layer) for layer, s, _d, n in frame]
-            views = mem.send_views(segs)
-            meta = {"rid": self.request_id, "segs": [[layer, d, n] for layer, _s, d, n in frame]}
-            if self.t.config.checksum:
-                crc = 0
-                for v in views:
-                    crc = zlib.crc32(v, crc)
-                meta["crc"] = crc
-            frames.append((Msg.DATA, meta, views, sum(len(v) for v in views)))
-        return frames
+    async def _send_tcp(self, peer, head: list, layers: tuple[int, ...], tail: list) -> None:
+        """head frames, DATA frames of these layers' blocks, tail frames, in that order. Host memory: all
+        at once, zero-copy. Device memory: frame by frame through page-locked host buffers, the next
+        frame's device->host copies running while the current one is on the socket."""
+        mem, bb = self.t.memory, self.t.layout.block_bytes
+        plan = plan_segments(layers, self.runs, bb, self.t.config.max_frame_bytes) if layers else []
+        segs = [[(mem.offset(layer, s), n * bb, layer) for layer, s, _d, n in frame] for frame in plan]
+        if not mem.staged or not plan:
+            frames = [self._data_frame(f, mem.stage_out(sg)[0]) for f, sg in zip(plan, segs, strict=True)]
+            await peer.send_frames(head + frames + tail)
+            return
+        staged, sending = mem.stage_out(segs[0]), None
+        try:
+            for i, frame in enumerate(plan):
+                views, event = staged
+                await mem.ready(event)
+                if sending is not None:
+                    await sending  # frames stay in order
+                last = i == len(plan) - 1
+                batch = (head if i == 0 else []) + [self._data_frame(frame, views)] + (tail if last else [])
+                sending = self.t.loop.create_task(peer.send_frames(batch))
+                sending.add_done_callback(lambda f: f.cancelled() or f.exception())
+                staged = None if last else mem.stage_out(segs[i + 1])
+            await sending
+        finally:
+            if sending is not None and not sending.done():
+                # Cancelled meanwhile: let the frame finish (Peer._write keeps the stream in sync).
+                await asyncio.wait([sending])
+
+    def _data_frame(self, frame, views: list) -> tuple:
+        meta = {"rid": self.request_id, "segs": [[layer, d, n] for layer, _s, d, n in frame]}
+        if self.t.config.checksum:
+            crc = 0
+            for v in views:
+                crc = zlib.crc32(v, crc)
+            meta["crc"] = crc
+        return (Msg.DATA, meta, views, sum(len(v) for v in views))
 
     async def _send_layers(self, peer, layers: tuple[int, ...], final: bool) -> None:
         """ONE NIXL WRITE for all these layers' blocks (a one-shot send: every layer, one post)."""
