@@ -72,14 +72,16 @@ def _peer(
                     pending[cmd["rid"]] = t.expect(cmd["rid"], cmd["dst"], timeout=60)
                     reply = {}
                 elif op == "wait":
-                    reply = await pending.pop(cmd["rid"]).wait()
+                    exp = pending.pop(cmd["rid"])
+                    reply = await exp.wait()
                     reply["t_done"] = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
+                    reply["timeline"] = dict(getattr(exp, "timeline", {}))
                 elif op == "send":
                     t0 = time.monotonic()
-                    reply = await t.start_send(
-                        cmd["rid"], cmd["endpoint"], cmd["src"], cmd["dst"], timeout=60
-                    ).wait()
+                    h = t.start_send(cmd["rid"], cmd["endpoint"], cmd["src"], cmd["dst"], timeout=60)
+                    reply = await h.wait()
                     reply["t_start"] = t0
+                    reply["timeline"] = dict(getattr(h, "timeline", {}))
                 elif op == "zero":
                     kv.zero_()
                     sync()
@@ -163,8 +165,11 @@ class TransferPair:
         self.conns["rx"].send({"op": "wait", "rid": rid})
         self.conns["tx"].send({"op": "send", "rid": rid, "endpoint": self.endpoint, "src": src, "dst": dst})
         sent, got = self._recv("tx"), self._recv("rx")
+        # Every step of both sides in seconds after start_send (one CLOCK_MONOTONIC for both processes).
+        steps = {f"tx_{k}": v - sent["t_start"] for k, v in sent.get("timeline", {}).items()}
+        steps.update({f"rx_{k}": v - sent["t_start"] for k, v in got.get("timeline", {}).items()})
         return {**sent, "wall_seconds": time.perf_counter() - t0, "rx_seconds": got["seconds"],
-                "rx_done_after_start_s": got["t_done"] - sent["t_start"]}
+                "rx_done_after_start_s": got["t_done"] - sent["t_start"], "steps": steps}
 
     def digest(self, role: str, blocks: list[int]) -> dict:
         return self._call(role, op="digest", blocks=blocks)
@@ -238,7 +243,18 @@ def _row(runs: list[dict], nbytes: int, direct_s: float, exact: dict, overrides:
         "fraction_of_direct_copy": direct_s / sec,
         "config_overrides": overrides,
         "env": env,
+        "steps_ms": _steps_ms(runs),
     }
+
+
+def _steps_ms(runs: list[dict]) -> dict:
+    """Median instant of each step after start_send in ms (tx_begin_ok, tx_posted, tx_xfers_done,
+    rx_notif, tx_acked, ...), in time order."""
+    import statistics
+
+    keys = set().union(*(r.get("steps", {}) for r in runs))
+    med = {k: 1e3 * statistics.median(r["steps"][k] for r in runs if k in r.get("steps", {})) for k in keys}
+    return dict(sorted(med.items(), key=lambda kv: kv[1]))
 
 
 def _print_row(key: str, x: dict, nbytes: int, direct_s: float) -> None:
@@ -448,6 +464,11 @@ def transfer_markdown(t: dict) -> list[str]:
             for name, y in (x.get("rows") or {}).items():
                 line(f"{key} {name}", y, "notif_s")
     out.append("")
+    steps = [(k, x["steps_ms"]) for k, x in t.items() if isinstance(x, dict) and x.get("steps_ms")]
+    if steps:
+        out += ["Where a kvtransfer send's time goes (median ms after start_send; tx_ sender, rx_ receiver):",
+                ""]
+        out += [f"- {k}: " + ", ".join(f"{s} {v:.2f}" for s, v in st.items()) for k, st in steps] + [""]
     tel = [(n, x["telemetry"]) for n, x in (raw.get("rows") or {}).items() if x.get("telemetry")]
     if tel:
         out += ["NIXL telemetry of the last raw post (descriptors as NIXL counted them, post/xfer us):", ""]

@@ -68,6 +68,8 @@ class Expectation(FutureResult):
         self.backend: str | None = None
         self.sender_agent: str | None = None
         self.started = time.monotonic()
+        # Monotonic instants of its steps (expect, begin, notif / end, complete): diagnostics for benches.
+        self.timeline = {"expect": self.started}
         self.timer: asyncio.TimerHandle | None = None
         self._future = loop.create_future()
         # Nobody awaiting a failed expectation must not produce "exception never retrieved" noise.
@@ -172,8 +174,9 @@ class Receiver:
         if exp.timer is not None:
             exp.timer.cancel()
         exp.state = "done"
+        now = exp.timeline["complete"] = time.monotonic()
         exp._future.set_result({"request_id": exp.request_id, "bytes": exp.nbytes, "backend": exp.backend,
-                                "seconds": time.monotonic() - exp.started})
+                                "seconds": now - exp.started})
         exp.conn.send(Msg.DONE, {"rid": exp.request_id})
 
     def _on_deadline(self, rid: str) -> None:
@@ -274,6 +277,7 @@ class Receiver:
                                   f"{exp.nbytes} ({exp.num_layers} layers x {len(exp.dst)} blocks x "
                                   f"{self.memory.block_bytes} bytes)")
         exp.conn, exp.backend, exp.state = conn, backend, "receiving"
+        exp.timeline["begin"] = time.monotonic()
         if backend == "nixl":
             exp.sender_agent = meta_str(meta, "agent")
             conn.send(Msg.BEGIN_OK, {"rid": rid})
@@ -347,5 +351,6 @@ class Receiver:
         if missing or exp.received != exp.nbytes:
             raise InvalidTransfer(f"END of {exp.request_id!r} before all KV arrived: {missing} "
                                   f"(layer, block) pairs missing, {exp.received}/{exp.nbytes} bytes")
+        exp.timeline["end"] = time.monotonic()
         self.memory.drain()  # staged device memory: the last frames' host->device copies have landed
         self._complete(exp)

@@ -147,4 +147,5 @@ class NixlNotifications:
                                                f"expected {exp.nbytes}"), notify=True)
             return
         exp.received = exp.nbytes
+        exp.timeline["notif"] = time.monotonic()
         self.rx._complete(exp)

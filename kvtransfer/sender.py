@@ -56,6 +56,9 @@ class SendHandle(FutureResult):
         self.state = "connecting"
         self.backend: str | None = None
         self.started = time.monotonic()
+        # Monotonic instants of its steps (start, begin_sent, begin_ok, posted, xfers_done, sent, acked):
+        # diagnostics for benches (bench/gpu_transfer.py breaks a NIXL transfer's time down with them).
+        self.timeline = {"start": self.started}
         self._deadline = self.started + timeout
         self._pushed: set[int] = set()
         self._finished = False
@@ -182,7 +185,9 @@ class SendHandle(FutureResult):
 
     async def _run_nixl(self, peer, meta: dict) -> None:
         await peer.send_frame(Msg.BEGIN, meta)
+        self.timeline["begin_sent"] = time.monotonic()
         await self._begin_ok
+        self.timeline["begin_ok"] = time.monotonic()
         while True:
             op = await self._next_op()
             if op is _FINISH:
@@ -203,6 +208,7 @@ class SendHandle(FutureResult):
                 break
         self.state = "completing"
         await self._done
+        self.timeline["acked"] = time.monotonic()
 
     async def _next_op(self):
         """The next pushed op; meanwhile keep UCX progressing the WRITEs already posted (without NIXL's
@@ -238,9 +244,11 @@ class SendHandle(FutureResult):
             await self._send_tcp(peer, pending, () if op is _FINISH else op[1], tail)
             pending = []
             if final:
+                self.timeline["sent"] = time.monotonic()
                 break
         self.state = "completing"
         await self._done
+        self.timeline["acked"] = time.monotonic()
 
     async def _send_tcp(self, peer, head: list, layers: tuple[int, ...], tail: list) -> None:
         """head frames, DATA frames of these layers' blocks, tail frames, in that order. Host memory: all
@@ -302,6 +310,7 @@ class SendHandle(FutureResult):
             handle, _state = nixl.post_write(peer.remote_agent, info["base"], info["dev"], info["mem"],
                                              regions, notif)
         self._xfers.append(handle)
+        self.timeline["posted"] = time.monotonic()
 
     async def _finish(self, peer, notified: bool) -> None:
         nixl, cfg = self.t.nixl, self.t.config
@@ -315,6 +324,7 @@ class SendHandle(FutureResult):
                 raise PeerUnavailable(f"NIXL WRITE of {self.request_id!r} to {peer.name} failed ({state})")
             nixl.release(handle)
             self._xfers.remove(handle)
+        self.timeline["xfers_done"] = time.monotonic()
         if not (notified and self._notif_attached):
             nixl.send_notif(peer.remote_agent, notif_message("done", rid=self.request_id, n=self.nbytes))
 
