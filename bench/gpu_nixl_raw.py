@@ -184,7 +184,10 @@ def _peer(role: str, device: str, nbytes: int, env: dict, log_path: str | None, 
                 pending = [h for h, s in zip(hs, states, strict=True) if s != "DONE"]
                 if "ERR" in states:
                     raise RuntimeError(f"transfer() returned {states}")
+                deadline = t0 + 30
                 while pending:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{len(pending)} xfer(s) still not DONE after 30 s")
                     nxt = []
                     for h in pending:
                         s = agent.check_xfer_state(h)
@@ -272,7 +275,7 @@ class RawPair:
         self.call("tx", "connect", info=self.hello["rx"])
         self._recv("rx", 90)
 
-    def _recv(self, role: str, timeout: float = 120.0) -> dict:
+    def _recv(self, role: str, timeout: float = 60.0) -> dict:
         if not self.conns[role].poll(timeout):
             alive = self.procs[role].is_alive()
             raise TimeoutError(f"raw {role} peer silent for {timeout} s (alive={alive})")
