@@ -156,23 +156,30 @@ class AsyncEngine:
         async for out in self._iterate(request_id, stream):
             yield out
 
-    async def prefill(self, request_id: str, prompt_ids: list[int], params: Any) -> tuple[Any, list[int]]:
+    async def prefill(self, request_id: str, prompt_ids: list[int], params: Any, *, layer_sink: Any = None,
+                      release_on_error: bool = True) -> tuple[Any, list[int]]:
         """Run the prompt; returns (the "prefilled" StepOutput, the request's block table).
 
-        The blocks stay pinned until ``release(request_id)``; if this coroutine is cancelled the
-        request is aborted and released.
+        The blocks stay pinned until ``release(request_id)``; if this coroutine is cancelled or the
+        prompt did not complete, the request is aborted and released -- unless
+        ``release_on_error=False``: then the caller always releases (a layer-wise KV sender must stop
+        reading the blocks first). ``layer_sink``: see
+        ``engine.layer_sink`` (its methods run on the engine thread).
         """
+        kw = {"layer_sink": layer_sink} if layer_sink is not None else {}
         stream, _ = await self._open(request_id,
-                                     lambda e: e.add_prefill_request(request_id, prompt_ids, params))
+                                     lambda e: e.add_prefill_request(request_id, prompt_ids, params, **kw))
         try:
             out = await stream.get()
             if out.finish_reason != "prefilled":
-                await self.release(request_id)
+                if release_on_error:
+                    await self.release(request_id)
                 return out, []
             table = await self.call(lambda e: list(e.block_table(request_id)))
             return out, table
         except BaseException:
-            await asyncio.shield(self.release(request_id))
+            if release_on_error:
+                await asyncio.shield(self.release(request_id))
             raise
 
     async def reserve(self, request_id: str, prompt_ids: list[int], params: Any) -> Any:

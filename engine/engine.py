@@ -26,6 +26,7 @@ from engine.config import ModelConfig
 from engine.engine_types import EngineConfig, Reservation, StepOutput
 from engine.errors import DuplicateRequest, KVCacheFull, QueueFull, RequestTooLong, UnknownRequest
 from engine.kv_layout import KVLayout, dtype_name
+from engine.layer_sink import LayerSink
 from engine.model import CausalLM, build_model
 from engine.model_runner import ModelRunner
 from engine.sampler import advance_generator, make_generator
@@ -115,11 +116,14 @@ class LLMEngine:
         self._enqueue(self._new_sequence(request_id, prompt_ids, params or SamplingParams()))
 
     def add_prefill_request(self, request_id: str, prompt_ids: Seq[int],
-                            params: SamplingParams | None = None) -> None:
+                            params: SamplingParams | None = None, *, layer_sink: LayerSink | None = None,
+                            ) -> None:
         """Run only the prompt; emits the first token with ``finish_reason="prefilled"`` and keeps the
-        KV blocks pinned (``block_table``) until ``release``."""
-        self._enqueue(self._new_sequence(request_id, prompt_ids, params or SamplingParams(),
-                                         prefill_only=True))
+        KV blocks pinned (``block_table``) until ``release``. ``layer_sink`` is told, layer by layer,
+        when the final prompt chunk's KV is written (``engine.layer_sink``)."""
+        seq = self._new_sequence(request_id, prompt_ids, params or SamplingParams(), prefill_only=True)
+        seq.layer_sink = layer_sink
+        self._enqueue(seq)
 
     def block_table(self, request_id: str) -> list[int]:
         return list(self._get(request_id).block_table)
@@ -154,6 +158,7 @@ class LLMEngine:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return False
+        _abort_sink(seq, "aborted")
         live = seq.status in (Status.WAITING, Status.RUNNING)
         self.scheduler.remove(seq)
         if live:
@@ -171,6 +176,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for seq in sched.rejected:
             self._requests.pop(seq.request_id, None)
+            _abort_sink(seq, f"rejected: {seq.error}")
             outputs.append(self._output(seq, [], None))
         if not sched.scheduled:
             return outputs
@@ -183,6 +189,7 @@ class LLMEngine:
             self.scheduler.register_computed(s.seq)
             if s.samples:
                 sampled.append(s.seq)
+                s.seq.layer_sink = None  # every layer was reported (model_runner): its job is done
             if s.num_tokens > 1 or s.context_len < s.seq.num_prompt_tokens:
                 self.stats.prompt_tokens += s.num_tokens
         for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
@@ -334,6 +341,12 @@ class LLMEngine:
         if bm:
             problems.append(bm)
         return "; ".join(problems) or None
+
+
+def _abort_sink(seq: Sequence, reason: str) -> None:
+    if seq.layer_sink is not None:
+        sink, seq.layer_sink = seq.layer_sink, None
+        sink.abort(reason)
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -6,6 +6,10 @@ the model over all tokens, computes logits only for the rows that sample (the la
 sequence whose known tokens are now all in KV; a prompt chunk that is not the last samples
 nothing) and samples them. The only device->host transfer is the sampled ids (plus logprobs when a
 request asked for them).
+
+A request running its final prompt chunk with a layer sink (``engine.layer_sink``) makes the step
+eager with an ``after_layer`` hook that reports each layer's KV as written; steps without one pass
+no hook at all.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from engine.attention import BatchSpec, backend_geometry, get_backend
 from engine.kv_layout import KVLayout
+from engine.layer_sink import layer_callback
 from engine.model import CausalLM
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
@@ -56,6 +61,16 @@ class ModelRunner:
     def _to_device(self, values: list[int]) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=torch.int64), self.device)
 
+    def _layer_hook(self, batch: list[ScheduledSeq]):
+        """``after_layer`` for the sinks of requests running their final prompt chunk (each learns its
+        block table first), or None -- no callback at all -- when the step has none."""
+        sinks = [s.seq for s in batch if s.seq.layer_sink is not None and s.samples]
+        if not sinks:
+            return None
+        for seq in sinks:
+            seq.layer_sink.begin(list(seq.block_table))
+        return layer_callback([seq.layer_sink for seq in sinks], self.device)
+
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprob | None]]:
         """Run ``batch``; returns the sampled token (and logprob entry) of each sampling row, in order."""
@@ -65,11 +80,16 @@ class ModelRunner:
         spec = BatchSpec(query_lens=[s.num_tokens for s in batch],
                          context_lens=[s.context_len for s in batch],
                          block_tables=[s.seq.block_table for s in batch])
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(spec):
+        after_layer = self._layer_hook(batch)
+        if after_layer is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(spec):
             hidden = self.cuda_graphs.run(input_ids, spec)  # a replayed decode graph: [n, hidden]
-        else:
+        elif after_layer is None:
             meta = self.backend.plan(spec)
             hidden = self.model(self._to_device(input_ids), meta.positions, self.kv_cache, meta)
+        else:  # eager (a graph carries no hook): a 1-token final chunk must report its layers too
+            meta = self.backend.plan(spec)
+            hidden = self.model(self._to_device(input_ids), meta.positions, self.kv_cache, meta,
+                                after_layer=after_layer)
 
         samplers = [s for s in batch if s.samples]
         if not samplers:

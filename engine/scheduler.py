@@ -230,6 +230,11 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        if seq.layer_sink is not None:
+            # Its KV is recomputed into other blocks later; whatever a sink was told is void. The
+            # recompute runs without a sink (the caller falls back to sending the finished KV).
+            seq.layer_sink.abort("preempted")
+            seq.layer_sink = None
         self.running.remove(seq)
         self._free_blocks(seq)
         seq.num_computed = 0

@@ -46,6 +46,7 @@ class Sequence:
         self.text = ""  # detokenized output, tracked only for stop strings
         self.decoder = None  # engine.tokenizer.IncrementalDecoder when stop strings are set
         self.num_preemptions = 0
+        self.layer_sink = None  # engine.layer_sink.LayerSink until its final prompt chunk has run
 
     @property
     def num_tokens(self) -> int:
