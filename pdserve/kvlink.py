@@ -3,12 +3,15 @@
 The decode worker publishes ``endpoint()`` (JSON bytes, carried opaquely in Allocate / GetStats and
 PrefillRequest.target), registers the blocks it expects, and awaits KV-complete; the prefill worker
 pushes blocks into such an endpoint and awaits the receiver's acknowledgement. Cancelling a send
-aborts the transfer before returning, so a cancelled prefill never leaves writes in flight.
+aborts the transfer before returning, so a cancelled prefill never leaves writes in flight. A
+layer-wise send (``open_stream``) is pushed layer by layer as the prefill computes them
+(prefill_service/layer_stream.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 from typing import Any
@@ -51,15 +54,30 @@ class KVLink:
         return len(self._expected)
 
     # ---- sender (prefill) -----------------------------------------------------------------------
+    @property
+    def can_stream_layers(self) -> bool:
+        """The transport takes layer ranges into an open send (kvtransfer's ``start_send(layers=)``)."""
+        try:
+            return "layers" in inspect.signature(self.transport.start_send).parameters
+        except (AttributeError, TypeError, ValueError):
+            return False
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.transport.layout.num_layers)
+
     async def send(self, endpoint: bytes, request_id: str, src: list[int], dst: list[int]) -> tuple[int, str]:
         """Push ``src`` blocks into the endpoint's ``dst`` blocks; returns (bytes sent, backend used)."""
-        if len(endpoint) > MAX_ENDPOINT_BYTES:
-            raise ValueError("kv_endpoint too large")
-        try:
-            ep = json.loads(endpoint)
-        except (UnicodeDecodeError, ValueError):
-            raise ValueError("kv_endpoint is not a kvtransfer endpoint (bad JSON)") from None
-        handle = self.transport.start_send(request_id, ep, src, dst)
+        ep = _parse_endpoint(endpoint)
+        return await self.wait_sent(self.transport.start_send(request_id, ep, src, dst), endpoint)
+
+    def open_stream(self, endpoint: bytes, request_id: str, src: list[int], dst: list[int]) -> Any:
+        """Open a layer-wise send with no layer yet (BEGIN goes out now); the caller pushes every layer
+        (``handle.push_layers((i,), final=...)``, on this loop) and then ``wait_sent``s it."""
+        return self.transport.start_send(request_id, _parse_endpoint(endpoint), src, dst, layers=())
+
+    async def wait_sent(self, handle: Any, endpoint: bytes) -> tuple[int, str]:
+        """Await the receiver's acknowledgement; cancelled -> the send is aborted before returning."""
         try:
             info = await handle.wait()
         except asyncio.CancelledError:
@@ -67,10 +85,19 @@ class KVLink:
             raise
         nbytes = int(info.get("bytes", 0)) if isinstance(info, dict) else 0
         backend = str(info.get("backend", "")) if isinstance(info, dict) else ""
-        return nbytes, backend or self.transport.peer_backend(ep) or self.name
+        return nbytes, backend or self.transport.peer_backend(_parse_endpoint(endpoint)) or self.name
 
     async def close(self) -> None:
         await self.transport.close()
+
+
+def _parse_endpoint(endpoint: bytes) -> dict:
+    if len(endpoint) > MAX_ENDPOINT_BYTES:
+        raise ValueError("kv_endpoint too large")
+    try:
+        return json.loads(endpoint)
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError("kv_endpoint is not a kvtransfer endpoint (bad JSON)") from None
 
 
 async def make_kv_link(settings: Any, engine: Any, *, sender: bool) -> KVLink:

@@ -116,7 +116,8 @@ async def _prefill(settings: ServeSettings, server: GrpcServer):
         engine, aengine = await _load_engine(settings, server)
         kv = await make_kv_link(settings, engine, sender=True)
         worker = PrefillWorker(engine=aengine, kv=kv, worker_id=settings.worker_id,
-                               block_size=engine.kv_layout.block_size)
+                               block_size=engine.kv_layout.block_size,
+                               stream_layers=settings.kv_stream_layers == "on")
         holder.target = PrefillServicer(worker, address=settings.advertise_address, transports=kv.transports)
         server.on_stop(aengine.stop)
         server.on_stop(kv.close)

@@ -24,6 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ROUTER_MODES = ("disagg", "colocated")
 CONDITIONAL = ("off", "auto")
+ON_OFF = ("on", "off")
 ENV_PREFIX = "PDSERVE_"
 
 
@@ -61,6 +62,8 @@ class ServeSettings:
     max_num_batched_tokens: int | None = None
     transport: str = "auto"
     kv_port: int = 0
+    # prefill: push each layer's KV while the next one computes (when the transport supports it)
+    kv_stream_layers: str = "on"
     drain_timeout: float = 30.0
     # router only
     discovery: str = "static"
@@ -101,6 +104,7 @@ class ServeSettings:
         _one_of("device", self.device, DEVICES)
         _one_of("mode", self.mode, ROUTER_MODES)
         _one_of("conditional_disagg", self.conditional_disagg, CONDITIONAL)
+        _one_of("kv_stream_layers", self.kv_stream_layers, ON_OFF)
         if self.min_uncached_tokens < 0 or not self.local_prefill_tokens_per_s > 0:
             raise ValueError("--min-uncached-tokens must be >= 0 and --local-prefill-tokens-per-s > 0")
         for name in ("port", "metrics_port", "kv_port"):
@@ -205,6 +209,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-num-batched-tokens", type=int, help="chunked-prefill token budget per step")
     a("--transport", choices=TRANSPORTS, help="KV transport (default auto: nixl if usable, else tcp)")
     a("--kv-port", type=int, help="KV side-channel / TCP data port (0 = pick free)")
+    a("--kv-stream-layers", choices=ON_OFF, help="prefill: push each layer's KV while the next layer "
+      "computes (default on; off = one send after the prefill)")
     a("--drain-timeout", type=float, help="seconds to finish in-flight requests on SIGTERM (default 30)")
     a("--lease-ms", type=int, help="decode: release a reservation whose KV never arrives (default 30000)")
     a("--discovery", choices=DISCOVERY, help="router: how to find workers (default static)")

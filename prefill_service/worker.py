@@ -8,8 +8,15 @@ Lifecycle of one request on this worker::
                skip = the decode worker's cached prefix (in blocks) → await the transfer's ack
                → engine.release (full blocks stay in the prefix cache for the next prompt)
 
-Cancellation (the router gave up) aborts the engine request and the transfer; either way the
-blocks are released, so this worker never keeps KV beyond its prefix cache.
+With layer-wise push (``stream_layers``, default on when the transport supports it) the send is
+opened when the final prompt chunk starts computing and each layer is pushed as soon as it is
+written (``prefill_service.layer_stream``), so by the time the first token is sampled most of the KV
+is already on its way; the worker then awaits the same acknowledgement. A request that could not
+stream (preempted, nothing to send) is sent in one piece as above.
+
+Cancellation (the router gave up) aborts the engine request and the transfer; the transfer is
+settled (nothing in flight) before the blocks are released, so this worker never keeps KV beyond
+its prefix cache and never frees blocks a send still reads.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.async_engine import AsyncEngine
+from prefill_service.layer_stream import EventWaiter, LayerStream
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +52,27 @@ class PrefillResult:
     kv_blocks_sent: int
     kv_bytes_sent: int
     transport: str
+    # From the send's start (one piece: after the prefill; streamed: when its final chunk began) to
+    # the receiver's acknowledgement.
     kv_transfer_s: float = 0.0
+    kv_streamed: bool = False  # pushed layer by layer while the final chunk computed
+    kv_wait_s: float = 0.0  # how long the first token waited for the acknowledgement after prefill
 
 
 class PrefillWorker:
-    def __init__(self, *, engine: AsyncEngine, kv: Any, worker_id: str, block_size: int) -> None:
+    def __init__(self, *, engine: AsyncEngine, kv: Any, worker_id: str, block_size: int,
+                 stream_layers: bool = True) -> None:
         self.engine = engine
-        self.kv = kv  # kvtransfer adapter: async send(endpoint, rid, src, dst) -> (bytes, backend)
+        self.kv = kv  # pdserve.kvlink.KVLink: send / open_stream + wait_sent / can_stream_layers
         self.worker_id = worker_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.block_size = block_size
         self.in_flight: set[str] = set()
+        self.stream_layers = bool(stream_layers) and bool(getattr(kv, "can_stream_layers", False))
+        self._streams: dict[str, LayerStream] = {}
+        self._waiter: EventWaiter | None = None
+        log.info("prefill %s: layer-wise KV push %s", worker_id, "on" if self.stream_layers else
+                 "off" + ("" if stream_layers else " (--kv-stream-layers off)"))
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: Any,
                       target: Target) -> PrefillResult:
@@ -68,32 +86,64 @@ class PrefillWorker:
         if request_id in self.in_flight:
             raise ValueError(f"request {request_id!r} is already being prefilled here")
         self.in_flight.add(request_id)
+        skip = target.num_cached_tokens // self.block_size
+        stream = self._open_stream(request_id, target, skip) if self.stream_layers else None
         try:
-            out, table = await self.engine.prefill(request_id, prompt_ids, params)
-            try:
-                if out.finish_reason != "prefilled" or not out.new_token_ids:
-                    raise RuntimeError(f"prefill of {request_id} ended with {out.finish_reason}: "
-                                       f"{getattr(out, 'error', None) or 'no first token'}")
-                skip = target.num_cached_tokens // self.block_size
-                src, dst = table[skip:], list(target.block_ids[skip:])
-                if len(src) != len(dst):
-                    raise RuntimeError(f"block table has {len(table)} blocks, target {len(target.block_ids)}")
-                nbytes, backend, t_send = 0, target.transport or self.kv.name, time.perf_counter()
-                if src:
-                    nbytes, backend = await self.kv.send(target.kv_endpoint, request_id, src, dst)
-                # The router learns the pair's link bandwidth from bytes / this.
-                transfer_s = time.perf_counter() - t_send if src else 0.0
-                return PrefillResult(
-                    first_token_id=int(out.new_token_ids[0]), first_logprob=first_logprob(out),
-                    num_prompt_tokens=len(prompt_ids), num_cached_tokens=int(out.num_cached_tokens or 0),
-                    kv_blocks_sent=len(src), kv_bytes_sent=int(nbytes), transport=backend,
-                    kv_transfer_s=transfer_s)
-            finally:
-                await asyncio.shield(self.engine.release(request_id))
+            out, table = await self.engine.prefill(request_id, prompt_ids, params, layer_sink=stream,
+                                                   release_on_error=False)
+            t_out = time.perf_counter()
+            if out.finish_reason != "prefilled" or not out.new_token_ids:
+                raise RuntimeError(f"prefill of {request_id} ended with {out.finish_reason}: "
+                                   f"{getattr(out, 'error', None) or 'no first token'}")
+            src, dst = table[skip:], list(target.block_ids[skip:])
+            if len(src) != len(dst):
+                raise RuntimeError(f"block table has {len(table)} blocks, target {len(target.block_ids)}")
+            nbytes, backend, t_send = 0, target.transport or self.kv.name, t_out
+            streamed = stream is not None and stream.streaming
+            if streamed:
+                t_send = stream.opened_at
+                nbytes, backend = await stream.wait()
+            elif src:
+                nbytes, backend = await self.kv.send(target.kv_endpoint, request_id, src, dst)
+            t_ack = time.perf_counter()
+            # The router learns the pair's link bandwidth from bytes / this.
+            transfer_s = t_ack - t_send if src else 0.0
+            if stream is not None and not streamed and src:
+                log.debug("%s: not streamed (%s), sent in one piece", request_id, stream.reason)
+            return PrefillResult(
+                first_token_id=int(out.new_token_ids[0]), first_logprob=first_logprob(out),
+                num_prompt_tokens=len(prompt_ids), num_cached_tokens=int(out.num_cached_tokens or 0),
+                kv_blocks_sent=len(src), kv_bytes_sent=int(nbytes), transport=backend,
+                kv_transfer_s=transfer_s, kv_streamed=streamed, kv_wait_s=t_ack - t_out if src else 0.0)
+        finally:
+            await asyncio.shield(self._settle(request_id, stream))
+
+    async def _settle(self, request_id: str, stream: LayerStream | None) -> None:
+        """Stop the send (nothing in flight) BEFORE the blocks go back: nothing may read them after."""
+        try:
+            if stream is not None:
+                await stream.close()
+                self._streams.pop(request_id, None)
+            await self.engine.release(request_id)
         finally:
             self.in_flight.discard(request_id)
 
+    def _open_stream(self, request_id: str, target: Target, skip: int) -> LayerStream:
+        stream = LayerStream(kv=self.kv, loop=asyncio.get_running_loop(), request_id=request_id,
+                             endpoint=target.kv_endpoint, dst=list(target.block_ids[skip:]), skip=skip,
+                             num_layers=self.kv.num_layers, waiter=self._event_waiter)
+        self._streams[request_id] = stream
+        return stream
+
+    def _event_waiter(self) -> EventWaiter:
+        if self._waiter is None:  # engine thread, first CUDA layer event: one thread per worker
+            self._waiter = EventWaiter()
+        return self._waiter
+
     async def abort(self, request_id: str) -> bool:
         found = request_id in self.in_flight
+        stream = self._streams.get(request_id)
+        if stream is not None:  # stop reading the blocks before the engine frees them
+            await stream.close("prefill aborted")
         await self.engine.abort(request_id)
         return found

@@ -26,6 +26,12 @@ def test_defaults_env_and_flag_precedence() -> None:
                    "PDSERVE_POLICY": "least_loaded", "PDSERVE_DRAIN_TIMEOUT": "2.5"})
     assert r.prefill == ("a:1", "b:2") and r.decode == ("c:3",)
     assert r.policy == "least_loaded" and r.drain_timeout == 2.5
+    p = parse(["--role", "prefill", "--model", "/m"])
+    assert p.kv_stream_layers == "on"  # layer-wise KV push by default
+    p = parse(["--role", "prefill", "--model", "/m"], {"PDSERVE_KV_STREAM_LAYERS": "off"})
+    assert p.kv_stream_layers == "off"
+    assert parse(["--role", "prefill", "--model", "/m", "--kv-stream-layers", "on"],
+                 {"PDSERVE_KV_STREAM_LAYERS": "off"}).kv_stream_layers == "on"
 
 
 @pytest.mark.parametrize("argv,env,needle", [
@@ -38,6 +44,7 @@ def test_defaults_env_and_flag_precedence() -> None:
     (["--role", "decode", "--model", "m", "--num-blocks", "4", "--kv-memory-gb", "1"], {}, "not both"),
     (["--role", "decode", "--model", "m"], {"PDSERVE_PORT": "abc"}, "not a number"),
     (["--role", "decode", "--model", "m"], {"PDSERVE_TRANSPORT": "rdma"}, "--transport"),
+    (["--role", "prefill", "--model", "m"], {"PDSERVE_KV_STREAM_LAYERS": "maybe"}, "--kv-stream-layers"),
     (["--role", "decode", "--model", "m", "--port", "70000"], {}, "--port"),
 ])
 def test_invalid_settings_name_the_problem(argv, env, needle) -> None:
