@@ -31,8 +31,9 @@ except BackendUnavailable as exc:  # reported, not hidden: the TCP cases still r
     NIXL_ERROR = str(exc)
 
 
-def engine(**kw):
-    cfg = dict(device="cpu", num_blocks=96, block_size=16, max_num_seqs=8, max_num_batched_tokens=64)
+def engine(device="cpu", **kw):
+    cfg = dict(device=device, num_blocks=96, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+               attention_backend="torch")  # the same on CPU and CUDA (no flashinfer JIT build)
     return LLMEngine(EngineConfig(**{**cfg, **kw}), model=build_model(preset_config("tiny"), seed=0))
 
 
@@ -44,17 +45,18 @@ def prompts_of(lengths, seed=0):
 class Rig:
     """Prefill worker (engine thread + transport) -> decode engine (driven on the loop)."""
 
-    def __init__(self, kind: str, stream_layers: bool):
-        self.kind, self.stream_layers = kind, stream_layers
+    def __init__(self, kind: str, stream_layers: bool, device: str = "cpu"):
+        self.kind, self.stream_layers, self.device = kind, stream_layers, device
 
     async def __aenter__(self):
-        self.p = engine()
-        self.d = engine()
+        self.p = engine(self.device)
+        self.d = engine(self.device)
         self.ae = AsyncEngine(self.p)
         self.ae.start()
         self.tx = await make_transport(self.kind, self.p.kv_layout, self.p.kv_cache).start()
         self.rx = await make_transport(self.kind, self.d.kv_layout, self.d.kv_cache).start()
         self.ep = json.dumps(self.rx.endpoint()).encode()
+        self.kv_layers = self.p.kv_layout.num_layers
         self.worker = PrefillWorker(engine=self.ae, kv=KVLink(self.tx, lease_s=30.0), worker_id="p0",
                                     block_size=16, stream_layers=self.stream_layers)
         return self
@@ -101,14 +103,12 @@ class Rig:
         assert not self.worker.in_flight and not self.worker._streams
 
 
-def reference(prompts):
-    ref = engine()
+def reference(prompts, device="cpu"):
+    ref = engine(device)
     return [ref.generate([p], PARAMS)[0] for p in prompts]
 
 
 CASES = [("tcp", True), ("tcp", False), ("nixl", True)]
-
-
 IDS = [f"{k}-{'stream' if s else 'one-piece'}" for k, s in CASES]
 
 
@@ -116,31 +116,34 @@ IDS = [f"{k}-{'stream' if s else 'one-piece'}" for k, s in CASES]
 def test_greedy_parity_streamed_and_not(kind, stream):
     if kind == "nixl" and NIXL_ERROR is not None:
         pytest.fail(f"NIXL is installed here but does not import: {NIXL_ERROR}")
+    asyncio.run(asyncio.wait_for(parity(kind, stream), 100))
+
+
+async def parity(kind: str, stream: bool, device: str = "cpu") -> Rig:
+    """Concurrent chunked prompts, a session turn with a decode-side cached prefix, a wholly cached
+    prompt: tokens equal one engine's, every block back; returns the (closed) rig."""
     lengths = [5, 16, 40, 100, 150]  # 100 and 150 are chunked (64-token budget), batched together
     prompts = prompts_of(lengths)
     turn2 = prompts[3] + [7, 8, 9] * 10  # the decode side holds prompt 3's full blocks: skip > 0
     same = prompts_of([32], seed=5)[0]  # sent once, then wholly cached on the decode side
-    want = reference(prompts + [turn2, same])
-
-    async def main():
-        async with Rig(kind, stream) as rig:
-            results = await asyncio.gather(*(rig.one(f"r{i}", p) for i, p in enumerate(prompts)))
-            got = rig.decode_all({f"r{i}": r.first_token_id for i, r in enumerate(results)})
-            assert [got[f"r{i}"] for i in range(len(prompts))] == want[:len(prompts)]
-            for n, r in zip(lengths, results, strict=True):
-                assert r.kv_streamed is stream and r.kv_blocks_sent == -(-n // 16)
-                assert r.kv_bytes_sent == r.kv_blocks_sent * rig.p.kv_layout.block_bytes * 4
-            r2 = await rig.one("t2", turn2)
-            assert r2.kv_blocks_sent == -(-len(turn2) // 16) - 100 // 16 and r2.kv_streamed is stream
-            s1 = await rig.one("s1", same)
-            got2 = rig.decode_all({"t2": r2.first_token_id, "s1": s1.first_token_id})
-            s2 = await rig.one("s2", same)
-            assert s2.kv_blocks_sent == 0 and not s2.kv_streamed and s2.kv_bytes_sent == 0
-            got3 = rig.decode_all({"s2": s2.first_token_id})
-            assert [got2["t2"], got2["s1"], got3["s2"]] == want[len(prompts):] + want[-1:]
-            await rig.assert_no_leaks()
-
-    asyncio.run(asyncio.wait_for(main(), 100))
+    want = reference(prompts + [turn2, same], device)
+    async with Rig(kind, stream, device) as rig:
+        results = await asyncio.gather(*(rig.one(f"r{i}", p) for i, p in enumerate(prompts)))
+        got = rig.decode_all({f"r{i}": r.first_token_id for i, r in enumerate(results)})
+        assert [got[f"r{i}"] for i in range(len(prompts))] == want[:len(prompts)]
+        for n, r in zip(lengths, results, strict=True):
+            assert r.kv_streamed is stream and r.kv_blocks_sent == -(-n // 16)
+            assert r.kv_bytes_sent == r.kv_blocks_sent * rig.p.kv_layout.block_bytes * rig.kv_layers
+        r2 = await rig.one("t2", turn2)
+        assert r2.kv_blocks_sent == -(-len(turn2) // 16) - 100 // 16 and r2.kv_streamed is stream
+        s1 = await rig.one("s1", same)
+        got2 = rig.decode_all({"t2": r2.first_token_id, "s1": s1.first_token_id})
+        s2 = await rig.one("s2", same)
+        assert s2.kv_blocks_sent == 0 and not s2.kv_streamed and s2.kv_bytes_sent == 0
+        got3 = rig.decode_all({"s2": s2.first_token_id})
+        assert [got2["t2"], got2["s1"], got3["s2"]] == want[len(prompts):] + want[-1:]
+        await rig.assert_no_leaks()
+    return rig
 
 
 def hold_layers_from(monkeypatch, first_held: int) -> list:
