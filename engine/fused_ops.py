@@ -49,6 +49,13 @@ def available(device: torch.device | str, dtype: torch.dtype) -> bool:
     return triton is not None and torch.device(device).type == "cuda" and dtype in HALF_DTYPES
 
 
+# No FMA contraction: the kernels reproduce torch's rounding of every product and sum, and an fp16
+# multiply-then-subtract (LLVM narrows the float32 ops between fp16 casts to fp16 ops) would otherwise
+# fuse into one fma and skip the product's rounding (seen on an H100: RoPE off by 1 ulp in fp16). The
+# kernels are memory bound; FMAs buy nothing. The interpreter ignores the option.
+_EXACT = {"enable_fp_fusion": False}
+
+
 def _warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
@@ -151,6 +158,7 @@ def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps
         x, x if delta is None else delta, weight, out, n, x.stride(0),
         0 if delta is None else delta.stride(0), out.stride(0), eps,
         HAS_DELTA=delta is not None, BF16=x.dtype == torch.bfloat16, BLOCK=block, num_warps=_warps(block),
+        **_EXACT,
     )
     return out
 
@@ -194,6 +202,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     _rope_qk_kernel[(t,)](
         q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         n_q, n_k, half, QH=qh, KH=kh, HALF=hp, BF16=q.dtype == torch.bfloat16, num_warps=_warps(qh * hp),
+        **_EXACT,
     )
     return q_out, k_out
 
@@ -215,6 +224,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(_SILU_BLOCK, triton.next_power_of_2(n))
     _silu_mul_kernel[(t, triton.cdiv(n, block))](
         gate_up, out, n, gate_up.stride(0), out.stride(0), BF16=gate_up.dtype == torch.bfloat16,
-        BLOCK=block, num_warps=_warps(block),
+        BLOCK=block, num_warps=_warps(block), **_EXACT,
     )
     return out
