@@ -88,8 +88,9 @@ for step in "${steps[@]}"; do
 done
 save_jit
 # Only 8 files come back from $OUT: results (json/md/png) and the JIT cache stay; every log and
-# sub-folder goes into one logs.tar.xz.
+# sub-folder goes into one logs-<time>.tar.xz (one per invocation: a command may run this script twice).
+bundle=logs-$(date +%H%M%S).tar.xz
 (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name "*.json" ! -name "*.md" ! -name "*.png" \
-    ! -name jit.tar.xz ! -name logs.tar.xz -printf "%P\n" | tar -cJf logs.tar.xz -T - --remove-files)
-log "logs: $(du -sh "$OUT/logs.tar.xz" | cut -f1) in logs.tar.xz; back: $(ls "$OUT" | tr '\n' ' ')"
+    ! -name "*.tar.xz" -printf "%P\n" | tar -cJf "$bundle" -T - --remove-files)
+log "logs: $(du -sh "$OUT/$bundle" | cut -f1) in $bundle; back: $(ls "$OUT" | tr '\n' ' ')"
 exit $rc
