@@ -45,7 +45,10 @@ async def run(args: argparse.Namespace, model_dir: str) -> list[dict]:
     layout = engine.kv_layout
     aengine = AsyncEngine(engine)
     aengine.start()
-    rx = await PeerClient.spawn()  # inherits UCX_* from this environment
+    # The child inherits UCX_* from this environment; keep this process's import path (carried wheels).
+    root = str(Path(__file__).resolve().parent.parent)
+    rx = await PeerClient.spawn(env={"PYTHONPATH": os.pathsep.join(filter(None, [
+        root, os.environ.get("PYTHONPATH", "")]))})
     r = await rx.call("init", kind=args.transport, layout=layout.to_dict(), num_blocks=longest // 16 + 8)
     tx = await make_transport(args.transport, layout, engine.kv_cache).start()
     worker = PrefillWorker(engine=aengine, kv=KVLink(tx, lease_s=60.0), worker_id="bench", block_size=16)
