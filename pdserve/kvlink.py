@@ -66,6 +66,12 @@ class KVLink:
     def num_layers(self) -> int:
         return int(self.transport.layout.num_layers)
 
+    @property
+    def kv_device(self) -> Any:
+        """The torch.device of the registered KV tensor (None when the transport does not say)."""
+        memory = getattr(self.transport, "memory", None)
+        return getattr(memory, "device", None)
+
     async def send(self, endpoint: bytes, request_id: str, src: list[int], dst: list[int]) -> tuple[int, str]:
         """Push ``src`` blocks into the endpoint's ``dst`` blocks; returns (bytes sent, backend used)."""
         ep = _parse_endpoint(endpoint)

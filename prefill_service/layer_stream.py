@@ -83,7 +83,7 @@ class LayerStream:
         if event is None:
             self._post(self._push, layer)
         else:
-            self._waiter().submit(event, self._post, self._push, layer)
+            self._waiter().submit(event, self._post, self._push_computed, layer)
 
     def abort(self, reason: str) -> None:
         self._post(self._abort, reason)
@@ -113,6 +113,20 @@ class LayerStream:
             self.state, self.reason = "off", f"cannot open: {exc}"
             return
         self.state, self.opened_at = "open", time.perf_counter()
+
+    def _push_computed(self, layer: int) -> None:
+        """A CUDA layer whose event completed. kvtransfer orders its device->host staging copies (TCP)
+        after the caller's current stream; on this thread that is the default stream, where the engine
+        keeps issuing later layers, so the copy of layer i would wait for the whole forward. The layer
+        is complete (its event was waited for, and a one-piece send starts after the step synced), so
+        this thread gets a stream of its own with nothing on it."""
+        device = getattr(self.kv, "kv_device", None)
+        if device is not None and device.type == "cuda":
+            import torch  # noqa: PLC0415  (CUDA-only path)
+
+            if torch.cuda.current_stream(device) == torch.cuda.default_stream(device):
+                torch.cuda.set_stream(torch.cuda.Stream(device))
+        self._push(layer)
 
     def _push(self, layer: int) -> None:
         if self.state != "open":
