@@ -45,6 +45,24 @@ class TransportConfig:
     # -> notification seen) waits for one such poll. A nap costs no CPU (the thread sleeps) but delays
     # the loop's other tasks by up to the interval. Only used for intervals below 1 ms.
     nixl_poll_nap: bool = False
+    # Sender, once its last WRITE is posted: poll its state every nixl_fast_wait_nap_s (a time.sleep in the
+    # event-loop thread, so the GIL is released at every iteration and the engine thread can run, then
+    # one bare yield to the loop's other tasks) instead of every ~1 ms (the asyncio timer floor), for at
+    # most min(nixl_fast_wait_s, 2 ms + bytes / nixl_fast_wait_gbps) -- about the transfer's expected
+    # duration on a slow link -- then the normal poll. Only while a WRITE is in flight, only for the
+    # memory kinds in nixl_fast_wait_mem (VRAM: a GPU copy completes inside UCX progress calls, so the
+    # poll floor was most of a small transfer's time; on a shared 2-core CPU box it is not worth a nap
+    # loop). nixl_fast_wait_s = 0 turns it off.
+    nixl_fast_wait_s: float = 0.02
+    nixl_fast_wait_gbps: float = 20.0
+    nixl_fast_wait_nap_s: float = 2e-5
+    nixl_fast_wait_mem: tuple[str, ...] = ("VRAM",)
+    # Sender: once its WRITEs are DONE (NIXL's UCX backend flushes the endpoint before reporting DONE, so
+    # the bytes are in the receiver's memory), tell the receiver with a WROTE frame on the side channel;
+    # it wakes the receiver's loop through epoll at once, where the NIXL notification waits for its next
+    # notification poll. The receiver completes on whichever arrives first. Only sent to receivers that
+    # advertise it (protocol.CAP_WROTE); older ones get the notification alone, as before.
+    nixl_tx_done_frame: bool = True
     # Descriptor lists prepared once per (agent, remote agent); a request posts by block index. False
     # builds descriptors per request (also the automatic fallback when NIXL cannot prepare lists).
     nixl_prepped: bool = True
@@ -70,6 +88,15 @@ class TransportConfig:
                              f"got {self.max_frame_bytes}")
         if not (isinstance(self.nixl_spin_s, (int, float)) and 0 <= self.nixl_spin_s <= 10):
             raise ValueError(f"TransportConfig.nixl_spin_s must be in [0, 10], got {self.nixl_spin_s!r}")
+        for name, lo, hi in (("nixl_fast_wait_s", 0, 10), ("nixl_fast_wait_nap_s", 0, 0.001),
+                             ("nixl_fast_wait_gbps", 1e-3, 1e6)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and lo <= value <= hi):
+                raise ValueError(f"TransportConfig.{name} must be in [{lo}, {hi}], got {value!r}")
+        object.__setattr__(self, "nixl_fast_wait_mem", tuple(self.nixl_fast_wait_mem))
+        bad = [m for m in self.nixl_fast_wait_mem if m not in ("DRAM", "VRAM")]
+        if bad:
+            raise ValueError(f"TransportConfig.nixl_fast_wait_mem: unknown memory kinds {bad}")
         if self.socket_buffer_bytes < 0:
             raise ValueError("TransportConfig.socket_buffer_bytes must be >= 0")
         if self.listen_host in ("0.0.0.0", "::", "") and not self.advertise_host:

@@ -10,6 +10,8 @@ Lifecycle::
                    that fails, "auto" falls back to TCP on the same connection and logs why.
     send_frame()   frames are written whole under a lock (sendmsg scatter-gather straight from the
                    source blocks); frames of concurrent transfers interleave at frame granularity
+                   HELLO / HELLO_OK also carry each side's capabilities ("caps", protocol.CAPS): frame
+                   types newer than version 1's set (WROTE) go only to a receiver that advertised them
     reader task    routes BEGIN_OK / DONE / ERROR / ABORT for a request id to its SendHandle
     dead()         EOF, reset or a poisoned stream (a frame cut short): every handle on it fails with
                    PeerUnavailable, the peer leaves the cache, its NIXL remote agent is forgotten
@@ -33,7 +35,17 @@ from .errors import (
     TransferError,
     error_from_wire,
 )
-from .protocol import HEADER_SIZE, PROTOCOL_VERSION, Msg, decode_header, decode_meta, encode, notif_message
+from .protocol import (
+    CAPS,
+    HEADER_SIZE,
+    PROTOCOL_VERSION,
+    Msg,
+    decode_header,
+    decode_meta,
+    encode,
+    meta_caps,
+    notif_message,
+)
 
 log = logging.getLogger("kvtransfer.tx")
 _IOV_MAX = 512
@@ -95,6 +107,7 @@ class Peer:
         self.num_blocks = int(endpoint["num_blocks"])
         self.remote: dict | None = None  # receiver's NIXL info from HELLO_OK
         self.remote_agent: str | None = None
+        self.caps: frozenset[str] = frozenset()  # the receiver's (HELLO_OK "caps"; none from older peers)
         self.handles: dict[str, object] = {}
         self.closed = False
         self._lock = asyncio.Lock()
@@ -135,6 +148,7 @@ class Peer:
         layout = self.t.layout
         want_nixl = self.t.nixl is not None and "nixl" in self.endpoint.get("backends", ())
         reply = await self._hello("nixl" if want_nixl else "tcp")
+        self.caps = meta_caps(reply)
         self.num_blocks = int(reply["num_blocks"])
         if reply.get("layout_hash") != layout.compat_hash():
             raise LayoutMismatch(f"KV layout mismatch: receiver {self.name} hash {reply.get('layout_hash')} "
@@ -168,6 +182,7 @@ class Peer:
         fut = self._waiter(("hello",))
         await self.send_frame(Msg.HELLO, {"version": PROTOCOL_VERSION, "layout_hash": layout.compat_hash(),
                                           "layout_desc": layout.describe(), "want": want,
+                                          "caps": list(CAPS),
                                           "agent": self.t.nixl.name if self.t.nixl else None})
         return await fut
 

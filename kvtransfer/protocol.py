@@ -41,6 +41,21 @@ class Msg(IntEnum):
     ERROR = 10  # either {rid?, kind, message}
     ABORT = 11  # either {rid, reason}
     ABORT_ACK = 12  # either {rid}
+    WROTE = 13  # s->r  {rid, n, layers, xid?}: the NIXL WRITEs of rid are complete (CAP_WROTE only)
+
+
+# Capabilities, exchanged in HELLO ("caps", sender's) / HELLO_OK ("caps", receiver's). A frame type that
+# is not in version 1's original set (an older peer's decode_header rejects it and closes the connection)
+# is only sent to a peer that advertised it, so PROTOCOL_VERSION stays 1 and old peers keep working.
+CAP_WROTE = "wrote"
+CAPS = (CAP_WROTE,)
+
+
+def meta_caps(meta: dict) -> frozenset[str]:
+    caps = meta.get("caps")
+    if not isinstance(caps, list):
+        return frozenset()
+    return frozenset(c for c in caps[:64] if isinstance(c, str) and len(c) <= 64)
 
 
 def encode(msg: Msg, meta: dict, payload_len: int = 0, flags: int = 0) -> bytes:

@@ -9,8 +9,11 @@ Lifecycle of one request on the decode side::
     TCP:  DATA frames                   every segment must name (layer, block) pairs of this expectation not
                                         yet written; only then is the payload received in place
           END                           all (layer, block) pairs written exactly once -> "done", DONE sent
-    NIXL: notification {done, rid, n}   from the agent named in BEGIN, n = expected bytes -> "done", DONE sent
-                                        (polled by rx_nixl.NixlNotifications)
+    NIXL: WROTE frame {rid, n, layers}  on the connection that sent BEGIN (sender's WRITEs DONE), or
+          notification {done, rid, n}   from the agent named in BEGIN (polled by rx_nixl.NixlNotifications),
+                                        whichever comes first: n = expected bytes (layers = all of them),
+                                        xid = BEGIN's when it named one -> "done", DONE sent; the other
+                                        one then finds no expectation and is dropped
     abort(rid) / deadline / END early / sender connection lost
                                         -> failed; the sender is told (ABORT) and, for NIXL, abort() waits
                                         for its ABORT_ACK: after that no write of this request can land
@@ -44,7 +47,7 @@ from .errors import (
 )
 from .future_result import FutureResult
 from .memory import KVMemory
-from .protocol import PROTOCOL_VERSION, Msg, meta_int, meta_int_list, meta_str
+from .protocol import CAPS, PROTOCOL_VERSION, Msg, meta_int, meta_int_list, meta_str
 from .rx_nixl import NixlNotifications
 
 log = logging.getLogger("kvtransfer.rx")
@@ -67,6 +70,7 @@ class Expectation(FutureResult):
         self.conn = None
         self.backend: str | None = None
         self.sender_agent: str | None = None
+        self.xid: str | None = None  # the sender's transfer id (BEGIN "xid"; None from older senders)
         self.started = time.monotonic()
         # Monotonic instants of its steps (expect, begin, notif / end, complete): diagnostics for benches.
         self.timeline = {"expect": self.started}
@@ -205,6 +209,8 @@ class Receiver:
                 self._on_begin(conn, meta)
             elif msg == Msg.END:
                 self._on_end(conn, meta)
+            elif msg == Msg.WROTE:
+                self._on_wrote(conn, meta)
             elif msg == Msg.ABORT:
                 rid = meta_str(meta, "rid")
                 exp = self.expectations.get(rid)
@@ -245,7 +251,7 @@ class Receiver:
         if want not in self.backends:
             raise LayoutMismatch(f"sender wants backend {want!r}; receiver offers {list(self.backends)}")
         reply = {"version": PROTOCOL_VERSION, "layout_hash": ours, "num_blocks": self.memory.num_blocks,
-                 "backend": want}
+                 "backend": want, "caps": list(CAPS)}
         if want == "nixl":
             reply["nixl"] = self.nixl.info()
             self.notifs.kick()  # UCX wire-up with the sender follows: progress it promptly
@@ -280,8 +286,31 @@ class Receiver:
         exp.timeline["begin"] = time.monotonic()
         if backend == "nixl":
             exp.sender_agent = meta_str(meta, "agent")
+            exp.xid = meta_str(meta, "xid", 64) if meta.get("xid") is not None else None
             conn.send(Msg.BEGIN_OK, {"rid": rid})
             self.notifs.kick()  # its WRITE and completion notification are about to arrive
+
+    def _on_wrote(self, conn, meta: dict) -> None:
+        """The sender's NIXL WRITEs of a request are DONE (its endpoint was flushed: the bytes are here)."""
+        rid = meta_str(meta, "rid", 256)
+        exp = self.expectations.get(rid)
+        if (exp is None or exp.conn is not conn or exp.backend != "nixl"
+                or (exp.xid is not None and meta.get("xid") != exp.xid)):
+            # Completed by its NIXL notification already (the usual duplicate), or aborted meanwhile.
+            log.debug("kvtransfer: WROTE for %r matches no transfer in progress (done already?)", rid)
+            return
+        self.complete_nixl(exp, meta_int(meta, "n"), meta_int(meta, "layers"), "wrote")
+
+    def complete_nixl(self, exp: Expectation, nbytes: int, layers: int | None, via: str) -> None:
+        """A NIXL transfer's completion (WROTE frame or notification): the same checks for both."""
+        if nbytes != exp.nbytes or (layers is not None and layers != exp.num_layers):
+            self._fail(exp, InvalidTransfer(f"NIXL completion of {exp.request_id!r} ({via}) reports "
+                                            f"{nbytes} bytes / {layers} layers, expected {exp.nbytes} / "
+                                            f"{exp.num_layers}"), notify=True)
+            return
+        exp.received = exp.nbytes
+        exp.timeline[via] = time.monotonic()
+        self._complete(exp)
 
     def _bound(self, conn, meta: dict, backend: str) -> Expectation:
         rid = meta_str(meta, "rid", 256)

@@ -16,8 +16,11 @@ Before, an idle receiver slept 10 ms between polls and only switched to the shor
 wake-up, so a transfer announced right after a poll waited up to 10 ms for its completion to be seen.
 
 Notifications: {"t": "probe", nonce} answers a PROBE on the side channel (either order: notification or
-PROBE frame first); {"t": "done", rid, n} from the agent named in BEGIN with n = the expected bytes
-completes that expectation (Receiver._complete sends DONE); anything else is logged and dropped.
+PROBE frame first); {"t": "done", rid, n, xid?} from the agent named in BEGIN with n = the expected bytes
+(and BEGIN's xid, if it named one) completes that expectation (Receiver.complete_nixl, which also takes
+the sender's WROTE frame: whichever comes first, the other finds nothing); anything else is logged and
+dropped. With WROTE-capable senders the notification is the fallback, so this poller's ~1 ms asyncio
+floor no longer sits on the completion path.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import contextlib
 import logging
 import time
 
-from .errors import InvalidTransfer
 from .protocol import Msg, parse_notif
 
 log = logging.getLogger("kvtransfer.rx")
@@ -139,13 +141,13 @@ class NixlNotifications:
             return
         rid = meta.get("rid")
         exp = self.rx.expectations.get(rid) if isinstance(rid, str) else None
-        if exp is None or exp.backend != "nixl" or exp.sender_agent != agent:
-            log.info("kvtransfer: NIXL completion for %r from %s matches no transfer (aborted?)", rid, agent)
+        xid = meta.get("xid")
+        if (exp is None or exp.backend != "nixl" or exp.sender_agent != agent
+                or (exp.xid is not None and xid != exp.xid)):
+            # A sender that tags its transfers (xid) also sends WROTE frames, which usually win: expected.
+            level = logging.DEBUG if isinstance(xid, str) else logging.INFO
+            log.log(level, "kvtransfer: NIXL completion for %r from %s matches no transfer (completed by "
+                    "WROTE, or aborted?)", rid, agent)
             return
-        if meta.get("n") != exp.nbytes:
-            self.rx._fail(exp, InvalidTransfer(f"NIXL completion of {rid!r} reports {meta.get('n')} bytes, "
-                                               f"expected {exp.nbytes}"), notify=True)
-            return
-        exp.received = exp.nbytes
-        exp.timeline["notif"] = time.monotonic()
-        self.rx._complete(exp)
+        n = meta.get("n")
+        self.rx.complete_nixl(exp, n if isinstance(n, int) and not isinstance(n, bool) else -1, None, "notif")

@@ -11,9 +11,13 @@ Lifecycle::
                            device memory goes through page-locked buffers, one frame staged ahead
         NIXL               one WRITE per pushed layer range (ranges queued meanwhile join it; a one-shot
                            send is ONE WRITE for all layers), by index into descriptor lists prepared
-                           once per (agent, remote agent); finish waits for all to be DONE, then a NIXL
-                           notification {done, rid, bytes} (attached to the last WRITE when finish()
-                           was already known, always for a one-shot send)
+                           once per (agent, remote agent); finish waits for all to be DONE (a fast,
+                           GIL-releasing poll for about the expected duration: nixl_fast_wait_s), then
+                           tells the receiver: a WROTE frame on the side channel (receivers advertising
+                           CAP_WROTE; nixl_tx_done_frame) and/or a NIXL notification {done, rid, n,
+                           xid} (attached to the last WRITE when finish() was already known, always for
+                           a one-shot send; sent after the WRITEs otherwise, unless WROTE was sent).
+                           The receiver completes on the first of the two.
     DONE from receiver     -> state "done"; wait() returns {request_id, bytes, seconds, backend}
     error/abort/timeout    -> "failed"/"aborted": in-flight NIXL writes are cancelled or waited out
                            before the handle settles (so the source blocks may be reused), the
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import zlib
 
@@ -35,11 +40,13 @@ import numpy as np
 from .blocks import merge_regions, pair_runs, plan_segments, validate_layers
 from .errors import InvalidTransfer, PeerUnavailable, TransferAborted, TransferError, TransferTimeout
 from .future_result import FutureResult
-from .protocol import Msg, notif_message
+from .protocol import CAP_WROTE, Msg, notif_message
 from .rx_nixl import poll_pause
 
 log = logging.getLogger("kvtransfer.tx")
 _FINISH = ("finish",)
+# Fixed part of the fast-wait budget (post, completion, a few polls), on top of bytes / nixl_fast_wait_gbps.
+_FAST_WAIT_BASE_S = 0.002
 
 
 class SendHandle(FutureResult):
@@ -68,6 +75,9 @@ class SendHandle(FutureResult):
         self._notif_attached = False
         self._began = False
         self._settling = False
+        # Names this transfer in BEGIN, WROTE and the NIXL notification, so a late completion of an earlier
+        # transfer with the same request id can never complete this one.
+        self.xid = secrets.token_hex(6)
         self._begin_ok: asyncio.Future = transport.loop.create_future()
         self._done: asyncio.Future = transport.loop.create_future()
         self._future: asyncio.Future = transport.loop.create_future()
@@ -170,6 +180,7 @@ class SendHandle(FutureResult):
                 "backend": peer.backend}
         if peer.backend == "nixl":
             meta["agent"] = self.t.nixl.name
+            meta["xid"] = self.xid
         self._began = True
         if peer.backend == "tcp":
             await self._run_tcp(peer, meta)
@@ -292,7 +303,7 @@ class SendHandle(FutureResult):
         """ONE NIXL WRITE for all these layers' blocks (a one-shot send: every layer, one post)."""
         if not layers or not self.src:
             return
-        notif = notif_message("done", rid=self.request_id, n=self.nbytes) if final else b""
+        notif = self._notif() if final else b""
         self._notif_attached = final
         nixl = self.t.nixl
         if nixl.can_post_blocks(peer.remote_agent):
@@ -312,21 +323,47 @@ class SendHandle(FutureResult):
         self._xfers.append(handle)
         self.timeline["posted"] = time.monotonic()
 
+    def _notif(self) -> bytes:
+        return notif_message("done", rid=self.request_id, n=self.nbytes, xid=self.xid)
+
+    def _fast_wait_s(self) -> float:
+        """How long _finish may poll fast: about the transfer's duration on a slow link, capped."""
+        cfg = self.t.config
+        if not cfg.nixl_fast_wait_s or self.t.memory.nixl_mem_type not in cfg.nixl_fast_wait_mem:
+            return 0.0
+        return min(cfg.nixl_fast_wait_s, _FAST_WAIT_BASE_S + self.nbytes / (cfg.nixl_fast_wait_gbps * 1e9))
+
     async def _finish(self, peer, notified: bool) -> None:
         nixl, cfg = self.t.nixl, self.t.config
-        # Poll without sleeping for nixl_spin_s (a small WRITE is done within it, and every poll is a
-        # UCX progress call), then every nixl_poll_interval_s: bounded CPU for long transfers.
-        spin_until = time.monotonic() + cfg.nixl_spin_s
+        # Fast phase (see TransportConfig.nixl_fast_wait_s): a state poll (= a UCX progress call) every
+        # nixl_fast_wait_nap_s. time.sleep releases the GIL (the engine thread runs meanwhile); the bare
+        # yield lets this loop's other tasks run (the selector is polled without a timeout). Then, or
+        # without it: no sleep for nixl_spin_s, then every nixl_poll_interval_s (>= ~1 ms with asyncio).
+        now = time.monotonic()
+        fast_until = now + self._fast_wait_s()
+        spin_until = now + cfg.nixl_spin_s
+        nap = cfg.nixl_fast_wait_nap_s
         for handle in list(self._xfers):
             while (state := nixl.state(handle)) == "PROC":
-                await poll_pause(cfg, spinning=time.monotonic() < spin_until)
+                now = time.monotonic()
+                if now < fast_until:
+                    time.sleep(nap)
+                    await asyncio.sleep(0)
+                else:
+                    await poll_pause(cfg, spinning=now < spin_until)
             if state != "DONE":
                 raise PeerUnavailable(f"NIXL WRITE of {self.request_id!r} to {peer.name} failed ({state})")
             nixl.release(handle)
             self._xfers.remove(handle)
         self.timeline["xfers_done"] = time.monotonic()
-        if not (notified and self._notif_attached):
-            nixl.send_notif(peer.remote_agent, notif_message("done", rid=self.request_id, n=self.nbytes))
+        wrote = cfg.nixl_tx_done_frame and CAP_WROTE in peer.caps
+        if wrote:
+            # DONE of a WRITE means NIXL's endpoint flush completed: the bytes are in the receiver's memory.
+            await peer.send_frame(Msg.WROTE, {"rid": self.request_id, "n": self.nbytes,
+                                              "layers": self.t.layout.num_layers, "xid": self.xid})
+            self.timeline["wrote_sent"] = time.monotonic()
+        elif not (notified and self._notif_attached):
+            nixl.send_notif(peer.remote_agent, self._notif())
 
     async def _settle(self, exc: TransferError, began: bool) -> None:
         """Leave nothing in flight: cancel/wait out NIXL writes, tell the receiver, then fail the handle."""
