@@ -70,6 +70,7 @@ class PrefillWorker:
         self.in_flight: set[str] = set()
         self.stream_layers = bool(stream_layers) and bool(getattr(kv, "can_stream_layers", False))
         self._streams: dict[str, LayerStream] = {}
+        self._aborted: set[str] = set()  # in flight, aborted by Abort: must not start a send any more
         self._waiter: EventWaiter | None = None
         log.info("prefill %s: layer-wise KV push %s", worker_id, "on" if self.stream_layers else
                  "off" + ("" if stream_layers else " (--kv-stream-layers off)"))
@@ -95,6 +96,8 @@ class PrefillWorker:
             if out.finish_reason != "prefilled" or not out.new_token_ids:
                 raise RuntimeError(f"prefill of {request_id} ended with {out.finish_reason}: "
                                    f"{getattr(out, 'error', None) or 'no first token'}")
+            if request_id in self._aborted:  # Abort raced the end of the prefill: its blocks are going
+                raise RuntimeError(f"prefill of {request_id} was aborted")
             src, dst = table[skip:], list(target.block_ids[skip:])
             if len(src) != len(dst):
                 raise RuntimeError(f"block table has {len(table)} blocks, target {len(target.block_ids)}")
@@ -108,8 +111,9 @@ class PrefillWorker:
             t_ack = time.perf_counter()
             # The router learns the pair's link bandwidth from bytes / this.
             transfer_s = t_ack - t_send if src else 0.0
-            if stream is not None and not streamed and src:
-                log.debug("%s: not streamed (%s), sent in one piece", request_id, stream.reason)
+            how = "by layer" if streamed else f"one piece ({stream.reason if stream else 'streaming off'})"
+            log.debug("%s: %d blocks, %d bytes over %s %s, transfer %.1f ms, first token waited %.1f ms",
+                      request_id, len(src), nbytes, backend, how, transfer_s * 1e3, (t_ack - t_out) * 1e3)
             return PrefillResult(
                 first_token_id=int(out.new_token_ids[0]), first_logprob=first_logprob(out),
                 num_prompt_tokens=len(prompt_ids), num_cached_tokens=int(out.num_cached_tokens or 0),
@@ -127,6 +131,7 @@ class PrefillWorker:
             await self.engine.release(request_id)
         finally:
             self.in_flight.discard(request_id)
+            self._aborted.discard(request_id)
 
     def _open_stream(self, request_id: str, target: Target, skip: int) -> LayerStream:
         stream = LayerStream(kv=self.kv, loop=asyncio.get_running_loop(), request_id=request_id,
@@ -142,6 +147,8 @@ class PrefillWorker:
 
     async def abort(self, request_id: str) -> bool:
         found = request_id in self.in_flight
+        if found:
+            self._aborted.add(request_id)
         stream = self._streams.get(request_id)
         if stream is not None:  # stop reading the blocks before the engine frees them
             await stream.close("prefill aborted")

@@ -210,3 +210,28 @@ def test_stream_aborted_before_begin_falls_back_to_one_piece():
     stream._abort("preempted")
     stream._open([5])  # a late begin after the abort opens nothing
     assert not stream.streaming and stream.state == "off" and stream.reason == "preempted"
+
+
+def test_abort_racing_the_end_of_the_prefill_starts_no_send():
+    """Abort lands after the "prefilled" output but before the send: the engine frees the blocks, so
+    the worker must not start a one-piece send from them."""
+    async def main():
+        async with Rig("tcp", False) as rig:
+            prompt = prompts_of([40], seed=4)[0]
+            target, exp = rig.reserve("z", prompt)
+            real = rig.ae.prefill
+
+            async def prefill_then_abort(*a, **k):
+                res = await real(*a, **k)
+                assert await rig.worker.abort("z")
+                return res
+
+            rig.ae.prefill = prefill_then_abort
+            with pytest.raises(RuntimeError, match="aborted"):
+                await rig.worker.prefill("z", prompt, PARAMS, target)
+            assert not exp.done() and rig.tx.stats()["sends"] == 0
+            rig.rx.release("z")
+            rig.d.release("z")
+            await rig.assert_no_leaks()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
