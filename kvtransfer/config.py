@@ -51,8 +51,8 @@ class TransportConfig:
     # most min(nixl_fast_wait_s, 2 ms + bytes / nixl_fast_wait_gbps) -- about the transfer's expected
     # duration on a slow link -- then the normal poll. Only while a WRITE is in flight, only for the
     # memory kinds in nixl_fast_wait_mem (VRAM: a GPU copy completes inside UCX progress calls, so the
-    # poll floor was most of a small transfer's time; on a shared 2-core CPU box it is not worth a nap
-    # loop). nixl_fast_wait_s = 0 turns it off.
+    # poll floor was most of a small transfer's time; DRAM, CPU-only workers, is left out by default
+    # though it helped small sends on the 2-core box too: docs/kvtransfer.md). 0 turns it off.
     nixl_fast_wait_s: float = 0.02
     nixl_fast_wait_gbps: float = 20.0
     nixl_fast_wait_nap_s: float = 2e-5
