@@ -34,6 +34,12 @@ from prefill_service.layer_stream import EventWaiter, LayerStream
 log = logging.getLogger(__name__)
 
 
+class PrefillAborted(RuntimeError):
+    """The request was aborted (Abort RPC) while it was prefilled here."""
+
+    code = "ABORTED"  # the gRPC status pdserve.server.status_for maps it to
+
+
 @dataclass(frozen=True, kw_only=True)
 class Target:
     worker_id: str
@@ -90,14 +96,20 @@ class PrefillWorker:
         skip = target.num_cached_tokens // self.block_size
         stream = self._open_stream(request_id, target, skip) if self.stream_layers else None
         try:
-            out, table = await self.engine.prefill(request_id, prompt_ids, params, layer_sink=stream,
-                                                   release_on_error=False)
+            try:
+                out, table = await self.engine.prefill(request_id, prompt_ids, params, layer_sink=stream,
+                                                       release_on_error=False)
+            except Exception as exc:  # e.g. the block table of a request Abort already dropped
+                if request_id in self._aborted:
+                    raise PrefillAborted(f"prefill of {request_id} was aborted") from exc
+                raise
             t_out = time.perf_counter()
+            # Abort may also race the end of the prefill: its blocks are going, nothing may be sent.
+            if request_id in self._aborted:
+                raise PrefillAborted(f"prefill of {request_id} was aborted")
             if out.finish_reason != "prefilled" or not out.new_token_ids:
                 raise RuntimeError(f"prefill of {request_id} ended with {out.finish_reason}: "
                                    f"{getattr(out, 'error', None) or 'no first token'}")
-            if request_id in self._aborted:  # Abort raced the end of the prefill: its blocks are going
-                raise RuntimeError(f"prefill of {request_id} was aborted")
             src, dst = table[skip:], list(target.block_ids[skip:])
             if len(src) != len(dst):
                 raise RuntimeError(f"block table has {len(table)} blocks, target {len(target.block_ids)}")
