@@ -121,11 +121,15 @@ class PrefillWorker:
             elif src:
                 nbytes, backend = await self.kv.send(target.kv_endpoint, request_id, src, dst)
             t_ack = time.perf_counter()
-            # The router learns the pair's link bandwidth from bytes / this.
-            transfer_s = t_ack - t_send if src else 0.0
+            # The router learns the pair's link bandwidth from bytes / kv_transfer_s. A streamed send's
+            # open -> ack time is mostly the overlapped prefill compute (it would make a 150 GB/s link
+            # look like 5 GB/s and push conditional disaggregation to local prefill), so it is no
+            # sample: 0 (the router skips it). One-piece sends (streaming off, fallbacks) keep teaching it.
+            transfer_s = t_ack - t_send if src and not streamed else 0.0
             how = "by layer" if streamed else f"one piece ({stream.reason if stream else 'streaming off'})"
-            log.debug("%s: %d blocks, %d bytes over %s %s, transfer %.1f ms, first token waited %.1f ms",
-                      request_id, len(src), nbytes, backend, how, transfer_s * 1e3, (t_ack - t_out) * 1e3)
+            log.debug("%s: %d blocks, %d bytes over %s %s, open -> ack %.1f ms, first token waited %.1f ms",
+                      request_id, len(src), nbytes, backend, how, (t_ack - t_send) * 1e3,
+                      (t_ack - t_out) * 1e3)
             return PrefillResult(
                 first_token_id=int(out.new_token_ids[0]), first_logprob=first_logprob(out),
                 num_prompt_tokens=len(prompt_ids), num_cached_tokens=int(out.num_cached_tokens or 0),

@@ -134,6 +134,8 @@ async def parity(kind: str, stream: bool, device: str = "cpu") -> Rig:
         for n, r in zip(lengths, results, strict=True):
             assert r.kv_streamed is stream and r.kv_blocks_sent == -(-n // 16)
             assert r.kv_bytes_sent == r.kv_blocks_sent * rig.p.kv_layout.block_bytes * rig.kv_layers
+            # the router's bandwidth sample: one-piece sends only (a stream's time is mostly compute)
+            assert (r.kv_transfer_s == 0.0) if stream else (r.kv_transfer_s > 0.0)
         r2 = await rig.one("t2", turn2)
         assert r2.kv_blocks_sent == -(-len(turn2) // 16) - 100 // 16 and r2.kv_streamed is stream
         s1 = await rig.one("s1", same)
