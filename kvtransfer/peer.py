@@ -248,7 +248,20 @@ class Peer:
         async with self._lock:
             if self.closed:
                 raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
-            write = sendmsg_all(self.loop, self.sock, bufs, self.t.send_pool, self._stop)
+            # Small frames (BEGIN, WROTE, ...) usually fit in the socket buffer: written here, at once,
+            # without a task and an event-loop turn (nothing to cut short, so no cancellation concern).
+            views = [memoryview(b).cast("B") for b in bufs if len(b)]
+            try:
+                i = _advance(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
+            except (BlockingIOError, InterruptedError):
+                i = 0
+            except OSError as exc:
+                self.dead(PeerUnavailable(f"KV receiver {self.name} connection lost: {exc}"))
+                raise PeerUnavailable(f"KV receiver {self.name} connection lost while sending: "
+                                      f"{exc}") from exc
+            if i == len(views):
+                return
+            write = sendmsg_all(self.loop, self.sock, views[i:], self.t.send_pool, self._stop)
             task = self.loop.create_task(write)
             try:
                 await asyncio.shield(task)
