@@ -246,3 +246,26 @@ def test_no_completion_at_all_times_out_without_leaks(monkeypatch):
             await h.wait()
         await leak_free(a, b)
     run(main())
+
+
+def test_fast_wait_budget_and_config():
+    """The fast wait is bounded by the expected duration (bytes / assumed rate + 2 ms), capped, VRAM only by
+    default, 0 = off; bad values are refused up front."""
+    from types import SimpleNamespace
+
+    from kvtransfer.config import TransportConfig
+    from kvtransfer.sender import SendHandle
+
+    def budget(nbytes, mem, **cfg):
+        t = SimpleNamespace(config=TransportConfig(**cfg), memory=SimpleNamespace(nixl_mem_type=mem))
+        return SendHandle._fast_wait_s(SimpleNamespace(t=t, nbytes=nbytes))
+
+    assert budget(2 << 20, "DRAM") == 0.0
+    assert budget(2 << 20, "VRAM") == pytest.approx(0.002 + (2 << 20) / 20e9)
+    assert budget(512 << 20, "VRAM") == 0.02  # capped
+    assert budget(512 << 20, "VRAM", nixl_fast_wait_s=0) == 0.0
+    assert budget(0, "DRAM", nixl_fast_wait_mem=["DRAM"]) == pytest.approx(0.002)
+    for bad in ({"nixl_fast_wait_s": -1}, {"nixl_fast_wait_nap_s": 0.01}, {"nixl_fast_wait_gbps": 0},
+                {"nixl_fast_wait_mem": ("HBM",)}):
+        with pytest.raises(ValueError, match="nixl_fast_wait"):
+            TransportConfig(**bad)
