@@ -207,6 +207,19 @@ def _names(items: list[str]) -> str:
     return f"[{shown}{f', ... and {extra} more' if extra > 0 else ''}]"
 
 
+def sample_indices(n: int, k: int) -> torch.Tensor:
+    """``min(k, n)`` evenly spaced int64 indices of ``range(n)``, first and last included, exact.
+
+    Integer arithmetic: a float32 ``linspace`` (the default dtype, and what CUDA computes) rounds
+    ``n - 1`` up to ``n`` once ``n`` passes 2**24, e.g. Llama-3's 525M-element embedding, and the
+    gather then reads out of bounds (a device-side assert on CUDA).
+    """
+    k = min(k, n)
+    if k <= 1:
+        return torch.zeros(k, dtype=torch.int64)
+    return torch.arange(k, dtype=torch.int64) * (n - 1) // (k - 1)
+
+
 def weights_fingerprint(module: torch.nn.Module, samples_per_tensor: int = 16) -> str:
     """Short hash of the loaded weights: names, shapes and a few evenly spaced values of each.
 
@@ -223,8 +236,7 @@ def weights_fingerprint(module: torch.nn.Module, samples_per_tensor: int = 16) -
     for name, param in sorted(module.named_parameters(), key=lambda kv: kv[0]):
         h.update(f"{name}:{tuple(param.shape)}:{dtype_name(param.dtype)};".encode())
         flat = param.detach().reshape(-1)
-        idx = torch.linspace(0, flat.numel() - 1, min(samples_per_tensor, flat.numel()),
-                             device=flat.device).long()
+        idx = sample_indices(flat.numel(), samples_per_tensor).to(flat.device)
         picks.append(flat.index_select(0, idx).float())
     if picks:
         h.update(torch.cat(picks).cpu().numpy().tobytes())

@@ -2,6 +2,8 @@
 
 import shutil
 
+import torch
+
 from engine.engine import EngineConfig, LLMEngine
 from engine.weights import weights_fingerprint
 
@@ -21,3 +23,15 @@ def test_same_checkpoint_same_fingerprint_other_seed_differs(make_checkpoint, tm
     assert ea.kv_layout.compat_hash() != eb.kv_layout.compat_hash()
     assert ea.kv_layout.model_fingerprint == ec.kv_layout.model_fingerprint  # same weights, other path
     assert weights_fingerprint(ea.model) == weights_fingerprint(ec.model)
+
+
+def test_sample_indices_are_exact_past_float32_precision():
+    from engine.weights import sample_indices
+
+    # Llama-3's embedding: a float32 linspace rounds n - 1 up to n here (an out-of-bounds gather).
+    n = 128256 * 4096
+    idx = sample_indices(n, 16)
+    assert idx.dtype == torch.int64 and idx[0] == 0 and idx[-1] == n - 1 and len(set(idx.tolist())) == 16
+    assert bool((idx[1:] > idx[:-1]).all())
+    assert sample_indices(5, 16).tolist() == [0, 1, 2, 3, 4]
+    assert sample_indices(1, 16).tolist() == [0] and sample_indices(0, 16).numel() == 0
