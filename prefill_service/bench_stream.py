@@ -47,8 +47,15 @@ async def run(args: argparse.Namespace, model_dir: str) -> list[dict]:
     aengine.start()
     # The child inherits UCX_* from this environment; keep this process's import path (carried wheels).
     root = str(Path(__file__).resolve().parent.parent)
-    rx = await PeerClient.spawn(env={"PYTHONPATH": os.pathsep.join(filter(None, [
-        root, os.environ.get("PYTHONPATH", "")]))})
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH", "")]))}
+    if args.receiver_gpu is not None:
+        # The decode side on its own GPU, seeing the prefill's after it (cuda_ipc maps the peer), as
+        # `pdserve up --gpu-peers` places a decode worker. On one GPU both share it: the receiver's
+        # copies then compete with the prefill's kernels, which a real 1P1D pair never sees.
+        gpus = [str(i) for i in range(torch.cuda.device_count())]
+        own = args.receiver_gpu
+        env["CUDA_VISIBLE_DEVICES"] = ",".join([own] + [g for g in gpus if g != own])
+    rx = await PeerClient.spawn(env=env)
     r = await rx.call("init", kind=args.transport, layout=layout.to_dict(), num_blocks=longest // 16 + 8)
     tx = await make_transport(args.transport, layout, engine.kv_cache).start()
     worker = PrefillWorker(engine=aengine, kv=KVLink(tx, lease_s=60.0), worker_id="bench", block_size=16)
@@ -73,7 +80,7 @@ async def run(args: argparse.Namespace, model_dir: str) -> list[dict]:
         await waiting
         assert res.kv_streamed is stream
         return {"total_s": total, "wait_s": res.kv_wait_s, "transfer_s": res.kv_transfer_s,
-                "bytes": res.kv_bytes_sent}
+                "bytes": res.kv_bytes_sent, "timeline": res.kv_stream_timeline}
 
     try:
         for threads, length in [(t, n) for t in args.threads for n in args.lengths]:
@@ -94,6 +101,10 @@ async def run(args: argparse.Namespace, model_dir: str) -> list[dict]:
                             "wait_ms_p50": statistics.median(waits), "wait_ms_min": min(waits),
                             "total_ms": totals, "wait_ms": waits}
             row["ratio_p50"] = row["on"]["total_ms_p50"] / row["off"]["total_ms_p50"]
+            marks = [s["timeline"] for s in samples[True] if s["timeline"]]
+            if marks:  # when the pushes happened against the compute (median ms after prefill() began)
+                row["stream_timeline_ms_p50"] = {k: statistics.median(m[k] for m in marks) * 1e3
+                                                 for k in marks[0]}
             rows.append(row)
             print_row(row)
     finally:
@@ -109,6 +120,9 @@ def print_row(row: dict) -> None:
           f"{off['total_ms_p50']:8.1f} ({off['total_ms_min']:.1f}) | "
           f"{on['total_ms_p50']:8.1f} ({on['total_ms_min']:.1f}) | {row['ratio_p50']:.3f} | "
           f"{off['wait_ms_p50']:6.1f} | {on['wait_ms_p50']:6.1f} |", flush=True)
+    if row.get("stream_timeline_ms_p50"):
+        print("  streamed, ms after prefill() began (p50): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in row["stream_timeline_ms_p50"].items()), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,10 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="auto", help="attention backend (auto | torch | flashinfer)")
     p.add_argument("--threads", default="1,2", help="torch intra-op thread counts to run, comma separated "
                    "(1 is how the local launcher runs workers: OMP_NUM_THREADS=1)")
+    p.add_argument("--receiver-gpu", help="GPU index of the decode-side receiver process (default: 1 when "
+                   "--device cuda and there are 2+ GPUs, else the sender's)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     args.threads = [int(x) for x in args.threads.split(",")]
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    if args.receiver_gpu is None and args.device == "cuda":
+        import torch
+
+        args.receiver_gpu = "1" if torch.cuda.device_count() > 1 else None
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
@@ -137,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = asyncio.run(run(args, model_dir))
     if args.json:
         out = {"bench": "kv-stream-layers", "model": args.model or "small (random)", "device": args.device,
+               "receiver_gpu": args.receiver_gpu,
                "cpu_count": os.cpu_count(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

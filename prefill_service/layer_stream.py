@@ -73,6 +73,7 @@ class LayerStream:
         self.reason = ""  # why it did not stream (state "off")
         self.opened_at = 0.0  # time.perf_counter() when the send was opened
         self._pushed = 0
+        self.push_at: list[float] = []  # time.perf_counter() of each layer's push, in order
         self._aborting: asyncio.Task | None = None
 
     # ---- LayerSink (engine thread) --------------------------------------------------------------
@@ -132,6 +133,7 @@ class LayerStream:
         if self.state != "open":
             return
         self._pushed += 1
+        self.push_at.append(time.perf_counter())
         try:
             self.handle.push_layers((layer,), final=self._pushed == self.num_layers)
         except Exception as exc:  # the send already failed or was aborted: wait() raises why

@@ -63,6 +63,9 @@ class PrefillResult:
     kv_transfer_s: float = 0.0
     kv_streamed: bool = False  # pushed layer by layer while the final chunk computed
     kv_wait_s: float = 0.0  # how long the first token waited for the acknowledgement after prefill
+    # streamed sends: seconds after prefill() was called of open / first push / last push / prefill
+    # done / acked, to see how much of the push overlapped the compute (benchmarks, debug logs)
+    kv_stream_timeline: dict | None = None
 
 
 class PrefillWorker:
@@ -93,6 +96,7 @@ class PrefillWorker:
         if request_id in self.in_flight:
             raise ValueError(f"request {request_id!r} is already being prefilled here")
         self.in_flight.add(request_id)
+        t_in = time.perf_counter()
         skip = target.num_cached_tokens // self.block_size
         stream = self._open_stream(request_id, target, skip) if self.stream_layers else None
         try:
@@ -130,11 +134,17 @@ class PrefillWorker:
             log.debug("%s: %d blocks, %d bytes over %s %s, open -> ack %.1f ms, first token waited %.1f ms",
                       request_id, len(src), nbytes, backend, how, (t_ack - t_send) * 1e3,
                       (t_ack - t_out) * 1e3)
+            timeline = None
+            if streamed and stream.push_at:
+                timeline = {"open": stream.opened_at - t_in, "first_push": stream.push_at[0] - t_in,
+                            "last_push": stream.push_at[-1] - t_in, "prefill_done": t_out - t_in,
+                            "acked": t_ack - t_in}
             return PrefillResult(
                 first_token_id=int(out.new_token_ids[0]), first_logprob=first_logprob(out),
                 num_prompt_tokens=len(prompt_ids), num_cached_tokens=int(out.num_cached_tokens or 0),
                 kv_blocks_sent=len(src), kv_bytes_sent=int(nbytes), transport=backend,
-                kv_transfer_s=transfer_s, kv_streamed=streamed, kv_wait_s=t_ack - t_out if src else 0.0)
+                kv_transfer_s=transfer_s, kv_streamed=streamed, kv_wait_s=t_ack - t_out if src else 0.0,
+                kv_stream_timeline=timeline)
         finally:
             await asyncio.shield(self._settle(request_id, stream))
 
