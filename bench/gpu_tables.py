@@ -15,9 +15,12 @@ def markdown(r: dict) -> str:
         "",
         f"driver {d['driver']}, torch {d['torch']} (CUDA {d['cuda']}), date {r['date']}",
         "",
-        f"command: `{r['command']}`",
+        *([f"command: `{r['command']}`"] if not r.get("commands") else
+          ["commands (one device lease; each item's ratios come from its own run):", ""]
+          + [f"- {item}: `{cmd}`" for item, cmd in r["commands"].items()]),
         "",
-        f"ceilings (same run): copy {_f(c.get('copy_GBps'), '{:.0f}')} GB/s (read+write), "
+        f"ceilings ({'roofline run' if r.get('commands') else 'same run'}):"
+        f" copy {_f(c.get('copy_GBps'), '{:.0f}')} GB/s (read+write), "
         f"bf16 matmul {_f(c.get('matmul_bf16_TFLOPs'), '{:.0f}')} TFLOP/s",
         "",
     ]
