@@ -53,12 +53,23 @@ def import_nixl():
     raise BackendUnavailable("NIXL is not importable (" + "; ".join(errors) + ")")
 
 
+
+def log_ucx_protocols() -> None:
+    """Have UCX print which transport it picks for each operation and memory type (``UCX_PROTO_INFO``),
+    so a worker's log shows e.g. ``remote memory write ... from cuda/GPU0 ... zero-copy cuda_ipc/cuda``
+    or an RDMA lane, or (the thing to notice) ``software emulation tcp``. UCX reads the variable when
+    the agent's context is created and prints each selection once. ``PDSERVE_UCX_PROTO_INFO=0`` turns it
+    off; an ``UCX_PROTO_INFO`` the operator set is left alone."""
+    if os.environ.get("PDSERVE_UCX_PROTO_INFO", "1") != "0":
+        os.environ.setdefault("UCX_PROTO_INFO", "y")
+
 class NixlAgent:
     def __init__(self, name: str, memory: KVMemory, backends: tuple[str, ...] = ("UCX",),
                  progress_thread: bool = False, prepped: bool = True) -> None:
         agent_cls, config_cls, self.module = import_nixl()
         self.name = name
         self.memory = memory
+        log_ucx_protocols()
         try:
             conf = config_cls(enable_prog_thread=progress_thread, backends=list(backends))
             self.agent = agent_cls(name, conf)
