@@ -11,6 +11,16 @@ between processes (one process holding both agents fell back to 0.5 GB/s). Both 
 to both processes (cuda_ipc maps the peer's memory by device); the process's own GPU is selected
 with ``torch.cuda.set_device``. UCX's protocol selection is logged (``UCX_PROTO_INFO=y``) to each
 side's stderr file under ``log_dir`` so the report can name the transports UCX picked.
+
+``pair.transfer(..., preopened=True)`` (rows ``nixl_preopened``, ``tcp_preopened``) measures what the
+cluster's prefill worker pays after its prefill when it streams layers (prefill_service/layer_stream.py):
+the send is opened first (``start_send(layers=())``, as ``KVLink.open_stream`` does when the final
+prompt chunk starts) and awaited until open (``SendHandle.begun()``: NIXL's BEGIN_OK, TCP's BEGIN
+written), so the handshake is out of the measurement; then the clock starts, all layers are pushed at
+once with ``final=True`` (the worst case of streaming: every layer ready at the prefill's end, none sent
+during it), and it stops when the sender sees the receiver's DONE (``tx_acked``). Its timeline is in ms
+after that push (``tx_push`` 0; ``tx_start`` / ``tx_begin_ok`` are negative), and its data phase is
+``tx_push -> rx_complete`` instead of ``tx_begin_ok -> rx_complete``.
 """
 
 from __future__ import annotations
@@ -82,6 +92,16 @@ def _peer(
                     reply = await h.wait()
                     reply["t_start"] = t0
                     reply["timeline"] = dict(getattr(h, "timeline", {}))
+                elif op == "send_preopened":  # open, await BEGIN_OK (TCP: BEGIN written), then time it
+                    h = t.start_send(cmd["rid"], cmd["endpoint"], cmd["src"], cmd["dst"], layers=(),
+                                     timeout=60)
+                    await h.begun()
+                    t0 = time.monotonic()
+                    h.push_layers(range(layout.num_layers), final=True)
+                    reply = await h.wait()
+                    reply["t_start"] = t0
+                    reply["timeline"] = {**h.timeline, "push": t0}
+                    reply["seconds"] = h.timeline.get("acked", time.monotonic()) - t0
                 elif op == "zero":
                     kv.zero_()
                     sync()
@@ -158,14 +178,17 @@ class TransferPair:
         self.conns[role].send(cmd)
         return self._recv(role)
 
-    def transfer(self, rid: str, src: list[int], dst: list[int]) -> dict:
-        """One request's blocks, tx -> rx; returns the sender's result plus the parent's wall seconds."""
+    def transfer(self, rid: str, src: list[int], dst: list[int], preopened: bool = False) -> dict:
+        """One request's blocks, tx -> rx; returns the sender's result plus the parent's wall seconds.
+        ``preopened``: the send is opened and BEGIN_OK awaited before its clock starts (module docstring)."""
         self._call("rx", op="expect", rid=rid, dst=dst)
         t0 = time.perf_counter()
         self.conns["rx"].send({"op": "wait", "rid": rid})
-        self.conns["tx"].send({"op": "send", "rid": rid, "endpoint": self.endpoint, "src": src, "dst": dst})
+        op = "send_preopened" if preopened else "send"
+        self.conns["tx"].send({"op": op, "rid": rid, "endpoint": self.endpoint, "src": src, "dst": dst})
         sent, got = self._recv("tx"), self._recv("rx")
-        # Every step of both sides in seconds after start_send (one CLOCK_MONOTONIC for both processes).
+        # Every step of both sides in seconds after start_send, or after the push of a preopened send (one
+        # CLOCK_MONOTONIC for both processes).
         steps = {f"tx_{k}": v - sent["t_start"] for k, v in sent.get("timeline", {}).items()}
         steps.update({f"rx_{k}": v - sent["t_start"] for k, v in got.get("timeline", {}).items()})
         return {**sent, "wall_seconds": time.perf_counter() - t0, "rx_seconds": got["seconds"],
@@ -254,19 +277,22 @@ def _row(runs: list[dict], nbytes: int, direct_s: float, exact: dict, overrides:
     }
     st = row["steps_ms"]
     done = st.get("rx_complete", st.get("rx_notif"))
-    if "tx_begin_ok" in st and done is not None:
+    begin = "tx_push" if "tx_push" in st else "tx_begin_ok"  # preopened: BEGIN_OK came before the clock
+    if begin in st and done is not None:
         # The data movement alone (BEGIN_OK in -> WRITE posted -> receiver completed it: its NIXL
         # notification, rx_notif, or the sender's WROTE frame, rx_wrote), without
         # the BEGIN round trip before and the DONE frame after (what layer-wise streaming can hide). On a
         # GPU the post returns at once (cuMemcpyDtoDAsync); on CPU (CMA) the copy happens inside it.
-        row["data_ms"] = done - st["tx_begin_ok"]
+        row["data_ms"] = done - st[begin]
+        row["data_from"] = begin
         row["data_fraction_of_direct_copy"] = direct_s * 1e3 / max(row["data_ms"], 1e-9)
     return row
 
 
 def _steps_ms(runs: list[dict]) -> dict:
-    """Median instant of each step after start_send in ms (tx_begin_ok, tx_posted, tx_xfers_done,
-    rx_notif or rx_wrote, rx_complete, tx_acked, ...), in time order."""
+    """Median instant of each step after start_send (preopened: after the push, tx_push) in ms
+    (tx_begin_ok, tx_posted, tx_xfers_done, rx_notif or rx_wrote, rx_complete, tx_acked, ...), in time
+    order."""
     import statistics
 
     keys = set().union(*(r.get("steps", {}) for r in runs))
@@ -285,7 +311,8 @@ def _print_row(key: str, x: dict, nbytes: int, direct_s: float) -> None:
 
 def _kv_pair(res: dict, key: str, kind: str, overrides: dict, env: dict, patterns: dict, *, layout, rx_dev,
              tx_dev, num_blocks: int, reps: int, out, nbytes: int, direct_s: float) -> None:
-    """One TransferPair; a row per id pattern (the first pattern's row is ``key`` itself)."""
+    """One TransferPair; a row per id pattern (the first pattern's row is ``key`` itself). A pattern is
+    (src, dst) or (src, dst, "preopened"): the latter times a preopened send (module docstring)."""
     try:
         pair = TransferPair(layout, rx_device=rx_dev, tx_device=tx_dev, num_blocks=num_blocks, kind=kind,
                             log_dir=out, overrides=overrides, tag=key, env=env)
@@ -293,16 +320,18 @@ def _kv_pair(res: dict, key: str, kind: str, overrides: dict, env: dict, pattern
         res[key] = {"error": f"{type(exc).__name__}: {exc}"}
         return
     try:
-        for pname, (src, dst) in patterns.items():
+        for pname, (src, dst, *mode) in patterns.items():
             rkey = key if pname == "contiguous" else f"{key}_{pname}"
+            pre = mode == ["preopened"]
             try:
                 pair._call("rx", op="zero")
                 for i in range(2):
-                    pair.transfer(f"{rkey}-warm-{i}", src, dst)
-                runs = [pair.transfer(f"{rkey}-{i}", src, dst) for i in range(reps)]
+                    pair.transfer(f"{rkey}-warm-{i}", src, dst, preopened=pre)
+                runs = [pair.transfer(f"{rkey}-{i}", src, dst, preopened=pre) for i in range(reps)]
                 want, have = pair.digest("tx", src), pair.digest("rx", dst)
                 exact = {"digest": want["digest"] == have["digest"], "others_zero": have["others_zero"]}
-                res[rkey] = {**_row(runs, nbytes, direct_s, exact, overrides, env), "ids": pname}
+                res[rkey] = {**_row(runs, nbytes, direct_s, exact, overrides, env),
+                             "ids": "contiguous" if pre else pname, "preopened": pre}
             except Exception as exc:
                 res[rkey] = {"error": f"{type(exc).__name__}: {exc}"}
             _print_row(rkey, res[rkey], nbytes, direct_s)
@@ -348,6 +377,9 @@ def bench_transfer(out: str | Path, *, quick: bool = False, tokens: int = 4096,
       and ``ipc_copy``, a copy_ into the receiver's tensor mapped through torch CUDA IPC;
     * ``nixl`` (contiguous ids, as the bench always did), ``nixl_scattered``, ``nixl_same_ids``: kvtransfer
       as the services use it; ``tcp``: the TCP fallback staged through host memory;
+    * ``nixl_preopened``, ``tcp_preopened`` (same pairs, contiguous ids): the send opened and its
+      handshake done before the clock, then all layers pushed at once -- what the prefill worker pays
+      after its prefill when it streams layers (module docstring);
     * with ``transfer_variants``: kvtransfer configs (KV_VARIANTS) and UCX environments for the raw
       rows (RAW_ENVS), each in fresh processes.
     """
@@ -405,6 +437,7 @@ def bench_transfer(out: str | Path, *, quick: bool = False, tokens: int = 4096,
         "scattered": (list(range(blocks)), rng.sample(range(num_blocks), blocks)),
         "same_ids": (list(range(blocks)), list(range(blocks))),
     }
+    patterns["preopened"] = (*patterns["contiguous"], "preopened")
     kw = dict(layout=layout, rx_dev=rx_dev, tx_dev=tx_dev, num_blocks=num_blocks, reps=reps, out=out,
               nbytes=nbytes, direct_s=direct_s)
     _kv_pair(res, "nixl", "nixl", {}, {}, patterns, **kw)
@@ -422,13 +455,16 @@ def bench_transfer(out: str | Path, *, quick: bool = False, tokens: int = 4096,
                 _print_row(f"{key} {name}", x, nbytes, direct_s)
             if "error" in r:
                 print(f"  {key}: error {r['error'][:300]}", flush=True)
-    _kv_pair(res, "tcp", "tcp", {}, {}, {"contiguous": patterns["contiguous"]},
+    tcp_patterns = {k: patterns[k] for k in ("contiguous", "preopened")}
+    _kv_pair(res, "tcp", "tcp", {}, {}, tcp_patterns,
              **{**kw, "reps": 2 if quick else 3})
     res["ucx_transports"] = ucx_transports(out, "nixl")
     res["ucx_transports_raw"] = ucx_transports(out, "raw")
     one = raw.get("rows", {}).get("1desc", {})
     res["goal"] = {
         "nixl_fraction_of_direct_copy": res.get("nixl", {}).get("fraction_of_direct_copy"),
+        "nixl_preopened_fraction_of_direct_copy":
+            res.get("nixl_preopened", {}).get("fraction_of_direct_copy"),
         "raw_1desc_fraction_of_direct_copy": one.get("fraction_of_direct_copy"),
         "target": 0.85,
     }
@@ -450,7 +486,9 @@ def transfer_markdown(t: dict) -> list[str]:
         f"## Transfer: {t['tokens']}-token KV ({nb / 2**20:.0f} MiB) {where[0]} -> {where[1]}",
         "",
         "kvtransfer rows: start_send -> receiver's DONE seen by the sender (`rx ms`: -> receiver's "
-        "expectation complete). Raw rows: post -> all xfers DONE on the initiator (`notif ms`: -> target "
+        "expectation complete); `_preopened` rows: send opened and BEGIN_OK (TCP: BEGIN written) awaited "
+        "first, then all layers pushed at once -> DONE (what the prefill worker pays after its prefill "
+        "when it streams layers). Raw rows: post -> all xfers DONE on the initiator (`notif ms`: -> target "
         "saw the notification).",
         "",
         "| path | ms | GB/s | vs direct copy | rx / notif ms | byte-exact |",
@@ -483,11 +521,11 @@ def transfer_markdown(t: dict) -> list[str]:
     out.append("")
     steps = [(k, x["steps_ms"]) for k, x in t.items() if isinstance(x, dict) and x.get("steps_ms")]
     if steps:
-        out += ["Where a kvtransfer send's time goes (median ms after start_send; tx_ sender, rx_ receiver):",
-                ""]
+        out += ["Where a kvtransfer send's time goes (median ms after start_send, `_preopened` rows: after "
+                "the push, tx_push; tx_ sender, rx_ receiver):", ""]
         for k, st in steps:
             x = t[k]
-            wire = (f" -- tx_begin_ok -> rx_complete {x['data_ms']:.2f} ms = "
+            wire = (f" -- {x.get('data_from', 'tx_begin_ok')} -> rx_complete {x['data_ms']:.2f} ms = "
                     f"{x['data_fraction_of_direct_copy']:.1%} of the direct copy" if "data_ms" in x else "")
             out.append(f"- {k}: " + ", ".join(f"{s} {v:.2f}" for s, v in st.items()) + wire)
         out.append("")

@@ -24,7 +24,9 @@ Lifecycle::
                            receiver is told (ABORT), a receiver-initiated abort is acknowledged
 
 Layer-wise streaming: start_send(..., layers=range(0, 4)) sends those layers and leaves the handle
-open; push_layers(range(4, 8)) as layers are computed; finish() once all were pushed.
+open; push_layers(range(4, 8)) as layers are computed; finish() once all were pushed. await begun()
+returns once the send is open at the receiver (NIXL: BEGIN_OK; TCP: BEGIN written), e.g. to push every
+layer of a send opened with layers=() with nothing of the handshake left.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class SendHandle(FutureResult):
         # transfer with the same request id can never complete this one.
         self.xid = secrets.token_hex(6)
         self._begin_ok: asyncio.Future = transport.loop.create_future()
+        self._opened: asyncio.Future = transport.loop.create_future()  # see begun()
         self._done: asyncio.Future = transport.loop.create_future()
         self._future: asyncio.Future = transport.loop.create_future()
         for fut in (self._begin_ok, self._done, self._future):
@@ -112,6 +115,15 @@ class SendHandle(FutureResult):
         self._finished = True
         self._ops.put_nowait(_FINISH)
 
+    async def begun(self) -> None:
+        """Return once the send is open at the receiver: NIXL -- its BEGIN_OK arrived (it accepted the
+        request; a pushed layer's WRITE is posted at once); TCP -- BEGIN was written to the socket (it is not
+        acknowledged, and rides along with the first pushed layers' data, if any). Raises the TransferError
+        that ended the send if it ended first. Cancelling the waiter never cancels the transfer."""
+        await asyncio.wait([self._opened, self._future], return_when=asyncio.FIRST_COMPLETED)
+        if not self._opened.done() and self._future.exception() is not None:
+            raise self._future.exception()
+
     async def abort(self, reason: str = "aborted by sender") -> None:
         """Stop; returns once nothing of this transfer is in flight any more."""
         if not self._task.done():
@@ -122,6 +134,10 @@ class SendHandle(FutureResult):
     def _on_begin_ok(self) -> None:
         if not self._begin_ok.done():
             self._begin_ok.set_result(None)
+
+    def _mark_opened(self) -> None:
+        if not self._opened.done():
+            self._opened.set_result(None)
 
     def _on_done(self) -> None:
         if not self._done.done():
@@ -199,6 +215,7 @@ class SendHandle(FutureResult):
         self.timeline["begin_sent"] = time.monotonic()
         await self._begin_ok
         self.timeline["begin_ok"] = time.monotonic()
+        self._mark_opened()
         while True:
             op = await self._next_op()
             if op is _FINISH:
@@ -248,11 +265,14 @@ class SendHandle(FutureResult):
             if op is None:
                 if pending:
                     await peer.send_frames(pending)
+                    self._tcp_begin_sent(alone=True)
                     pending = []
                 op = await self._ops.get()
             final = op is _FINISH or op[2]
             tail = [(Msg.END, {"rid": self.request_id, "nbytes": self.nbytes}, None, 0)] if final else []
-            await self._send_tcp(peer, pending, () if op is _FINISH else op[1], tail)
+            layers = () if op is _FINISH else op[1]
+            await self._send_tcp(peer, pending, layers, tail)
+            self._tcp_begin_sent(alone=not layers)
             pending = []
             if final:
                 self.timeline["sent"] = time.monotonic()
@@ -260,6 +280,14 @@ class SendHandle(FutureResult):
         self.state = "completing"
         await self._done
         self.timeline["acked"] = time.monotonic()
+
+    def _tcp_begin_sent(self, alone: bool) -> None:
+        """BEGIN was written: begun() returns. The instant is recorded only when BEGIN went without data
+        (with data, the write returns when the data was sent, which says nothing about BEGIN)."""
+        if not self._opened.done():
+            if alone:
+                self.timeline["begin_sent"] = time.monotonic()
+            self._mark_opened()
 
     async def _send_tcp(self, peer, head: list, layers: tuple[int, ...], tail: list) -> None:
         """head frames, DATA frames of these layers' blocks, tail frames, in that order. Host memory: all

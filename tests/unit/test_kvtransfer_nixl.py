@@ -161,3 +161,43 @@ def test_nothing_to_send_still_signals_completion(kind):
         assert res["bytes"] == 0 and (await exp.wait())["backend"] == kind
         await leak_free(a, b)
     run(main())
+
+
+@pytest.mark.parametrize("kind", ["tcp", pytest.param("nixl", marks=needs_nixl)])
+def test_begun_then_every_layer_in_one_push(kind):
+    """SendHandle.begun(): a send opened with no layer is open at the receiver (NIXL: BEGIN_OK; TCP: BEGIN
+    written) before anything is pushed; then every layer at once with final=True arrives byte-exact. A
+    BEGIN the receiver refuses fails begun() on NIXL; on TCP (not acknowledged) it fails the send."""
+    async def main():
+        src, dst = LAYOUT.allocate(8), LAYOUT.allocate(8)
+        fill_random(src, 9)
+        a = await make_transport(kind, LAYOUT, src).start()
+        b = await make_transport(kind, LAYOUT, dst).start()
+        ep = b.endpoint()
+        s_ids, d_ids = [1, 2, 3], [4, 5, 6]
+        exp = b.expect("pre", d_ids, timeout=20)
+        h = a.start_send("pre", ep, s_ids, d_ids, layers=())
+        await h.begun()
+        assert ("begin_ok" if kind == "nixl" else "begin_sent") in h.timeline
+        assert not h.done() and not exp.done() and "posted" not in h.timeline
+        if kind == "nixl":
+            assert exp.state == "receiving"  # BEGIN_OK is sent once the receiver accepted BEGIN
+        await h.begun()  # idempotent
+        h.push_layers(range(LAYOUT.num_layers), final=True)
+        res = await h.wait()
+        assert res["backend"] == kind and (await exp.wait())["bytes"] == res["bytes"]
+        assert all(same(dst, src, d, s) for s, d in zip(s_ids, d_ids, strict=True))
+        bad = b.expect("bad", [0], timeout=20)
+        h = a.start_send("bad", ep, [7], [7], layers=())  # block 7 was not reserved for "bad"
+        if kind == "nixl":
+            with pytest.raises(InvalidTransfer, match="not reserved"):
+                await h.begun()
+        else:
+            await h.begun()
+        with pytest.raises(InvalidTransfer):
+            await h.wait()
+        with pytest.raises(InvalidTransfer):
+            await bad.wait()
+        assert not dst[:, 7].view(torch.uint8).any()
+        await leak_free(a, b)
+    run(main())
