@@ -89,6 +89,7 @@ class SendHandle(FutureResult):
         self._cancel_exc: TransferError | None = None
         self._ack_remote_abort = False
         self._task = transport.loop.create_task(self._run(), name=f"kvtransfer-send-{rid}")
+        self._task.add_done_callback(self._task_ended)
 
     # -- public ------------------------------------------------------------------------------------
     def push_layers(self, layers, *, final: bool = False) -> None:
@@ -159,6 +160,16 @@ class SendHandle(FutureResult):
         missing = sorted(set(range(self.t.layout.num_layers)) - self._pushed)
         if missing:
             raise InvalidTransfer(f"finish() of {self.request_id!r} with layers {missing[:8]} never pushed")
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        """A task cancelled before its first step never ran ``_run`` (an abort or a peer error right
+        after start_send): nothing was sent or registered with a peer, so failing the handle here is
+        all the settling there is. Without it ``wait()`` would never return."""
+        if task.cancelled() and not self._future.done():
+            exc = self._cancel_exc or TransferAborted(f"transfer {self.request_id!r} cancelled")
+            self.state = "aborted" if isinstance(exc, TransferAborted) else "failed"
+            self._future.set_exception(exc)
+            self.t._sends.pop(self.request_id, None)
 
     # -- worker ------------------------------------------------------------------------------------
     async def _run(self) -> None:

@@ -270,3 +270,25 @@ def test_aborts_deadlines_and_unknown_requests():
         b.release("never-existed")  # idempotent
         await close_clean(a, b)
     run(main())
+
+
+@pytest.mark.parametrize("layers", [None, ()])
+def test_abort_right_after_start_send_settles_the_handle(layers):
+    """The send's task is cancelled before its first step (it never ran): wait() and begun() must still
+    end with TransferAborted, nothing sent, nothing left registered."""
+    async def scenario():
+        a, b, src, dst = await pair()
+        exp = b.expect("r", [0, 1], timeout=5.0)
+        h = a.start_send("r", b.endpoint(), [0, 1], [0, 1], layers=layers)
+        await h.abort()
+        with pytest.raises(TransferAborted):
+            await h.wait()
+        with pytest.raises(TransferAborted):
+            await h.begun()
+        assert h.state == "aborted" and not dst.view(torch.uint8).any()
+        await b.abort("r")  # the decode side gives its blocks back (its lease / the router's Release)
+        with pytest.raises(TransferAborted):
+            await exp.wait()
+        await close_clean(a, b)
+
+    run(scenario())
