@@ -8,50 +8,28 @@ import asyncio
 
 import pytest
 import torch
+from kvtransfer_testkit import leak_free, needs_nixl, run
 
 import kvtransfer.receiver as rxmod
 from engine.kv_layout import KVLayout
 from kvtransfer import (
-    BackendUnavailable,
     InvalidTransfer,
     TransferAborted,
     TransferTimeout,
     make_transport,
-    nixl_backend,
 )
 from kvtransfer.peer_proc import fill_random
 from kvtransfer.protocol import parse_notif
 
 pytestmark = pytest.mark.timeout(90)
 
-try:
-    nixl_backend.import_nixl()
-    NIXL_ERROR = None
-except BackendUnavailable as exc:
-    NIXL_ERROR = str(exc)
-pytestmark = [pytestmark,
-              pytest.mark.skipif(NIXL_ERROR is not None, reason=f"NIXL not importable: {NIXL_ERROR}")]
+pytestmark = [pytestmark, needs_nixl]
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=16, dtype="bfloat16")
 # The sender's fast wait is on for VRAM only by default; here (DRAM) it is turned on explicitly.
 FAST = {"nixl_fast_wait_mem": ("DRAM", "VRAM")}
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-async def leak_free(*ts):
-    for _ in range(200):
-        if all(t.stats()["expectations"] == 0 and t.stats()["sends"] == 0 for t in ts):
-            break
-        await asyncio.sleep(0.01)
-    for t in ts:
-        s = t.stats()
-        assert (s["expectations"], s["sends"], s["nixl_xfers"]) == (0, 0, 0), s
-        await t.close()
-        s = t.stats()
-        assert s == {k: 0 for k in s}, s
 
 
 async def until(cond, what: str):

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from kvtransfer_testkit import leak_free, needs_nixl, run
 
 from engine.kv_layout import KVLayout
 from kvtransfer import (
@@ -21,31 +22,9 @@ from kvtransfer.peer_proc import fill_random
 
 pytestmark = pytest.mark.timeout(90)
 
-try:
-    nixl_backend.import_nixl()
-    NIXL_ERROR = None
-except BackendUnavailable as exc:  # reported, not hidden: the TCP-only tests below still run
-    NIXL_ERROR = str(exc)
-needs_nixl = pytest.mark.skipif(NIXL_ERROR is not None, reason=f"NIXL not importable: {NIXL_ERROR}")
-
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=16, dtype="bfloat16")
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-async def leak_free(*ts):
-    for _ in range(100):
-        if all(t.stats()["expectations"] == 0 and t.stats()["sends"] == 0 for t in ts):
-            break
-        await asyncio.sleep(0.01)
-    for t in ts:
-        s = t.stats()
-        assert (s["expectations"], s["sends"], s["nixl_xfers"]) == (0, 0, 0), s
-        await t.close()
-        s = t.stats()
-        assert s == {k: 0 for k in s}, s
 
 
 def same(dst, src, d, s):

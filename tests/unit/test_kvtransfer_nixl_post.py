@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from kvtransfer_testkit import needs_nixl, run
 
 from engine.kv_layout import KVLayout
 from kvtransfer import BackendUnavailable, TransportConfig, make_transport, nixl_backend
@@ -17,18 +18,10 @@ from kvtransfer.peer_proc import fill_random
 
 pytestmark = pytest.mark.timeout(90)
 
-try:
-    nixl_backend.import_nixl()
-    NIXL_ERROR = None
-except BackendUnavailable as exc:
-    NIXL_ERROR = str(exc)
-needs_nixl = pytest.mark.skipif(NIXL_ERROR is not None, reason=f"NIXL not importable: {NIXL_ERROR}")
 
 LAYOUT = KVLayout(num_layers=6, num_kv_heads=2, head_dim=16, block_size=8, dtype="bfloat16")
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
 
 
 def same(dst, src, d, s):

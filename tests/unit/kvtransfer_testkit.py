@@ -1,0 +1,36 @@
+"""Shared pieces of the in-process kvtransfer tests: whether NIXL imports, a bounded event-loop run,
+and the leak check every scenario ends with (no expectations, sends or NIXL transfers left, and a
+closed transport whose every counter is zero)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvtransfer import BackendUnavailable, nixl_backend
+
+try:
+    nixl_backend.import_nixl()
+    NIXL_ERROR = None
+except BackendUnavailable as exc:  # reported, not hidden: TCP-only tests still run
+    NIXL_ERROR = str(exc)
+needs_nixl = pytest.mark.skipif(NIXL_ERROR is not None, reason=f"NIXL not importable: {NIXL_ERROR}")
+
+
+def run(coro, timeout: float = 60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def leak_free(*ts, polls: int = 200) -> None:
+    """Wait for both sides to settle, assert nothing is left, close, assert every counter is zero."""
+    for _ in range(polls):
+        if all(t.stats()["expectations"] == 0 and t.stats()["sends"] == 0 for t in ts):
+            break
+        await asyncio.sleep(0.01)
+    for t in ts:
+        s = t.stats()
+        assert (s["expectations"], s["sends"], s["nixl_xfers"]) == (0, 0, 0), s
+        await t.close()
+        s = t.stats()
+        assert s == {k: 0 for k in s}, s
