@@ -85,13 +85,19 @@ def _checksum(t) -> str:
     return hashlib.sha256(a.cpu().numpy().tobytes() + b.cpu().numpy().tobytes()).hexdigest()
 
 
-def _peer(role: str, device: str, nbytes: int, env: dict, log_path: str | None, conn, side) -> None:
+def child_setup(env: dict, log_path: str | None) -> None:
+    """First thing in a benchmark peer process: its environment (UCX_*), its output to the log file
+    (UCX prints its protocol tables on stdout, NIXL logs on stderr: both go there), the repo on sys.path."""
     os.environ.update(env)
-    if log_path:  # UCX prints its protocol tables on stdout, NIXL logs on stderr: both to the file
+    if log_path:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
     sys.path.insert(0, ROOT)
+
+
+def _peer(role: str, device: str, nbytes: int, env: dict, log_path: str | None, conn, side) -> None:
+    child_setup(env, log_path)
     import torch
     import torch.multiprocessing  # noqa: F401  (registers the CUDA/shared-memory tensor reductions)
 

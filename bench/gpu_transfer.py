@@ -47,12 +47,10 @@ def _peer(
     conn,
     overrides: dict | None = None,
 ) -> None:
-    os.environ.update(env)
-    if log_path:  # UCX prints its protocol tables on stdout, NIXL logs on stderr: both to the file
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_nixl_raw import child_setup
+
+    child_setup(env, log_path)
     import torch
 
     from engine.kv_layout import KVLayout
