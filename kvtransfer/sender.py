@@ -68,6 +68,9 @@ class SendHandle(FutureResult):
         # Monotonic instants of its steps (start, begin_sent, begin_ok, posted, xfers_done, sent, acked):
         # diagnostics for benches (bench/gpu_transfer.py breaks a NIXL transfer's time down with them).
         self.timeline = {"start": self.started}
+        # device memory over TCP: (staging issued, staged bytes ready, frame on the socket) per DATA frame,
+        # time.monotonic(); shows whether a streamed send waits on the GPU copies or on the socket
+        self.frame_times: list[tuple[float, float, float]] = []
         self._deadline = self.started + timeout
         self._pushed: set[int] = set()
         self._finished = False
@@ -311,17 +314,21 @@ class SendHandle(FutureResult):
             frames = [self._data_frame(f, mem.stage_out(sg)[0]) for f, sg in zip(plan, segs, strict=True)]
             await peer.send_frames(head + frames + tail)
             return
-        staged, sending = mem.stage_out(segs[0]), None
+        issued, staged, sending = time.monotonic(), mem.stage_out(segs[0]), None
         try:
             for i, frame in enumerate(plan):
                 views, event = staged
                 await mem.ready(event)
+                ready = time.monotonic()
                 if sending is not None:
                     await sending  # frames stay in order
                 last = i == len(plan) - 1
                 batch = (head if i == 0 else []) + [self._data_frame(frame, views)] + (tail if last else [])
                 sending = self.t.loop.create_task(peer.send_frames(batch))
                 sending.add_done_callback(lambda f: f.cancelled() or f.exception())
+                sending.add_done_callback(
+                    lambda f, a=issued, b=ready: self.frame_times.append((a, b, time.monotonic())))
+                issued = time.monotonic()
                 staged = None if last else mem.stage_out(segs[i + 1])
             await sending
         finally:

@@ -103,8 +103,9 @@ async def run(args: argparse.Namespace, model_dir: str) -> list[dict]:
             row["ratio_p50"] = row["on"]["total_ms_p50"] / row["off"]["total_ms_p50"]
             marks = [s["timeline"] for s in samples[True] if s["timeline"]]
             if marks:  # when the pushes happened against the compute (median ms after prefill() began)
-                row["stream_timeline_ms_p50"] = {k: statistics.median(m[k] for m in marks) * 1e3
-                                                 for k in marks[0]}
+                keys = list(dict.fromkeys(k for m in marks for k in m))
+                row["stream_timeline_ms_p50"] = {k: statistics.median(m[k] for m in marks if k in m) * 1e3
+                                                 for k in keys}
             rows.append(row)
             print_row(row)
     finally:

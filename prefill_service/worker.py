@@ -96,7 +96,7 @@ class PrefillWorker:
         if request_id in self.in_flight:
             raise ValueError(f"request {request_id!r} is already being prefilled here")
         self.in_flight.add(request_id)
-        t_in = time.perf_counter()
+        t_in, mono_in = time.perf_counter(), time.monotonic()
         skip = target.num_cached_tokens // self.block_size
         stream = self._open_stream(request_id, target, skip) if self.stream_layers else None
         try:
@@ -139,6 +139,13 @@ class PrefillWorker:
                 timeline = {"open": stream.opened_at - t_in, "first_push": stream.push_at[0] - t_in,
                             "last_push": stream.push_at[-1] - t_in, "prefill_done": t_out - t_in,
                             "acked": t_ack - t_in}
+                frames = getattr(stream.handle, "frame_times", None)
+                if frames:  # TCP from device memory: when the staged copies were ready / on the socket
+                    timeline.update(first_frame_ready=frames[0][1] - mono_in,
+                                    last_frame_ready=frames[-1][1] - mono_in,
+                                    first_frame_sent=frames[0][2] - mono_in,
+                                    last_frame_sent=frames[-1][2] - mono_in,
+                                    max_stage_wait=max(b - a for a, b, _ in frames))
             return PrefillResult(
                 first_token_id=int(out.new_token_ids[0]), first_logprob=first_logprob(out),
                 num_prompt_tokens=len(prompt_ids), num_cached_tokens=int(out.num_cached_tokens or 0),
