@@ -283,8 +283,17 @@ class SendHandle(FutureResult):
                     pending = []
                 op = await self._ops.get()
             final = op is _FINISH or op[2]
-            tail = [(Msg.END, {"rid": self.request_id, "nbytes": self.nbytes}, None, 0)] if final else []
             layers = () if op is _FINISH else op[1]
+            # Layers pushed while the previous ones were on the socket go out in one call, so their
+            # frames pipeline (next frame's device->host copy during this one's send). One call per
+            # layer would wait out each frame's staging: half the socket rate while a prefill streams.
+            while not final and not self._ops.empty():
+                nxt = self._ops.get_nowait()
+                if nxt is _FINISH:
+                    final = True
+                    break
+                layers, final = layers + nxt[1], nxt[2]
+            tail = [(Msg.END, {"rid": self.request_id, "nbytes": self.nbytes}, None, 0)] if final else []
             await self._send_tcp(peer, pending, layers, tail)
             self._tcp_begin_sent(alone=not layers)
             pending = []

@@ -292,3 +292,22 @@ def test_abort_right_after_start_send_settles_the_handle(layers):
         await close_clean(a, b)
 
     run(scenario())
+
+
+@pytest.mark.parametrize("opts", [{}, {"force_staging": True, "max_frame_bytes": 4096}])
+def test_layers_pushed_one_by_one_while_sending_arrive_byte_exact(opts):
+    """Layer-wise pushes that queue up behind a frame on the socket go out together (one pipelined
+    call): every layer still lands exactly once, in its own blocks, and the send completes once."""
+    async def main():
+        lay = layout(num_layers=6, dtype="float32", block_size=16)
+        a, b, src, dst = await pair(lay, src_blocks=20, dst_blocks=24, **opts)
+        s_ids, d_ids = [3, 4, 5, 9, 1], [20, 21, 22, 2, 7]
+        exp = b.expect("r", d_ids, timeout=20)
+        h = a.start_send("r", b.endpoint(), s_ids, d_ids, layers=())
+        await h.begun()
+        for layer in range(lay.num_layers):  # no await between: they queue behind the first
+            h.push_layers([layer], final=layer == lay.num_layers - 1)
+        await asyncio.gather(h.wait(), exp.wait())
+        assert_copied(src, dst, s_ids, d_ids)
+        await close_clean(a, b)
+    run(main())
