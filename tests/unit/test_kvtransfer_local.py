@@ -296,8 +296,8 @@ def test_abort_right_after_start_send_settles_the_handle(layers):
 
 @pytest.mark.parametrize("opts", [{}, {"force_staging": True, "max_frame_bytes": 4096}])
 def test_layers_pushed_one_by_one_while_sending_arrive_byte_exact(opts):
-    """Layer-wise pushes that queue up behind a frame on the socket go out together (one pipelined
-    call): every layer still lands exactly once, in its own blocks, and the send completes once."""
+    """Layer-wise pushes queued back to back (the path where the sender merges them into one pipelined
+    call): every layer lands in its own blocks, byte-exact, and the send and the expectation complete."""
     async def main():
         lay = layout(num_layers=6, dtype="float32", block_size=16)
         a, b, src, dst = await pair(lay, src_blocks=20, dst_blocks=24, **opts)
