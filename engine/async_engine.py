@@ -99,6 +99,14 @@ class AsyncEngine:
     # ---- calls onto the engine thread ---------------------------------------------------------------
     async def call(self, fn: Callable[[Any], T]) -> T:
         """Run ``fn(engine)`` on the engine thread and return its result (or raise its exception)."""
+        return await self.post(fn)
+
+    def post(self, fn: Callable[[Any], T]) -> asyncio.Future[T]:
+        """Queue ``fn(engine)`` for the engine thread now; the returned future settles when it ran.
+
+        Commands run between forward passes, so a busy engine runs this one after its current step.
+        ``call`` awaits that; a caller that need not wait (a release whose answer nobody reads) keeps
+        the future and goes on. Commands run in the order they were posted."""
         if self._stopped.is_set() or self._loop is None:
             raise EngineStopped(f"engine is not running: {self.error or 'stopped'}")
         fut: asyncio.Future[T] = self._loop.create_future()
@@ -113,7 +121,7 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_result, fut, result)
 
         self._commands.put(run)
-        return await fut
+        return fut
 
     async def _open(self, request_id: str, add: Callable[[Any], Any]) -> tuple[RequestStream, Any]:
         """Register a stream for ``request_id`` and run ``add`` in the same engine-thread closure."""
@@ -175,8 +183,10 @@ class AsyncEngine:
                 if release_on_error:
                     await self.release(request_id)
                 return out, []
-            table = await self.call(lambda e: list(e.block_table(request_id)))
-            return out, table
+            table = getattr(out, "block_ids", None)
+            if table is None:  # an engine whose outputs do not carry the table
+                table = await self.call(lambda e: list(e.block_table(request_id)))
+            return out, list(table)
         except BaseException:
             if release_on_error:
                 await asyncio.shield(self.release(request_id))
@@ -193,11 +203,17 @@ class AsyncEngine:
             yield out
 
     async def release(self, request_id: str) -> None:
+        await self.release_soon(request_id)
+
+    def release_soon(self, request_id: str) -> asyncio.Future[None]:
+        """Queue the release of ``request_id`` (its blocks back to the pool) without waiting for it:
+        on a busy engine it runs after the forward pass in flight. A request id used again later is
+        queued behind this release, so it never sees the old request's state."""
         def release(engine: Any) -> None:
             self._streams.pop(request_id, None)
             engine.release(request_id)
 
-        await self.call(release)
+        return self.post(release)
 
     async def abort(self, request_id: str) -> None:
         await self._abort_quietly(request_id)

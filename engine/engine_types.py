@@ -63,6 +63,9 @@ class StepOutput:
     error: str | None = None
     # Finished requests with stop strings: the output text cut before the matched stop string.
     text: str | None = None
+    # "prefilled" outputs: the pinned block table, read on the engine thread as the output is made, so
+    # the caller needs no second engine-thread round trip (which would wait out the next forward pass).
+    block_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -265,6 +265,7 @@ def test_disaggregated_prefill_then_decode_matches_colocated(make_engine, params
         assert first.finished and first.finish_reason == "prefilled" and len(first.new_token_ids) == 1
         src = prefill.block_table(rid)
         assert len(src) == -(-len(prompt) // 4)
+        assert first.block_ids == src  # the output carries the pinned table (no second engine call)
         res = decode.reserve(rid, prompt, params)
         assert len(res.block_ids) == len(src) and res.num_cached_tokens % 4 == 0
         skip = res.num_cached_tokens // 4  # only the blocks the decode side lacks travel

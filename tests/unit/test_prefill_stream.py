@@ -240,3 +240,53 @@ def test_abort_racing_the_end_of_the_prefill_starts_no_send():
             await rig.assert_no_leaks()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "one-piece"])
+def test_first_token_does_not_wait_for_the_next_forward_pass(stream):
+    """On a busy prefill worker the next prompt's forward pass starts right after a request's final
+    chunk. Its first token (and the KV send) must not wait for that pass to end: the block table comes
+    with the "prefilled" output and the blocks' release is queued, not awaited. Here the pass after
+    A's final chunk blocks until the test opens a gate; A must still be answered meanwhile."""
+    import threading
+
+    async def main():
+        async with Rig("tcp", stream) as rig:
+            a, b = prompts_of([40, 200], seed=12)  # 64-token steps: A done in step 1, B needs 4
+            gate, entered, state = threading.Event(), threading.Event(), {"armed": False}
+            real_step = rig.p.step
+
+            def step():
+                if state["armed"]:  # the pass after A's final chunk: the engine thread stays here
+                    state["armed"] = False
+                    entered.set()
+                    gate.wait(60)
+                outs = real_step()
+                if any(o.request_id == "a" and o.finish_reason == "prefilled" for o in outs):
+                    state["armed"] = True
+                return outs
+
+            rig.p.step = step
+            ta, exp_a = rig.reserve("a", a)
+            tb, exp_b = rig.reserve("b", b)
+            task_a = asyncio.ensure_future(rig.worker.prefill("a", a, PARAMS, ta))
+            await asyncio.sleep(0)
+            task_b = asyncio.ensure_future(rig.worker.prefill("b", b, PARAMS, tb))
+            try:
+                res_a = await asyncio.wait_for(task_a, 20)  # the gate is still closed
+                assert entered.is_set() and not gate.is_set() and not task_b.done()
+                await exp_a.wait()  # A's KV arrived while the engine was still in B's pass
+                assert len(rig.worker._releasing) == 1  # A's release waits behind that pass
+            finally:
+                gate.set()
+            res_b = await task_b
+            await exp_b.wait()
+            await rig.worker.idle()
+            assert not rig.worker._releasing
+            rig.d.commit_prefilled("a", res_a.first_token_id)
+            rig.d.commit_prefilled("b", res_b.first_token_id)
+            got = rig.decode_all({"a": res_a.first_token_id, "b": res_b.first_token_id})
+            assert [got["a"], got["b"]] == reference([a, b])
+            await rig.assert_no_leaks()
+
+    asyncio.run(asyncio.wait_for(main(), 90))
