@@ -66,6 +66,16 @@ class TransportConfig:
     # Descriptor lists prepared once per (agent, remote agent); a request posts by block index. False
     # builds descriptors per request (also the automatic fallback when NIXL cannot prepare lists).
     nixl_prepped: bool = True
+    # Sender: make one WRITE per layer while BEGIN_OK is on its way (off the critical path: a streamed
+    # prefill opens its send before the final chunk computes) and post a pushed layer's WRITE with one
+    # call, so its bytes move at once. False: one WRITE made and posted per push (one make_prepped_xfer
+    # over every (layer, block) index of the push before anything moves). Needs nixl_prepped.
+    nixl_prebuild: bool = True
+    # Linux: the transport's event-loop thread asks for a 1 ns timer slack (prctl PR_SET_TIMERSLACK), so
+    # the fast wait's time.sleep(nixl_fast_wait_nap_s) naps about that long instead of the default 50 us
+    # slack on top (a 20 us nap was really ~70 us, and a WRITE's completion was seen that much later).
+    # Costs nothing while the thread is idle; only that thread's sleeps and timeouts are affected.
+    fine_timer_slack: bool = True
     # NIXL's own progress thread spins (about a quarter of a core per idle agent, measured); without it
     # the transport's polling (state checks, notification polls) drives UCX progress instead.
     nixl_progress_thread: bool = False

@@ -14,7 +14,8 @@ Lifecycle::
     post_blocks(...)                   one-sided WRITE of (layer, src block) -> (layer, dst block) pairs
                                        by index into the two prepared lists (NIXL merges neighbours), one
                                        transfer for everything passed in, optionally carrying a
-                                       notification; post_write(...) is the unprepared fallback
+                                       notification; post_write(...) is the unprepared fallback;
+                                       make_blocks_xfer + post: the same WRITE made ahead, posted later
     state(xfer) / release(xfer)        poll DONE / PROC / ERR; release cancels what is still in flight
     send_notif / poll_notifs           completion and probe notifications (small JSON, see protocol.py)
     close()                            release every handle and prepared list, forget remote agents,
@@ -215,6 +216,13 @@ class NixlAgent:
 
     def post_blocks(self, remote: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes = b""):
         """ONE WRITE of prepared descriptors by index (see _prep); returns (handle, state)."""
+        handle, ndescs = self.make_blocks_xfer(remote, local_idx, remote_idx, notif)
+        return self.post(handle, remote, ndescs)
+
+    def make_blocks_xfer(self, remote: str, local_idx: np.ndarray, remote_idx: np.ndarray,
+                         notif: bytes = b"") -> tuple[object, int]:
+        """A WRITE of prepared descriptors by index, made but not posted: (handle, descriptors after
+        merging). ``post`` it later (it is tracked from now on: ``release`` or ``close`` frees it)."""
         rdlist = self._remote_dlists.get(remote)
         if rdlist is None or self._local_dlist is None:
             raise PeerUnavailable(f"no prepared NIXL descriptors for {remote}")
@@ -223,9 +231,14 @@ class NixlAgent:
                                                   notif)
         except Exception as exc:
             raise PeerUnavailable(f"NIXL could not prepare a WRITE to {remote}: {exc}") from exc
+        self._xfers.add(handle)
         # Counted as NIXL will post them: neighbours on both sides merge into one descriptor.
         joined = (np.diff(local_idx) == 1) & (np.diff(remote_idx) == 1)
-        return self._post(handle, remote, int(len(local_idx) - np.count_nonzero(joined)))
+        return handle, int(len(local_idx) - np.count_nonzero(joined))
+
+    def post(self, handle, remote: str, ndescs: int):
+        """Post a WRITE made by ``make_blocks_xfer``; returns (handle, state)."""
+        return self._post(handle, remote, ndescs)
 
     def state(self, handle) -> str:
         try:

@@ -37,6 +37,23 @@ _IDLE_S = 0.01
 _TIMER_RESOLUTION_S = 0.001  # asyncio's epoll timeouts are whole milliseconds, rounded up
 
 
+def fine_timer_slack() -> bool:
+    """Ask Linux for a 1 ns timer slack on the calling thread (prctl PR_SET_TIMERSLACK): its short
+    ``time.sleep`` naps then last about what they ask for, not that plus the default 50 us slack.
+    Per thread, no privilege needed; False where unsupported (not Linux, no libc)."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(29, ctypes.c_ulong(1), 0, 0, 0) == 0  # 29 = PR_SET_TIMERSLACK
+    except (OSError, AttributeError):
+        return False
+
+
 async def poll_pause(config, spinning: bool = False) -> None:
     """One pause between two polls of pending NIXL work (see TransportConfig.nixl_poll_nap): a bare
     yield while spinning, a nap of nixl_poll_interval_s in this thread when asked for one below the

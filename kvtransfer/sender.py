@@ -9,10 +9,12 @@ Lifecycle::
                            any DATA of the request) -> one step per pushed layer range -> finish
         TCP                DATA frames (segments of coalesced block runs, <= max_frame_bytes), then END;
                            device memory goes through page-locked buffers, one frame staged ahead
-        NIXL               one WRITE per pushed layer range (ranges queued meanwhile join it; a one-shot
-                           send is ONE WRITE for all layers), by index into descriptor lists prepared
-                           once per (agent, remote agent); finish waits for all to be DONE (a fast,
-                           GIL-releasing poll for about the expected duration: nixl_fast_wait_s), then
+        NIXL               one WRITE per layer, made while BEGIN_OK travels and posted when the layer is
+                           pushed (nixl_prebuild; otherwise one WRITE per pushed layer range, ranges
+                           queued meanwhile joining it, a one-shot send ONE WRITE for all layers), by
+                           index into descriptor lists prepared once per (agent, remote agent); finish
+                           waits for all to be DONE (a fast, GIL-releasing poll for about the expected
+                           duration: nixl_fast_wait_s), then
                            tells the receiver: a WROTE frame on the side channel (receivers advertising
                            CAP_WROTE; nixl_tx_done_frame) and/or a NIXL notification {done, rid, n,
                            xid} (attached to the last WRITE when finish() was already known, always for
@@ -76,7 +78,8 @@ class SendHandle(FutureResult):
         self._finished = False
         self._ops: asyncio.Queue = asyncio.Queue()
         self._peer = None
-        self._xfers: list = []
+        self._xfers: list = []  # posted NIXL WRITEs not yet DONE and released
+        self._ready: dict[int, tuple] = {}  # layer -> (made, unposted WRITE, descriptors): _prebuild
         self._notif_attached = False
         self._began = False
         self._settling = False
@@ -227,6 +230,7 @@ class SendHandle(FutureResult):
     async def _run_nixl(self, peer, meta: dict) -> None:
         await peer.send_frame(Msg.BEGIN, meta)
         self.timeline["begin_sent"] = time.monotonic()
+        self._prebuild(peer)
         await self._begin_ok
         self.timeline["begin_ok"] = time.monotonic()
         self._mark_opened()
@@ -354,13 +358,37 @@ class SendHandle(FutureResult):
             meta["crc"] = crc
         return (Msg.DATA, meta, views, sum(len(v) for v in views))
 
+    def _prebuild(self, peer) -> None:
+        """One WRITE per layer, made (not posted) while BEGIN_OK travels (TransportConfig.nixl_prebuild).
+        A push then posts each layer's WRITE with one call: the first layer's bytes move after
+        microseconds instead of after one make_prepped_xfer over every index of the push. Layers
+        already queued when the send starts are built first. Unposted ones are released on settle."""
+        nixl = self.t.nixl
+        if not (self.t.config.nixl_prebuild and self.src and nixl.can_post_blocks(peer.remote_agent)):
+            return
+        nb, rnb = self.t.memory.num_blocks, peer.num_blocks
+        for layer in range(self.t.layout.num_layers):
+            local = (layer * nb + self._src_np).astype(np.int32)
+            remote = (layer * rnb + self._dst_np).astype(np.int32)
+            self._ready[layer] = nixl.make_blocks_xfer(peer.remote_agent, local, remote)
+        self.timeline["prebuilt"] = time.monotonic()
+
     async def _send_layers(self, peer, layers: tuple[int, ...], final: bool) -> None:
-        """ONE NIXL WRITE for all these layers' blocks (a one-shot send: every layer, one post)."""
+        """ONE NIXL WRITE for all these layers' blocks (a one-shot send: every layer, one post), or with
+        prebuilt WRITEs one post per layer (the completion notification then goes after them)."""
         if not layers or not self.src:
+            return
+        nixl = self.t.nixl
+        if self._ready:
+            self._notif_attached = False
+            for layer in layers:
+                handle, ndescs = self._ready.pop(layer)
+                nixl.post(handle, peer.remote_agent, ndescs)  # a failed post released the handle
+                self._xfers.append(handle)
+            self.timeline["posted"] = time.monotonic()
             return
         notif = self._notif() if final else b""
         self._notif_attached = final
-        nixl = self.t.nixl
         if nixl.can_post_blocks(peer.remote_agent):
             # Indices into the prepared (layer, block) lists: layer-major, pairs in request order, so
             # runs consecutive on both sides (also across a layer boundary) are merged by NIXL.
@@ -425,6 +453,9 @@ class SendHandle(FutureResult):
         self._settling = True  # a peer failing now must not cancel this cleanup
         self.state = "aborted" if isinstance(exc, TransferAborted) else "failed"
         nixl = self.t.nixl
+        for handle, _n in self._ready.values():  # made, never posted: nothing to wait for
+            nixl.release(handle)
+        self._ready.clear()
         deadline = time.monotonic() + self.t.config.abort_ack_timeout_s
         for handle in list(self._xfers):
             while not nixl.release(handle):  # release cancels a WRITE still in flight, if it can

@@ -42,6 +42,7 @@ from .peer import Peer
 from .protocol import PROTOCOL_VERSION
 from .receiver import Expectation, Receiver
 from .rx_conn import RxConnection
+from .rx_nixl import fine_timer_slack
 from .sender import SendHandle
 
 log = logging.getLogger("kvtransfer")
@@ -109,6 +110,8 @@ class KVTransport:
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> KVTransport:
         self.loop = asyncio.get_running_loop()
+        if self.config.fine_timer_slack and self.nixl is not None:
+            fine_timer_slack()  # this thread's fast-wait naps (sender.py) last what they ask for
         self.receiver = Receiver(layout=self.layout, memory=self.memory, config=self.config, nixl=self.nixl,
                                  backends=self.backends, loop=self.loop)
         self.receiver.recv_pool = self.recv_pool

@@ -74,9 +74,17 @@ def count_completions(monkeypatch, transport) -> list[str]:
     return done
 
 
-@pytest.mark.parametrize("cfg", [{}, FAST, {**FAST, "nixl_fast_wait_nap_s": 0.0}],
-                         ids=["default", "fast_wait", "fast_wait_nap0"])
+# nixl_prebuild off: one WRITE per push, the final one carrying the notification (the path before
+# prebuilt per-layer WRITEs, still there when prepared lists are off or a config turns it off).
+ONE_WRITE = {"nixl_prebuild": False}
+
+
+@pytest.mark.parametrize("cfg", [{}, FAST, {**FAST, "nixl_fast_wait_nap_s": 0.0}, ONE_WRITE],
+                         ids=["default", "fast_wait", "fast_wait_nap0", "one_write_per_push"])
 def test_wrote_frame_completes_without_nixl_notifications(monkeypatch, cfg):
+    """The WROTE frame alone completes one-shot and streamed sends. Prebuilt per-layer WRITEs (default)
+    carry no notification and, with a WROTE-capable receiver, none is sent after them; one WRITE per
+    push attaches it to the final WRITE (dropped here by the tap)."""
     async def main():
         src, dst = LAYOUT.allocate(16), LAYOUT.allocate(24)
         fill_random(src, 11)
@@ -105,9 +113,13 @@ def test_wrote_frame_completes_without_nixl_notifications(monkeypatch, cfg):
         assert same(dst, src, 10, 10) and same(dst, src, 11, 11)
         assert all("wrote" in e.timeline for e in exps.values())
         assert sorted(done) == ["l0", "l1", "one"]
-        # Only the attached notifications (one-shot, final push) went out: none after the WRITEs.
-        await until(lambda: tap.done >= 2, "attached notifications arrive")
-        await leak_free(a, b)
+        if cfg.get("nixl_prebuild", True):
+            await leak_free(a, b)  # nothing is left to arrive: no notification was sent
+            assert tap.done == 0
+        else:
+            # Only the attached notifications (one-shot, final push) went out: none after the WRITEs.
+            await until(lambda: tap.done >= 2, "attached notifications arrive")
+            await leak_free(a, b)
     run(main())
 
 
@@ -118,7 +130,7 @@ def test_frame_and_notification_complete_once(monkeypatch, first):
     async def main():
         src, dst = LAYOUT.allocate(8), LAYOUT.allocate(8)
         fill_random(src, 12)
-        a = await make_transport("nixl", LAYOUT, src, **FAST).start()
+        a = await make_transport("nixl", LAYOUT, src, **FAST, **ONE_WRITE).start()  # both completions
         b = await make_transport("nixl", LAYOUT, dst, **FAST).start()
         rx = b.receiver
         done = count_completions(monkeypatch, b)
@@ -247,3 +259,37 @@ def test_fast_wait_budget_and_config():
                 {"nixl_fast_wait_mem": ("HBM",)}):
         with pytest.raises(ValueError, match="nixl_fast_wait"):
             TransportConfig(**bad)
+
+
+@pytest.mark.parametrize("pushed", [0, 2], ids=["nothing_pushed", "half_pushed"])
+def test_prebuilt_writes_one_per_layer_and_released_on_abort(pushed):
+    """With nixl_prebuild (default) a send makes one WRITE per layer before BEGIN_OK and posts a layer's
+    WRITE when it is pushed; a send aborted with layers not pushed yet releases the unposted ones (no
+    NIXL handle left), and the next send over the same peer is byte-exact with one post per layer."""
+    async def main():
+        src, dst = LAYOUT.allocate(8), LAYOUT.allocate(8)
+        fill_random(src, 14)
+        a = await make_transport("nixl", LAYOUT, src, **FAST).start()
+        b = await make_transport("nixl", LAYOUT, dst).start()
+        exp = b.expect("x", [1, 2], timeout=20)
+        h = a.start_send("x", b.endpoint(), [0, 1], [1, 2], layers=())
+        await h.begun()
+        assert "prebuilt" in h.timeline and h.timeline["prebuilt"] <= h.timeline["begin_ok"]
+        assert sorted(h._ready) == list(range(LAYOUT.num_layers))
+        if pushed:
+            h.push_layers(range(pushed))
+            await until(lambda: len(h._ready) == LAYOUT.num_layers - pushed, "the pushed layers posted")
+        # every WRITE is tracked until released: unposted ones, and posted ones until reaped when DONE
+        assert a.nixl.num_xfers == LAYOUT.num_layers - pushed + len(h._xfers)
+        await h.abort()
+        assert not h._ready and a.nixl.num_xfers == 0
+        with pytest.raises(TransferAborted):
+            await exp.wait()
+        posted = a.nixl.posted_xfers
+        exp = b.expect("y", [3, 4], timeout=20)
+        await a.start_send("y", b.endpoint(), [5, 6], [3, 4]).wait()
+        await exp.wait()
+        assert a.nixl.posted_xfers - posted == LAYOUT.num_layers
+        assert same(dst, src, 3, 5) and same(dst, src, 4, 6)
+        await leak_free(a, b)
+    run(main())

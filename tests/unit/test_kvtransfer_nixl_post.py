@@ -43,12 +43,18 @@ async def send(a, b, rid, src_ids, dst_ids, **kw):
 
 
 @needs_nixl
-@pytest.mark.parametrize("prepped", [True, False])
-def test_one_shot_multi_layer_send_posts_one_write(prepped):
+@pytest.mark.parametrize("prepped,prebuild", [(True, True), (True, False), (False, True)],
+                         ids=["prebuilt_per_layer", "prepped_one_write", "unprepped_one_write"])
+def test_one_shot_multi_layer_send_posts_one_write_or_one_per_layer(prepped, prebuild):
+    """Prebuilt (the default): one WRITE per layer, made before BEGIN_OK. Without it (or without prepared
+    lists, where prebuilding is impossible) every layer of a one-shot send in ONE WRITE. The same
+    descriptors either way: NIXL merges a run consecutive on both sides."""
+    writes = LAYOUT.num_layers if prepped and prebuild else 1
+
     async def main():
         src, dst = LAYOUT.allocate(20), LAYOUT.allocate(32)
         fill_random(src, 11)
-        a = await make_transport("nixl", LAYOUT, src, nixl_prepped=prepped).start()
+        a = await make_transport("nixl", LAYOUT, src, nixl_prepped=prepped, nixl_prebuild=prebuild).start()
         b = await make_transport("nixl", LAYOUT, dst, nixl_prepped=prepped).start()
         assert (a.nixl.prep_kind != "") is prepped
         # Scattered pairs plus one run consecutive on both sides (0-3 -> 10-13).
@@ -59,7 +65,7 @@ def test_one_shot_multi_layer_send_posts_one_write(prepped):
             res = await send(a, b, f"r{i}", s_ids, d_ids)
             after = a.counters()
             assert res["backend"] == "nixl"
-            assert after["nixl_posted_xfers"] - before["nixl_posted_xfers"] == 1  # all 6 layers, one WRITE
+            assert after["nixl_posted_xfers"] - before["nixl_posted_xfers"] == writes
             assert all(same(dst, src, d, s) for s, d in zip(s_ids, d_ids, strict=True))
         # Descriptors as NIXL posts them: a run consecutive on both sides is one per layer -- r0 has
         # 3 per layer (the run, then two singles); r2 (all 20 -> 0..19) one per layer.
@@ -72,10 +78,11 @@ def test_one_shot_multi_layer_send_posts_one_write(prepped):
 
 @needs_nixl
 def test_streamed_pushes_queued_together_join_one_write():
+    """nixl_prebuild off (with it, every layer has its own WRITE, posted when pushed)."""
     async def main():
         src, dst = LAYOUT.allocate(8), LAYOUT.allocate(8)
         fill_random(src, 12)
-        a = await make_transport("nixl", LAYOUT, src).start()
+        a = await make_transport("nixl", LAYOUT, src, nixl_prebuild=False).start()
         b = await make_transport("nixl", LAYOUT, dst).start()
         await send(a, b, "warm", [0], [0])  # connection + handshake out of the way
         # Pushed before the sender's task ran: one WRITE for all three ranges, carrying the notification.
