@@ -44,20 +44,16 @@ def ucx_transports(log_dir: str | Path, kind: str = "nixl") -> list[str]:
 
 
 # (key, kind, TransportConfig overrides, extra env): fresh processes each, after the default "nixl"
-# pair (which also runs the scattered / same-id patterns). The default now has the sender's fast wait
-# (nixl_fast_wait_s, on for VRAM) and the WROTE frame (nixl_tx_done_frame); nixl_poll_floor is the
-# previous default (both off: ~1 ms asyncio poll per NIXL hop), the before of the same run. nap / spin
-# are measured on top of the previous default, as in the runs before (comparable rows); the
-# _fast_wait_only / _wrote_only rows split the new default's gain between its two halves.
-_OLD = {"nixl_fast_wait_s": 0, "nixl_tx_done_frame": False}
+# pair, each timed one-shot and preopened. The default makes one WRITE per layer while BEGIN_OK travels
+# and posts each with one call (nixl_prebuild) and gives the transport thread a 1 ns timer slack so the
+# sender's fast-wait naps last ~20 us, not ~70 (fine_timer_slack); each _no_ row turns one of them off
+# (the before of the same run). nixl_nap_0 polls with time.sleep(0) (GIL released, no timer at all).
+# Earlier variant rows (poll floor, WROTE only, spin, progress thread) are in the s2c result files.
 KV_VARIANTS = [
-    ("nixl_poll_floor", "nixl", dict(_OLD), {}),
-    ("nixl_fast_wait_only", "nixl", {"nixl_tx_done_frame": False, "nixl_fast_wait_mem": ["DRAM", "VRAM"]},
-     {}),
-    ("nixl_wrote_only", "nixl", {"nixl_fast_wait_s": 0}, {}),
-    ("nixl_nap_50us", "nixl", {**_OLD, "nixl_poll_nap": True, "nixl_poll_interval_s": 5e-5}, {}),
-    ("nixl_spin_10ms", "nixl", {**_OLD, "nixl_spin_s": 0.01}, {}),
-    ("nixl_progress_thread", "nixl", {"nixl_progress_thread": True}, {}),
+    ("nixl_no_prebuild", "nixl", {"nixl_prebuild": False}, {}),
+    ("nixl_no_fine_slack", "nixl", {"fine_timer_slack": False}, {}),
+    ("nixl_no_prebuild_no_fine_slack", "nixl", {"nixl_prebuild": False, "fine_timer_slack": False}, {}),
+    ("nixl_nap_0", "nixl", {"nixl_fast_wait_nap_s": 0.0}, {}),
 ]
 # UCX environments for the raw rows (fresh processes each; a subset of the raw variants). CACHE=n:
 # cuda_ipc opens (maps) the target's IPC handle on every put instead of once -- what first use costs.
@@ -256,7 +252,8 @@ def bench_transfer(out: str | Path, *, quick: bool = False, tokens: int = 4096,
     _kv_pair(res, "nixl", "nixl", {}, {}, patterns, **kw)
     if transfer_variants:
         for key, kind, overrides, env in KV_VARIANTS:
-            _kv_pair(res, key, kind, overrides, env, {"contiguous": patterns["contiguous"]}, **kw)
+            _kv_pair(res, key, kind, overrides, env,
+                     {k: patterns[k] for k in ("contiguous", "preopened")}, **kw)
         subset = [v for v in VARIANTS if v[0] in RAW_ENV_SUBSET]
         for key, env in RAW_ENVS:
             r = bench_raw(out, nbytes=nbytes, device_tx=dev_name(tx_dev), device_rx=dev_name(rx_dev), env=env,
@@ -278,12 +275,21 @@ def bench_transfer(out: str | Path, *, quick: bool = False, tokens: int = 4096,
         "nixl_fraction_of_direct_copy": res.get("nixl", {}).get("fraction_of_direct_copy"),
         "nixl_preopened_fraction_of_direct_copy":
             res.get("nixl_preopened", {}).get("fraction_of_direct_copy"),
+        # the receiver's expectation complete (the KV is in place and the decode side knows it), from the
+        # push: what the decode worker waits for; the sender's figure adds the DONE frame back to it
+        "nixl_preopened_rx_fraction_of_direct_copy":
+            _rx_fraction(res.get("nixl_preopened"), direct_s),
         "raw_1desc_fraction_of_direct_copy": one.get("fraction_of_direct_copy"),
         "target": 0.85,
     }
     res["section_wall_s"] = time.perf_counter() - t_start
     print(f"  transfer section: {res['section_wall_s']:.0f} s", flush=True)
     return res
+
+
+def _rx_fraction(x: dict | None, direct_s: float) -> float | None:
+    t = (x or {}).get("rx_done_after_start_s")
+    return direct_s / t if t else None
 
 
 def _ms(x: dict | None, key: str = "seconds") -> str:
@@ -304,21 +310,22 @@ def transfer_markdown(t: dict) -> list[str]:
         "when it streams layers). Raw rows: post -> all xfers DONE on the initiator (`notif ms`: -> target "
         "saw the notification).",
         "",
-        "| path | ms | GB/s | vs direct copy | rx / notif ms | byte-exact |",
-        "|---|---:|---:|---:|---:|---|",
-        f"| direct copy (one process) | {direct * 1e3:.2f} | {nb / direct / 1e9:.1f} | 100% | - | - |",
+        "| path | ms | GB/s | vs direct copy | rx / notif ms | rx vs direct copy | byte-exact |",
+        "|---|---:|---:|---:|---:|---:|---|",
+        f"| direct copy (one process) | {direct * 1e3:.2f} | {nb / direct / 1e9:.1f} | 100% | - | - | - |",
     ]
 
     def line(name: str, x: dict, second: str) -> None:
         if "error" in x:
-            out.append(f"| {name} | error: {x['error'][:100]} | | | | |")
+            out.append(f"| {name} | error: {x['error'][:100]} | | | | | |")
         elif x:
+            rx = f"{direct / x[second]:.1%}" if x.get(second) else "-"
             out.append(f"| {name} | {x['seconds'] * 1e3:.2f} | {nb / x['seconds'] / 1e9:.1f} | "
-                       f"{direct / x['seconds']:.1%} | {_ms(x, second)} | {x.get('byte_exact')} |")
+                       f"{direct / x['seconds']:.1%} | {_ms(x, second)} | {rx} | {x.get('byte_exact')} |")
 
     raw = t.get("raw") or {}
     if "error" in raw:
-        out.append(f"| raw nixl | error: {raw['error'][:100]} | | | | |")
+        out.append(f"| raw nixl | error: {raw['error'][:100]} | | | | | |")
     for name, x in (raw.get("rows") or {}).items():
         line(f"raw {name}", x, "notif_s")
     for key, x in t.items():
@@ -328,7 +335,7 @@ def transfer_markdown(t: dict) -> list[str]:
     for key, x in t.items():
         if key.startswith("raw_") and isinstance(x, dict) and ("rows" in x or "error" in x):
             if "error" in x:
-                out.append(f"| {key} | error: {x['error'][:100]} | | | | |")
+                out.append(f"| {key} | error: {x['error'][:100]} | | | | | |")
             for name, y in (x.get("rows") or {}).items():
                 line(f"{key} {name}", y, "notif_s")
     out.append("")
