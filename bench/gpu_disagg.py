@@ -297,6 +297,19 @@ def markdown(res: dict) -> list[str]:
                         f"{i['p50']:.1f}/{i['p90']:.1f}/{i['p99']:.1f} | {s['tpot_ms']['p90']:.1f} | "
                         f"{s['e2e_ms']['p90'] / 1e3:.2f} | {s['output_token_throughput'] / 2:.0f} | "
                         f"{s['goodput']:.2f} |")
+    stages = [(mode, key, s["ttft_breakdown_ms"]) for mode in MODES
+              for key, s in (res.get(mode) or {}).items() if s.get("ttft_breakdown_ms")]
+    if stages:
+        rows += ["", "Where a remotely prefilled request's first token went (p50/p90 ms, FinalInfo): "
+                 "decode Allocate, the Prefill call, and inside it the prefill worker's engine queue, "
+                 "compute, KV ack wait:", "",
+                 "| workload @ rate | mode | allocate | prefill call | queue | compute | kv wait |",
+                 "|---|---|---:|---:|---:|---:|---:|"]
+        for mode, key, b in stages:
+            cells = " | ".join(f"{b[k]['p50']:.0f}/{b[k]['p90']:.0f}" for k in
+                               ("allocate_ms", "prefill_rpc_ms", "prefill_queue_ms", "prefill_compute_ms",
+                                "kv_wait_ms"))
+            rows.append(f"| {key} | {mode} | {cells} |")
     for key, c in res.get("comparison", {}).items():
         p99 = c.get("p99_itl_colocated_over_disagg", 0.0)
         rows.append(f"\n{key}: p90 ITL {c.get('baseline', 'colocated')}/disaggregated = "

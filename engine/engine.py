@@ -199,7 +199,8 @@ class LLMEngine:
                 seq.tokens.append(token)
                 self.scheduler.pin(seq)
                 seq.finish_reason = "prefilled"
-                outputs.append(self._output(seq, [token], lps, block_ids=list(seq.block_table)))
+                outputs.append(self._output(seq, [token], lps, block_ids=list(seq.block_table),
+                                            first_scheduled_at=seq.first_scheduled_at))
                 continue
             self._append_token(seq, token)
             if seq.finish_reason is not None:
@@ -304,8 +305,8 @@ class LLMEngine:
         self.scheduler.remove(seq)
         return self._output(seq, new_tokens, lps)
 
-    def _output(self, seq: Sequence, new_tokens: list[int], lps, *,
-                block_ids: list[int] | None = None) -> StepOutput:
+    def _output(self, seq: Sequence, new_tokens: list[int], lps, *, block_ids: list[int] | None = None,
+                first_scheduled_at: float | None = None) -> StepOutput:
         reason = seq.finish_reason
         finished = reason is not None
         if finished:
@@ -314,7 +315,7 @@ class LLMEngine:
         return StepOutput(request_id=seq.request_id, new_token_ids=new_tokens, new_logprobs=lps,
                           finished=finished, finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
                           num_cached_tokens=seq.num_cached_tokens, error=seq.error, text=text,
-                          block_ids=block_ids)
+                          block_ids=block_ids, first_scheduled_at=first_scheduled_at)
 
     def _num_blocks(self) -> int:
         cfg = self.config

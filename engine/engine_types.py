@@ -66,6 +66,8 @@ class StepOutput:
     # "prefilled" outputs: the pinned block table, read on the engine thread as the output is made, so
     # the caller needs no second engine-thread round trip (which would wait out the next forward pass).
     block_ids: list[int] | None = None
+    # "prefilled" outputs: time.monotonic() of the step that first scheduled the prompt (queue vs compute)
+    first_scheduled_at: float | None = None
 
 
 @dataclass(frozen=True)

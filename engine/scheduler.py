@@ -30,6 +30,7 @@ The engine validates requests before they are queued (too long for the context o
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -184,6 +185,8 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            if seq.first_scheduled_at is None:  # a preempted request keeps its first admission
+                seq.first_scheduled_at = time.monotonic()
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             sched = ScheduledSeq(seq=seq, context_len=seq.num_computed, num_tokens=n)

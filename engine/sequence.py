@@ -47,6 +47,7 @@ class Sequence:
         self.decoder = None  # engine.tokenizer.IncrementalDecoder when stop strings are set
         self.num_preemptions = 0
         self.layer_sink = None  # engine.layer_sink.LayerSink until its final prompt chunk has run
+        self.first_scheduled_at: float | None = None  # time.monotonic() of its first step (admission)
 
     @property
     def num_tokens(self) -> int:

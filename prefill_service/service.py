@@ -32,7 +32,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             first_token_id=res.first_token_id, num_prompt_tokens=res.num_prompt_tokens,
             num_cached_tokens=res.num_cached_tokens, kv_blocks_sent=res.kv_blocks_sent,
             kv_bytes_sent=res.kv_bytes_sent, transport=res.transport, worker_id=self.worker.worker_id,
-            kv_transfer_s=res.kv_transfer_s)
+            kv_transfer_s=res.kv_transfer_s, queue_s=res.queue_s, compute_s=res.compute_s,
+            kv_wait_s=res.kv_wait_s)
         if res.first_logprob is not None:
             msg.first_logprob = res.first_logprob
         return msg

@@ -68,6 +68,9 @@ class PrefillResult:
     # streamed sends: seconds after prefill() was called of open / first push / last push / prefill
     # done / acked, to see how much of the push overlapped the compute (benchmarks, debug logs)
     kv_stream_timeline: dict | None = None
+    # prefill() called -> the engine's first step with this prompt; that step -> the "prefilled" output
+    queue_s: float = 0.0
+    compute_s: float = 0.0
 
 
 class PrefillWorker:
@@ -110,7 +113,8 @@ class PrefillWorker:
                 if request_id in self._aborted:
                     raise PrefillAborted(f"prefill of {request_id} was aborted") from exc
                 raise
-            t_out = time.perf_counter()
+            t_out, mono_out = time.perf_counter(), time.monotonic()
+            started = getattr(out, "first_scheduled_at", None) or mono_in
             # Abort may also race the end of the prefill: its blocks are going, nothing may be sent.
             if request_id in self._aborted:
                 raise PrefillAborted(f"prefill of {request_id} was aborted")
@@ -154,7 +158,8 @@ class PrefillWorker:
                 num_prompt_tokens=len(prompt_ids), num_cached_tokens=int(out.num_cached_tokens or 0),
                 kv_blocks_sent=len(src), kv_bytes_sent=int(nbytes), transport=backend,
                 kv_transfer_s=transfer_s, kv_streamed=streamed, kv_wait_s=t_ack - t_out if src else 0.0,
-                kv_stream_timeline=timeline)
+                kv_stream_timeline=timeline, queue_s=max(0.0, started - mono_in),
+                compute_s=max(0.0, mono_out - started))
         finally:
             await asyncio.shield(self._settle(request_id, stream))
 

@@ -86,6 +86,13 @@ class ServingMeta:
     policy: str = ""
     prefill_mode: str = "remote"  # "local": the decode worker computed the prompt
     prefill_mode_reason: str = ""
+    # time to the first token, by stage (ms; FinalInfo): decode Allocate, the Prefill call, and within
+    # it the prefill worker's engine queue / compute / KV acknowledgement wait
+    allocate_ms: float = 0.0
+    prefill_rpc_ms: float = 0.0
+    prefill_queue_ms: float = 0.0
+    prefill_compute_ms: float = 0.0
+    kv_wait_ms: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
@@ -220,6 +227,7 @@ class Pipeline:
     async def _prefill_phase(self, req: Admitted, sampling, p, d, meta: ServingMeta,
                              timeout: float | None) -> FirstToken | None:
         """Allocate on D, then Prefill on P (token 1), or None: D prefills locally (conditional)."""
+        t0 = time.monotonic()
         try:
             alloc = await d.stub.Allocate(decode_pb2.AllocateRequest(
                 request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
@@ -227,6 +235,8 @@ class Pipeline:
                 timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise _failed(exc, d.worker_id, "decode Allocate") from None
+        t1 = time.monotonic()
+        meta.allocate_ms = (t1 - t0) * 1e3
         meta.kv_blocks_reused = alloc.num_cached_tokens // self.block_size
         decision: Decision = self.local.decide(req, alloc.num_cached_tokens, p, d)
         meta.prefill_mode_reason = decision.reason
@@ -254,6 +264,9 @@ class Pipeline:
                 timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise _failed(exc, p.worker_id, "prefill") from None
+        meta.prefill_rpc_ms = (time.monotonic() - t1) * 1e3
+        meta.prefill_queue_ms, meta.prefill_compute_ms = res.queue_s * 1e3, res.compute_s * 1e3
+        meta.kv_wait_ms = res.kv_wait_s * 1e3
         meta.kv_blocks_sent, meta.kv_bytes_sent = res.kv_blocks_sent, res.kv_bytes_sent
         meta.kv_transfer_s, meta.prefill_cached_tokens = res.kv_transfer_s, res.num_cached_tokens
         meta.cached_tokens = max(res.num_cached_tokens, alloc.num_cached_tokens)

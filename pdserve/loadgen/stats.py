@@ -67,6 +67,25 @@ def summarize(samples: Sequence[Sample], duration_s: float, *, ttft_slo_ms: floa
             errors[s.error] = errors.get(s.error, 0) + 1
     out["errors"] = errors
     out["kv"] = kv_summary(ok, block_size)
+    out["ttft_breakdown_ms"] = ttft_breakdown(ok)
+    return out
+
+
+TTFT_STAGES = ("allocate_ms", "prefill_rpc_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_wait_ms")
+
+
+def ttft_breakdown(ok: Sequence[Sample]) -> dict:
+    """p50/p90 of each stage of the time to the first token (FinalInfo) over the remotely prefilled
+    requests: where a disaggregated TTFT goes (decode Allocate, the Prefill call, and inside it the
+    prefill worker's engine queue, compute, KV acknowledgement wait). Empty without such requests."""
+    remote = [s.final for s in ok if s.final.get("prefill_mode", "remote") == "remote"
+              and s.final.get("prefill_rpc_ms")]
+    if not remote:
+        return {}
+    out: dict = {"requests": len(remote)}
+    for key in TTFT_STAGES:
+        vals = [float(f.get(key, 0.0)) for f in remote]
+        out[key] = {f"p{q}": percentile(vals, q) for q in (50, 90)}
     return out
 
 

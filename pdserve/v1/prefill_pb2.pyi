@@ -36,7 +36,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "num_prompt_tokens", "num_cached_tokens", "kv_blocks_sent", "kv_bytes_sent", "transport", "worker_id", "kv_transfer_s")
+    __slots__ = ("first_token_id", "first_logprob", "num_prompt_tokens", "num_cached_tokens", "kv_blocks_sent", "kv_bytes_sent", "transport", "worker_id", "kv_transfer_s", "queue_s", "compute_s", "kv_wait_s")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,9 @@ class PrefillResponse(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
     num_prompt_tokens: int
@@ -55,7 +58,10 @@ class PrefillResponse(_message.Message):
     transport: str
     worker_id: str
     kv_transfer_s: float
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., transport: _Optional[str] = ..., worker_id: _Optional[str] = ..., kv_transfer_s: _Optional[float] = ...) -> None: ...
+    queue_s: float
+    compute_s: float
+    kv_wait_s: float
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., transport: _Optional[str] = ..., worker_id: _Optional[str] = ..., kv_transfer_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., kv_wait_s: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -74,6 +74,10 @@ def test_greedy_matches_engine_concurrent(cluster) -> None:
         assert f["transport"] == "tcp" and f["prefill_worker"].startswith("prefill")
         assert f["decode_worker"].startswith("decode")
         assert f["usage"]["completion_tokens"] == len(r.token_ids)
+        # the first token's time by stage: the Prefill call holds the worker's queue + compute + KV wait
+        assert f["allocate_ms"] > 0 and f["prefill_compute_ms"] > 0 and f["prefill_queue_ms"] >= 0
+        inner = f["prefill_queue_ms"] + f["prefill_compute_ms"] + f["kv_wait_ms"]
+        assert f["prefill_rpc_ms"] >= inner - 1.0  # 1 ms: the two clocks are read in two processes
     # prompts of 16/17/40/100 tokens have full blocks: those went over the wire
     by_len = dict(zip(PROMPT_LENS, got, strict=True))
     assert by_len[100].final["kv_blocks_sent"] == 7 and by_len[100].final["kv_bytes_sent"] > 0

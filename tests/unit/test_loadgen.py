@@ -47,3 +47,18 @@ def test_summarize_throughput_and_goodput() -> None:
     table = format_table(s, "t")
     assert "ttft_ms" in table and "goodput 0.50" in table
     assert summarize([fast], 1.0)["goodput"] == 1.0  # no SLO: every OK request is good
+
+
+def test_ttft_breakdown_over_remotely_prefilled_requests_only() -> None:
+    def sample(mode: str, **ms) -> Sample:
+        return Sample(ok=True, ttft_s=0.1, itl_s=[0.01], tpot_s=0.01, e2e_s=0.2, prompt_tokens=10,
+                      output_tokens=2, final={"prefill_mode": mode, **ms})
+
+    remote = [sample("remote", allocate_ms=2.0, prefill_rpc_ms=100.0 + i, prefill_queue_ms=10.0 * i,
+                     prefill_compute_ms=80.0, kv_wait_ms=1.5) for i in range(5)]
+    local = sample("local", allocate_ms=2.0)  # prefilled by the decode worker: no remote stages
+    b = summarize([*remote, local], 1.0)["ttft_breakdown_ms"]
+    assert b["requests"] == 5
+    assert b["prefill_queue_ms"]["p50"] == pytest.approx(20.0) and b["prefill_queue_ms"]["p90"] == 36.0
+    assert b["prefill_compute_ms"]["p90"] == 80.0 and b["kv_wait_ms"]["p50"] == 1.5
+    assert summarize([local], 1.0)["ttft_breakdown_ms"] == {}  # colocated / all local: nothing to split
