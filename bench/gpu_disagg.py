@@ -96,8 +96,12 @@ def write_checkpoint(out: Path, preset: str) -> Path:
 
 
 MODES = ("disaggregated", "conditional", "colocated", "colocated-chunk512")
+# Diagnostic modes, run only when named (PDSERVE_DISAGG_MODES / --disagg-modes): 1P1D with the KV sent in
+# one piece after the prefill instead of layer by layer during it.
+EXTRA_MODES = ("disaggregated-oneshot",)
 BASELINES = ("colocated", "colocated-chunk512")
-MODE_WORKLOADS = {"conditional": ("short_prompt",)}  # on 4k prompts conditional == 1P1D (see above)
+MODE_WORKLOADS = {"conditional": ("short_prompt",),  # on 4k prompts conditional == 1P1D (see above)
+                  "disaggregated-oneshot": ("long_prompt",)}
 PREFILL_POOL_ARGS = ("--max-num-batched-tokens", "8192")
 BENCH_ENV = {"OMP_NUM_THREADS": "4", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -127,6 +131,8 @@ def cluster_specs(model: str | Path, *, n_gpus: int, kv_gb: float, transport: st
     specs = {
         "disaggregated": ClusterSpec(**pd_common),
         "conditional": ClusterSpec(router_args=("--conditional-disagg", "auto"), **pd_common),
+        "disaggregated-oneshot": ClusterSpec(**{**pd_common, "prefill_args": (*PREFILL_POOL_ARGS,
+                                                                              "--kv-stream-layers", "off")}),
         "colocated": ClusterSpec(**colo),
         "colocated-chunk512": ClusterSpec(decode_args=("--max-num-batched-tokens", "512"), **colo),
     }
@@ -287,7 +293,7 @@ def compare(res: dict) -> dict:
 def markdown(res: dict) -> list[str]:
     rows = ["| workload @ rate | mode | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | TPOT p90 ms | E2E p90 s | "
             "tok/s/GPU | goodput req/s |", "|---|---|---|---|---:|---:|---:|---:|"]
-    for mode in MODES:
+    for mode in (*MODES, *EXTRA_MODES):
         for key, s in (res.get(mode) or {}).items():
             if "ttft_ms" not in s:
                 rows.append(f"| {key} | {mode} | {s.get('status', '?')} | | | | | |")
@@ -297,7 +303,7 @@ def markdown(res: dict) -> list[str]:
                         f"{i['p50']:.1f}/{i['p90']:.1f}/{i['p99']:.1f} | {s['tpot_ms']['p90']:.1f} | "
                         f"{s['e2e_ms']['p90'] / 1e3:.2f} | {s['output_token_throughput'] / 2:.0f} | "
                         f"{s['goodput']:.2f} |")
-    stages = [(mode, key, s["ttft_breakdown_ms"]) for mode in MODES
+    stages = [(mode, key, s["ttft_breakdown_ms"]) for mode in (*MODES, *EXTRA_MODES)
               for key, s in (res.get(mode) or {}).items() if s.get("ttft_breakdown_ms")]
     if stages:
         rows += ["", "Where a remotely prefilled request's first token went (p50/p90 ms, FinalInfo): "
@@ -315,7 +321,7 @@ def markdown(res: dict) -> list[str]:
         rows.append(f"\n{key}: p90 ITL {c.get('baseline', 'colocated')}/disaggregated = "
                     f"{c['p90_itl_colocated_over_disagg']:.2f}x (p99 {p99:.2f}x), "
                     f"goodput {c['goodput_disagg']:.2f} vs {c['goodput_colocated']:.2f} req/s")
-    for k in (f"{m}_error" for m in MODES):
+    for k in (f"{m}_error" for m in (*MODES, *EXTRA_MODES)):
         if k in res:
             rows.append(f"\n{k}: {res[k]}")
     return rows
