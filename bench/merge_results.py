@@ -8,7 +8,8 @@ measured within one run (roofline and transfer against that run's own ceilings, 
 against colocated in the same call); this only puts the items side by side in the file the issue
 asks for, ``gpu-<device>-<date>.json`` with ``device``, ``command``, ``roofline``, ``transfer``,
 ``disagg_vs_colocated`` and ``transformers``. Each item keeps the command and ceilings of its own
-run (``commands``, ``ceilings_by_item``); a later run's item replaces an earlier one's. Writes the
+run (``commands``, ``ceilings_by_item``); a later run's item replaces an earlier one's. An earlier
+merged file may be one of the inputs (its items keep their own commands and ceilings). Writes the
 markdown tables beside it.
 """
 
@@ -34,10 +35,12 @@ def merge(runs: list[dict]) -> dict:
         for key, value in r.items():
             if key in ("device", "command", "date") or value is None:
                 continue
+            if key in ("commands", "ceilings_by_item", "merged_from"):
+                continue  # an earlier merge as input: its per-item records are taken below
             out[key] = value
             if key in ITEMS:
-                out["commands"][key] = r["command"]
-                out["ceilings_by_item"][key] = r.get("ceilings")
+                out["commands"][key] = (r.get("commands") or {}).get(key, r["command"])
+                out["ceilings_by_item"][key] = (r.get("ceilings_by_item") or {}).get(key, r.get("ceilings"))
     # The roofline's ratios are the ones taken against the ceilings: show those at the top.
     out["ceilings"] = out["ceilings_by_item"].get("roofline") or out.get("ceilings")
     return out

@@ -59,3 +59,12 @@ def test_runs_of_different_machines_are_refused(mr) -> None:
         mr.merge([_run("a"), other])
     with pytest.raises(ValueError, match="nothing"):
         mr.merge([])
+
+
+def test_an_earlier_merge_as_input_keeps_each_items_own_command(mr) -> None:
+    roof = {"decode": [], "prefill": {}}
+    first = mr.merge([_run("a", roofline=roof), _run("bb", transfer={"x": 1})])
+    later = mr.merge([first, _run("ccc", transfer={"x": 2})])
+    assert later["commands"] == {"roofline": "a", "transfer": "ccc"}
+    assert later["ceilings_by_item"] == {"roofline": {"copy_GBps": 1}, "transfer": {"copy_GBps": 3}}
+    assert later["transfer"] == {"x": 2} and later["roofline"] == roof
