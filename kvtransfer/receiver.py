@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from engine.kv_layout import KVLayout
 
+from . import trace
 from .blocks import validate_block_ids
 from .config import TransportConfig
 from .errors import (
@@ -179,6 +180,8 @@ class Receiver:
             exp.timer.cancel()
         exp.state = "done"
         now = exp.timeline["complete"] = time.monotonic()
+        if trace.enabled():
+            trace.emit("rx", exp.request_id, exp.timeline)
         exp._future.set_result({"request_id": exp.request_id, "bytes": exp.nbytes, "backend": exp.backend,
                                 "seconds": now - exp.started})
         exp.conn.send(Msg.DONE, {"rid": exp.request_id})

@@ -46,6 +46,7 @@ from .errors import InvalidTransfer, PeerUnavailable, TransferAborted, TransferE
 from .future_result import FutureResult
 from .protocol import CAP_WROTE, Msg, notif_message
 from .rx_nixl import poll_pause
+from .trace import emit, enabled
 
 log = logging.getLogger("kvtransfer.tx")
 _FINISH = ("finish",)
@@ -183,6 +184,8 @@ class SendHandle(FutureResult):
         try:
             await asyncio.wait_for(self._body(), max(0.0, self._deadline - time.monotonic()))
             self.state = "done"
+            if enabled():
+                emit("tx", self.request_id, self.timeline)
             self._future.set_result({"request_id": self.request_id, "bytes": self.nbytes,
                                      "backend": self.backend, "seconds": time.monotonic() - self.started})
         except asyncio.CancelledError:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.async_engine import AsyncEngine
+from kvtransfer import trace as kvtrace
 from prefill_service.layer_stream import EventWaiter, LayerStream
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class PrefillWorker:
                     raise PrefillAborted(f"prefill of {request_id} was aborted") from exc
                 raise
             t_out, mono_out = time.perf_counter(), time.monotonic()
-            started = getattr(out, "first_scheduled_at", None) or mono_in
+            started = out_started(out, mono_in)
             # Abort may also race the end of the prefill: its blocks are going, nothing may be sent.
             if request_id in self._aborted:
                 raise PrefillAborted(f"prefill of {request_id} was aborted")
@@ -132,6 +133,10 @@ class PrefillWorker:
             elif src:
                 nbytes, backend = await self.kv.send(target.kv_endpoint, request_id, src, dst)
             t_ack = time.perf_counter()
+            if kvtrace.enabled():  # the prefill's side of the send's timeline (kvtransfer/trace.py)
+                kvtrace.emit("prefill", request_id, {"called": mono_in, "first_step": started,
+                                                     "prefill_done": mono_out,
+                                                     "acked": mono_out + (t_ack - t_out)})
             # The router learns the pair's link bandwidth from bytes / kv_transfer_s. A streamed send's
             # open -> ack time is mostly the overlapped prefill compute (it would make a 150 GB/s link
             # look like 5 GB/s and push conditional disaggregation to local prefill), so it is no
@@ -211,3 +216,8 @@ class PrefillWorker:
             await stream.close("prefill aborted")
         await self.engine.abort(request_id)
         return found
+
+
+def out_started(out: Any, default: float) -> float:
+    """When the engine first scheduled the prompt (time.monotonic()), from its "prefilled" output."""
+    return getattr(out, "first_scheduled_at", None) or default

@@ -1,0 +1,28 @@
+"""Per-transfer timelines in the log, for finding where a transfer's time goes in a live cluster.
+
+``PDSERVE_KV_TRACE=1`` in a worker's environment makes the sender log each finished send's steps
+(``SendHandle.timeline``: start, begin_sent, begin_ok, prebuilt, posted, xfers_done, wrote_sent, acked)
+and the receiver each completed expectation's (``Expectation.timeline``: expect, begin, wrote / notif /
+end, complete), as ``time.monotonic()`` instants. Workers on one host share that clock, so the two
+sides' lines of one request id line up: e.g. the sender's ``wrote_sent`` against the receiver's
+``wrote`` is the side channel's delay, the receiver's ``complete`` against the sender's ``acked`` the
+way back. One INFO line per transfer: meant for benchmarks and debugging, off by default.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+log = logging.getLogger("kvtransfer.trace")
+
+
+def enabled() -> bool:
+    return os.environ.get("PDSERVE_KV_TRACE", "") == "1"
+
+
+def emit(side: str, request_id: str, timeline: dict) -> None:
+    """One line: ``kvtrace <side> <request id> {step: monotonic seconds, ...}``."""
+    log.info("kvtrace %s %s %s", side, request_id,
+             json.dumps({k: round(v, 6) for k, v in timeline.items()}, separators=(",", ":")))

@@ -1,0 +1,45 @@
+"""kvtransfer/trace.py: with PDSERVE_KV_TRACE=1 each side logs one line per transfer with its timeline."""
+
+import asyncio
+import json
+import logging
+
+import torch
+
+from engine.kv_layout import KVLayout
+from kvtransfer import make_transport
+from kvtransfer.peer_proc import fill_random
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype="float32")
+
+
+def run_one(monkeypatch, caplog, on: bool) -> list[str]:
+    if on:
+        monkeypatch.setenv("PDSERVE_KV_TRACE", "1")
+    else:
+        monkeypatch.delenv("PDSERVE_KV_TRACE", raising=False)
+
+    async def main():
+        src, dst = LAYOUT.allocate(4), LAYOUT.allocate(4)
+        fill_random(src, 3)
+        a = await make_transport("tcp", LAYOUT, src).start()
+        b = await make_transport("tcp", LAYOUT, dst).start()
+        exp = b.expect("r1", [2], timeout=10)
+        await a.start_send("r1", b.endpoint(), [1], [2]).wait()
+        await exp.wait()
+        assert torch.equal(dst[:, 2].view(torch.uint8), src[:, 1].view(torch.uint8))  # bytes (NaNs)
+        await a.close()
+        await b.close()
+
+    with caplog.at_level(logging.INFO, logger="kvtransfer.trace"):
+        asyncio.run(asyncio.wait_for(main(), 30))
+    return [r.getMessage() for r in caplog.records if r.name == "kvtransfer.trace"]
+
+
+def test_both_sides_log_their_timeline_only_when_asked(monkeypatch, caplog):
+    assert run_one(monkeypatch, caplog, on=False) == []
+    lines = run_one(monkeypatch, caplog, on=True)
+    sides = {line.split()[1]: json.loads(line.split(maxsplit=3)[3]) for line in lines}
+    assert set(sides) == {"tx", "rx"} and all(line.split()[2] == "r1" for line in lines)
+    tx, rx = sides["tx"], sides["rx"]
+    assert tx["start"] <= tx["acked"] and rx["begin"] <= rx["complete"] <= tx["acked"]
