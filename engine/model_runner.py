@@ -14,6 +14,7 @@ no hook at all.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.layout = layout
+        self.last_phases: dict = {}  # the last step's host timings (execute; pdserve.stall_watch)
         self.kv_cache = layout.allocate(num_blocks, device=device)
         self.backend = get_backend(attention_backend, device=device, dtype=layout.torch_dtype,
                                    **backend_geometry(cfg, block_size=layout.block_size))
@@ -81,6 +83,7 @@ class ModelRunner:
                          context_lens=[s.context_len for s in batch],
                          block_tables=[s.seq.block_table for s in batch])
         after_layer = self._layer_hook(batch)
+        t0 = time.monotonic()
         if after_layer is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(spec):
             hidden = self.cuda_graphs.run(input_ids, spec)  # a replayed decode graph: [n, hidden]
         elif after_layer is None:
@@ -91,8 +94,10 @@ class ModelRunner:
             hidden = self.model(self._to_device(input_ids), meta.positions, self.kv_cache, meta,
                                 after_layer=after_layer)
 
+        t1 = time.monotonic()
         samplers = [s for s in batch if s.samples]
         if not samplers:
+            self.last_phases = {"tokens": len(input_ids), "launch_ms": (t1 - t0) * 1e3}
             return [], []
         ends = np.cumsum(spec.query_lens) - 1
         rows = [int(ends[i]) for i, s in enumerate(batch) if s.samples]
@@ -103,6 +108,10 @@ class ModelRunner:
         logits = self.model.compute_logits(last)
         out = self.sampler(logits, [s.seq.params for s in samplers], [s.seq.generator for s in samplers])
         tokens = out.token_ids.tolist()
+        # Host time of the last step's parts (pdserve.stall_watch reports them with a GIL stall):
+        # plan + launching the forward, then sampling up to the first host read (the GPU sync).
+        self.last_phases = {"tokens": len(input_ids), "launch_ms": round((t1 - t0) * 1e3, 1),
+                            "sync_ms": round((time.monotonic() - t1) * 1e3, 1)}
         if out.logprobs is None:
             return tokens, [None] * len(tokens)
         lps = out.logprobs.tolist()

@@ -219,7 +219,12 @@ async def _router(settings: ServeSettings, server: GrpcServer):
 
 
 async def _worker_extras(settings: ServeSettings, server: GrpcServer, engine, aengine) -> None:
-    """Prometheus gauges (--metrics-port) and a Redis lease (--redis) for a prefill/decode worker."""
+    """Prometheus gauges (--metrics-port) and a Redis lease (--redis) for a prefill/decode worker; the
+    GIL stall watch when PDSERVE_STALL_WATCH_MS is set (pdserve/stall_watch.py)."""
+    from pdserve.stall_watch import start_from_env
+
+    runner = getattr(engine, "runner", None)
+    start_from_env((lambda: dict(runner.last_phases)) if runner is not None else None)
     if settings.metrics_port:
         from prometheus_client import CollectorRegistry, Gauge, start_http_server
 

@@ -1,0 +1,75 @@
+"""A debugging aid: log when this process's threads could not get the GIL for a while, and where each
+thread was when it came back.
+
+``PDSERVE_STALL_WATCH_MS=50`` (any positive number of ms) in a worker's environment starts one daemon
+thread that naps 2 ms in a loop. A nap that ends much later than asked means no Python thread could
+run meanwhile: some thread held the GIL (a C call that does not release it, or pure Python past the
+switch interval). Then one WARNING line with the gap, the engine's last step phases (``phases()``:
+plan / forward launch / sampling sync, ms) and the innermost frames of every other thread. The event
+loop and the kvtransfer sender stall exactly as long, so this is how a KV acknowledgement that waits
+a whole forward pass shows up. Off by default: one wake-up every 2 ms.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+log = logging.getLogger("pdserve.stall")
+_NAP_S = 0.002
+
+
+class StallWatch:
+    def __init__(self, thread: threading.Thread, stop: threading.Event) -> None:
+        self.thread, self._stop = thread, stop
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(1.0)
+
+
+def start_from_env(phases: Callable[[], dict] | None = None) -> StallWatch | None:
+    try:
+        threshold_ms = float(os.environ.get("PDSERVE_STALL_WATCH_MS", "0") or 0)
+    except ValueError:
+        log.warning("PDSERVE_STALL_WATCH_MS=%r is not a number; stall watch off",
+                    os.environ.get("PDSERVE_STALL_WATCH_MS"))
+        return None
+    if threshold_ms <= 0:
+        return None
+    stop = threading.Event()
+    thread = threading.Thread(target=_watch, args=(threshold_ms / 1e3, phases, stop), name="stall-watch",
+                              daemon=True)
+    thread.start()
+    log.info("stall watch on: GIL gaps over %.0f ms are logged", threshold_ms)
+    return StallWatch(thread, stop)
+
+
+def _watch(threshold_s: float, phases: Callable[[], dict] | None, stop: threading.Event) -> None:
+    me = threading.get_ident()
+    while not stop.is_set():
+        t0 = time.monotonic()
+        time.sleep(_NAP_S)
+        gap = time.monotonic() - t0 - _NAP_S
+        if gap < threshold_s:
+            continue
+        names = {t.ident: t.name for t in threading.enumerate()}
+        where = []
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            stack = traceback.extract_stack(frame)[-3:]
+            where.append(f"{names.get(ident, ident)}: " + " <- ".join(
+                f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack)))
+        extra = ""
+        if phases is not None:
+            try:
+                extra = f" engine step {phases()}"
+            except Exception:  # a racing read of a half-written dict: skip it
+                extra = ""
+        log.warning("GIL stall %.0f ms;%s; threads: %s", gap * 1e3, extra, " | ".join(where))
