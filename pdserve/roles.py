@@ -224,7 +224,10 @@ async def _worker_extras(settings: ServeSettings, server: GrpcServer, engine, ae
     from pdserve.stall_watch import start_from_env
 
     runner = getattr(engine, "runner", None)
-    start_from_env((lambda: dict(runner.last_phases)) if runner is not None else None)
+    import threading
+
+    start_from_env((lambda: dict(runner.last_phases)) if runner is not None else None,
+                   loop_thread=threading.get_ident())  # this coroutine runs on the event loop's thread
     if settings.metrics_port:
         from prometheus_client import CollectorRegistry, Gauge, start_http_server
 

@@ -33,7 +33,8 @@ class StallWatch:
         self.thread.join(1.0)
 
 
-def start_from_env(phases: Callable[[], dict] | None = None) -> StallWatch | None:
+def start_from_env(phases: Callable[[], dict] | None = None, *,
+                   loop_thread: int | None = None) -> StallWatch | None:
     try:
         threshold_ms = float(os.environ.get("PDSERVE_STALL_WATCH_MS", "0") or 0)
     except ValueError:
@@ -43,29 +44,46 @@ def start_from_env(phases: Callable[[], dict] | None = None) -> StallWatch | Non
     if threshold_ms <= 0:
         return None
     stop = threading.Event()
-    thread = threading.Thread(target=_watch, args=(threshold_ms / 1e3, phases, stop), name="stall-watch",
-                              daemon=True)
+    thread = threading.Thread(target=_watch, args=(threshold_ms / 1e3, phases, stop, loop_thread),
+                              name="stall-watch", daemon=True)
     thread.start()
     log.info("stall watch on: GIL gaps over %.0f ms are logged", threshold_ms)
     return StallWatch(thread, stop)
 
 
-def _watch(threshold_s: float, phases: Callable[[], dict] | None, stop: threading.Event) -> None:
+def _stack(frame, depth: int = 4) -> str:
+    stack = traceback.extract_stack(frame)[-depth:]
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack))
+
+
+def _watch(threshold_s: float, phases: Callable[[], dict] | None, stop: threading.Event,
+           loop_thread: int | None) -> None:
     me = threading.get_ident()
+    stuck_at, stuck_since, reported = None, 0.0, False
     while not stop.is_set():
         t0 = time.monotonic()
         time.sleep(_NAP_S)
-        gap = time.monotonic() - t0 - _NAP_S
+        now = time.monotonic()
+        gap = now - t0 - _NAP_S
+        frames = sys._current_frames()
+        if loop_thread is not None:
+            # The event loop's thread sitting on one line (outside its selector wait) past the threshold:
+            # a blocking call that released the GIL (so the gap above stays small) froze the loop.
+            frame = frames.get(loop_thread)
+            key = (id(frame), frame.f_lineno) if frame is not None else None
+            idle = frame is not None and os.path.basename(frame.f_code.co_filename) == "selectors.py"
+            if key != stuck_at or idle:
+                if reported and stuck_at is not None:
+                    log.warning("event loop was stuck %.0f ms", (now - stuck_since) * 1e3)
+                stuck_at, stuck_since, reported = key, now, False
+            elif not reported and now - stuck_since > threshold_s:
+                reported = True
+                log.warning("event loop stuck over %.0f ms at %s", threshold_s * 1e3, _stack(frame, 6))
         if gap < threshold_s:
             continue
         names = {t.ident: t.name for t in threading.enumerate()}
-        where = []
-        for ident, frame in sys._current_frames().items():
-            if ident == me:
-                continue
-            stack = traceback.extract_stack(frame)[-3:]
-            where.append(f"{names.get(ident, ident)}: " + " <- ".join(
-                f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack)))
+        where = [f"{names.get(ident, ident)}: {_stack(frame, 3)}" for ident, frame in frames.items()
+                 if ident != me]
         extra = ""
         if phases is not None:
             try:

@@ -44,3 +44,26 @@ def test_a_held_gil_is_reported(monkeypatch, caplog):
     # where the holder was when it let go: this test, right after the spin
     assert msgs and "GIL stall" in msgs[0] and "launch_ms" in msgs[0]
     assert "test_a_held_gil_is_reported" in msgs[0] and "MainThread" in msgs[0]
+
+
+def test_an_event_loop_blocked_in_a_gil_releasing_call_is_reported(monkeypatch, caplog):
+    import asyncio
+    import threading
+
+    monkeypatch.setenv("PDSERVE_STALL_WATCH_MS", "30")
+
+    async def main():
+        watch = stall_watch.start_from_env(loop_thread=threading.get_ident())
+        try:
+            await asyncio.sleep(0.02)
+            time.sleep(0.12)  # releases the GIL (no GIL stall) but freezes the loop
+            await asyncio.sleep(0.02)
+        finally:
+            watch.stop()
+
+    with caplog.at_level(logging.WARNING, logger="pdserve.stall"):
+        asyncio.run(main())
+    msgs = [r.getMessage() for r in caplog.records if r.name == "pdserve.stall"]
+    assert any("event loop stuck" in m and "main" in m for m in msgs), msgs
+    assert any(m.startswith("event loop was stuck") for m in msgs), msgs
+    assert not any("GIL stall" in m for m in msgs), msgs
