@@ -75,7 +75,8 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(model, self.kv_layout, num_blocks, device=self.device,
-                                  attention_backend=config.attention_backend, seed=config.seed)
+                                  attention_backend=config.attention_backend, seed=config.seed,
+                                  launch_ahead_layers=config.launch_ahead_layers)
         self.runner.enable_cuda_graphs(max_batch=config.max_num_seqs, max_model_len=self.max_model_len)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self._requests: dict[str, Sequence] = {}

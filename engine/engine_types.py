@@ -30,6 +30,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_queue: int = 1024
     attention_backend: str = "auto"
+    # CUDA, eager steps of at least LAUNCH_THROTTLE_MIN_TOKENS: launch at most this many layers ahead of
+    # the GPU (0: no limit). A whole prefill queued at once fills the device's launch queue, and every
+    # other CUDA call of the process -- the KV sender's NIXL posts on the event loop -- then blocks
+    # until the forward drains (measured on an H200: 80-210 ms per post, the loop frozen meanwhile).
+    launch_ahead_layers: int = 4
     enable_prefix_caching: bool = True
     seed: int | None = None  # for requests without their own seed
 
@@ -38,6 +43,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.launch_ahead_layers, int) or self.launch_ahead_layers < 0:
+            raise ValueError(f"EngineConfig.launch_ahead_layers must be an int >= 0, got "
+                             f"{self.launch_ahead_layers!r}")
         for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):

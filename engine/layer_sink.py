@@ -56,3 +56,49 @@ def layer_callback(sinks: Sequence[LayerSink], device: torch.device) -> Callable
             for sink in sinks:
                 sink.layer_ready(i, None)
     return after_layer
+
+
+# Eager CUDA steps with at least this many tokens are launch-throttled (EngineConfig.launch_ahead_layers):
+# below it a layer's kernels are short, the whole forward is short, and the host would only add waits.
+LAUNCH_THROTTLE_MIN_TOKENS = 512
+_THROTTLE_NAP_S = 5e-5
+
+
+def launch_throttle(ahead: int) -> Callable[[int], None]:
+    """An ``after_layer`` hook that keeps the host at most ``ahead`` layers in front of the GPU.
+
+    Each layer records an event; once more than ``ahead`` are outstanding the engine thread polls the
+    oldest (``query`` plus a short ``time.sleep``: the GIL is free meanwhile) until it completed. The
+    GPU keeps ``ahead`` layers of work queued, so it never idles on the host, while the device's launch
+    queue never fills: other threads' CUDA calls (NIXL/UCX posting a KV copy) go through at once
+    instead of waiting for the whole forward to drain."""
+    import collections
+    import time
+
+    pending: collections.deque = collections.deque()
+
+    def after_layer(_i: int) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        pending.append(event)
+        while len(pending) > ahead:
+            oldest = pending.popleft()
+            while not oldest.query():
+                time.sleep(_THROTTLE_NAP_S)
+
+    return after_layer
+
+
+def chain(*hooks: Callable[[int], None] | None) -> Callable[[int], None] | None:
+    """One ``after_layer`` calling each given hook in order; None when none is given."""
+    live = tuple(h for h in hooks if h is not None)
+    if not live:
+        return None
+    if len(live) == 1:
+        return live[0]
+
+    def after_layer(i: int) -> None:
+        for hook in live:
+            hook(i)
+
+    return after_layer

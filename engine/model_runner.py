@@ -22,7 +22,7 @@ import torch
 
 from engine.attention import BatchSpec, backend_geometry, get_backend
 from engine.kv_layout import KVLayout
-from engine.layer_sink import layer_callback
+from engine.layer_sink import LAUNCH_THROTTLE_MIN_TOKENS, chain, launch_throttle, layer_callback
 from engine.model import CausalLM
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
@@ -40,13 +40,15 @@ class TokenLogprob:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, layout: KVLayout, num_blocks: int, *, device: torch.device,
-                 attention_backend: str = "auto", seed: int | None = None) -> None:
+                 attention_backend: str = "auto", seed: int | None = None, launch_ahead_layers: int = 0,
+                 ) -> None:
         cfg = model.config
         model.fuse_projections()
         self.model = model
         self.device = device
         self.layout = layout
         self.last_phases: dict = {}  # the last step's host timings (execute; pdserve.stall_watch)
+        self.launch_ahead_layers = launch_ahead_layers if device.type == "cuda" else 0
         self.kv_cache = layout.allocate(num_blocks, device=device)
         self.backend = get_backend(attention_backend, device=device, dtype=layout.torch_dtype,
                                    **backend_geometry(cfg, block_size=layout.block_size))
@@ -84,15 +86,18 @@ class ModelRunner:
                          block_tables=[s.seq.block_table for s in batch])
         after_layer = self._layer_hook(batch)
         t0 = time.monotonic()
+        throttle = (launch_throttle(self.launch_ahead_layers)
+                    if self.launch_ahead_layers and len(input_ids) >= LAUNCH_THROTTLE_MIN_TOKENS else None)
+        hook = chain(after_layer, throttle)
         if after_layer is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(spec):
             hidden = self.cuda_graphs.run(input_ids, spec)  # a replayed decode graph: [n, hidden]
-        elif after_layer is None:
+        elif hook is None:
             meta = self.backend.plan(spec)
             hidden = self.model(self._to_device(input_ids), meta.positions, self.kv_cache, meta)
         else:  # eager (a graph carries no hook): a 1-token final chunk must report its layers too
             meta = self.backend.plan(spec)
             hidden = self.model(self._to_device(input_ids), meta.positions, self.kv_cache, meta,
-                                after_layer=after_layer)
+                                after_layer=hook)
 
         t1 = time.monotonic()
         samplers = [s for s in batch if s.samples]

@@ -39,6 +39,8 @@ def build_engine(settings: ServeSettings):
         kwargs["kv_cache_bytes"] = int(settings.kv_memory_gb * 2**30)
     if settings.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
+    if settings.launch_ahead_layers is not None:
+        kwargs["launch_ahead_layers"] = settings.launch_ahead_layers
     return LLMEngine(EngineConfig(**kwargs))
 
 

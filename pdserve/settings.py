@@ -60,6 +60,7 @@ class ServeSettings:
     kv_memory_gb: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
+    launch_ahead_layers: int | None = None  # None: the engine's default (EngineConfig)
     transport: str = "auto"
     kv_port: int = 0
     # prefill: push each layer's KV while the next one computes (when the transport supports it)
@@ -169,6 +170,7 @@ class ServeSettings:
 
 
 _INT = {"port", "metrics_port", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
+        "launch_ahead_layers",
         "kv_port", "lease_ms", "min_uncached_tokens"}
 _FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
           "local_prefill_tokens_per_s"}
@@ -207,6 +209,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-memory-gb", type=float, help="KV cache size in GiB (instead of --num-blocks)")
     a("--max-num-seqs", type=int, help="max sequences in the running batch")
     a("--max-num-batched-tokens", type=int, help="chunked-prefill token budget per step")
+    a("--launch-ahead-layers", type=int,
+      help="CUDA: how many layers a large step may launch ahead of the GPU (0: no limit; default 4)")
     a("--transport", choices=TRANSPORTS, help="KV transport (default auto: nixl if usable, else tcp)")
     a("--kv-port", type=int, help="KV side-channel / TCP data port (0 = pick free)")
     a("--kv-stream-layers", choices=ON_OFF, help="prefill: push each layer's KV while the next layer "

@@ -58,3 +58,23 @@ def test_explicit_backends_generate(make_checkpoint, backend):
         _prompts(eng.model_config.vocab_size)[:3], SamplingParams(max_tokens=8, ignore_eos=True)
     )
     assert [len(o) for o in out] == [8, 8, 8]
+
+
+def test_launch_throttle_keeps_tokens_and_bounds_the_host_lead(make_checkpoint, monkeypatch):
+    """Steps of >= 512 tokens launch at most launch_ahead_layers layers ahead of the GPU; greedy output
+    equals the unthrottled engine's, and the throttle's hook ran on those steps only."""
+    from engine import layer_sink
+
+    path = make_checkpoint(preset="small", dtype="bfloat16")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    g = random.Random(5)
+    prompts = [[g.randrange(3, 500) for _ in range(n)] for n in (700, 530, 20)]
+    made = []
+    real = layer_sink.launch_throttle
+    monkeypatch.setattr("engine.model_runner.launch_throttle",
+                        lambda ahead: (made.append(ahead), real(ahead))[1])
+    throttled = _engine(path, launch_ahead_layers=1)
+    out = throttled.generate(prompts, params)
+    assert made and set(made) == {1}  # the 512-token chunks of the two long prompts
+    free = _engine(path, launch_ahead_layers=0)
+    assert free.generate(prompts, params) == out
