@@ -9,6 +9,7 @@ Lifecycle::
                            any DATA of the request) -> one step per pushed layer range -> finish
         TCP                DATA frames (segments of coalesced block runs, <= max_frame_bytes), then END;
                            device memory goes through page-locked buffers, one frame staged ahead
+                           (sender_tcp.py)
         NIXL               one WRITE per layer, made while BEGIN_OK travels and posted when the layer is
                            pushed (nixl_prebuild; otherwise one WRITE per pushed layer range, ranges
                            queued meanwhile joining it, a one-shot send ONE WRITE for all layers), by
@@ -37,24 +38,23 @@ import asyncio
 import logging
 import secrets
 import time
-import zlib
 
 import numpy as np
 
-from .blocks import merge_regions, pair_runs, plan_segments, validate_layers
+from .blocks import merge_regions, pair_runs, validate_layers
 from .errors import InvalidTransfer, PeerUnavailable, TransferAborted, TransferError, TransferTimeout
 from .future_result import FutureResult
 from .protocol import CAP_WROTE, Msg, notif_message
 from .rx_nixl import poll_pause
+from .sender_tcp import _FINISH, TcpSend
 from .trace import emit, enabled
 
 log = logging.getLogger("kvtransfer.tx")
-_FINISH = ("finish",)
 # Fixed part of the fast-wait budget (post, completion, a few polls), on top of bytes / nixl_fast_wait_gbps.
 _FAST_WAIT_BASE_S = 0.002
 
 
-class SendHandle(FutureResult):
+class SendHandle(TcpSend, FutureResult):
     def __init__(self, transport, rid: str, endpoint: dict, src: tuple[int, ...], dst: tuple[int, ...],
                  timeout: float) -> None:
         self.t = transport
@@ -242,15 +242,9 @@ class SendHandle(FutureResult):
             if op is _FINISH:
                 await self._finish(peer, notified=False)
                 break
-            _, layers, final = op
             # Layer ranges pushed while the previous WRITE was being posted go out as one WRITE; a
             # finish() already queued behind them lets that WRITE carry the completion notification.
-            while not final and not self._ops.empty():
-                nxt = self._ops.get_nowait()
-                if nxt is _FINISH:
-                    final = True
-                    break
-                layers, final = layers + nxt[1], nxt[2]
+            layers, final = self._join_queued(op[1], op[2])
             await self._send_layers(peer, layers, final)
             if final:
                 await self._finish(peer, notified=True)
@@ -258,6 +252,15 @@ class SendHandle(FutureResult):
         self.state = "completing"
         await self._done
         self.timeline["acked"] = time.monotonic()
+
+    def _join_queued(self, layers: tuple[int, ...], final: bool) -> tuple[tuple[int, ...], bool]:
+        """These layers plus those of every push already queued behind them (and a queued finish())."""
+        while not final and not self._ops.empty():
+            nxt = self._ops.get_nowait()
+            if nxt is _FINISH:
+                return layers, True
+            layers, final = layers + nxt[1], nxt[2]
+        return layers, final
 
     async def _next_op(self):
         """The next pushed op; meanwhile keep UCX progressing the WRITEs already posted (without NIXL's
@@ -276,90 +279,6 @@ class SendHandle(FutureResult):
                 self._xfers.remove(handle)
             elif state != "PROC":
                 raise PeerUnavailable(f"NIXL WRITE of {self.request_id!r} failed ({state})")
-
-    async def _run_tcp(self, peer, begin: dict) -> None:
-        # BEGIN is not acknowledged on TCP: the receiver checks it before taking any DATA of the request,
-        # so it rides along with the first data (one write for a small one-shot transfer).
-        pending = [(Msg.BEGIN, begin, None, 0)]
-        while True:
-            op = self._ops.get_nowait() if not self._ops.empty() else None
-            if op is None:
-                if pending:
-                    await peer.send_frames(pending)
-                    self._tcp_begin_sent(alone=True)
-                    pending = []
-                op = await self._ops.get()
-            final = op is _FINISH or op[2]
-            layers = () if op is _FINISH else op[1]
-            # Layers pushed while the previous ones were on the socket go out in one call, so their
-            # frames pipeline (next frame's device->host copy during this one's send). One call per
-            # layer would wait out each frame's staging: half the socket rate while a prefill streams.
-            while not final and not self._ops.empty():
-                nxt = self._ops.get_nowait()
-                if nxt is _FINISH:
-                    final = True
-                    break
-                layers, final = layers + nxt[1], nxt[2]
-            tail = [(Msg.END, {"rid": self.request_id, "nbytes": self.nbytes}, None, 0)] if final else []
-            await self._send_tcp(peer, pending, layers, tail)
-            self._tcp_begin_sent(alone=not layers)
-            pending = []
-            if final:
-                self.timeline["sent"] = time.monotonic()
-                break
-        self.state = "completing"
-        await self._done
-        self.timeline["acked"] = time.monotonic()
-
-    def _tcp_begin_sent(self, alone: bool) -> None:
-        """BEGIN was written: begun() returns. The instant is recorded only when BEGIN went without data
-        (with data, the write returns when the data was sent, which says nothing about BEGIN)."""
-        if not self._opened.done():
-            if alone:
-                self.timeline["begin_sent"] = time.monotonic()
-            self._mark_opened()
-
-    async def _send_tcp(self, peer, head: list, layers: tuple[int, ...], tail: list) -> None:
-        """head frames, DATA frames of these layers' blocks, tail frames, in that order. Host memory: all
-        at once, zero-copy. Device memory: frame by frame through page-locked host buffers, the next
-        frame's device->host copies running while the current one is on the socket."""
-        mem, bb = self.t.memory, self.t.layout.block_bytes
-        plan = plan_segments(layers, self.runs, bb, self.t.config.max_frame_bytes) if layers else []
-        segs = [[(mem.offset(layer, s), n * bb, layer) for layer, s, _d, n in frame] for frame in plan]
-        if not mem.staged or not plan:
-            frames = [self._data_frame(f, mem.stage_out(sg)[0]) for f, sg in zip(plan, segs, strict=True)]
-            await peer.send_frames(head + frames + tail)
-            return
-        issued, staged, sending = time.monotonic(), mem.stage_out(segs[0]), None
-        try:
-            for i, frame in enumerate(plan):
-                views, event = staged
-                await mem.ready(event)
-                ready = time.monotonic()
-                if sending is not None:
-                    await sending  # frames stay in order
-                last = i == len(plan) - 1
-                batch = (head if i == 0 else []) + [self._data_frame(frame, views)] + (tail if last else [])
-                sending = self.t.loop.create_task(peer.send_frames(batch))
-                sending.add_done_callback(lambda f: f.cancelled() or f.exception())
-                sending.add_done_callback(
-                    lambda f, a=issued, b=ready: self.frame_times.append((a, b, time.monotonic())))
-                issued = time.monotonic()
-                staged = None if last else mem.stage_out(segs[i + 1])
-            await sending
-        finally:
-            if sending is not None and not sending.done():
-                # Cancelled meanwhile: let the frame finish (Peer._write keeps the stream in sync).
-                await asyncio.wait([sending])
-
-    def _data_frame(self, frame, views: list) -> tuple:
-        meta = {"rid": self.request_id, "segs": [[layer, d, n] for layer, _s, d, n in frame]}
-        if self.t.config.checksum:
-            crc = 0
-            for v in views:
-                crc = zlib.crc32(v, crc)
-            meta["crc"] = crc
-        return (Msg.DATA, meta, views, sum(len(v) for v in views))
 
     def _prebuild(self, peer) -> None:
         """One WRITE per layer, made (not posted) while BEGIN_OK travels (TransportConfig.nixl_prebuild).
