@@ -102,7 +102,7 @@ class ModelRunner:
         t1 = time.monotonic()
         samplers = [s for s in batch if s.samples]
         if not samplers:
-            self.last_phases = {"tokens": len(input_ids), "launch_ms": (t1 - t0) * 1e3}
+            self.last_phases = {"tokens": len(input_ids), "launch_ms": round((t1 - t0) * 1e3, 1)}
             return [], []
         ends = np.cumsum(spec.query_lens) - 1
         rows = [int(ends[i]) for i, s in enumerate(batch) if s.samples]

@@ -80,7 +80,7 @@ class SendHandle(TcpSend, FutureResult):
         self._ops: asyncio.Queue = asyncio.Queue()
         self._peer = None
         self._xfers: list = []  # posted NIXL WRITEs not yet DONE and released
-        self._ready: dict[int, tuple] = {}  # layer -> (made, unposted WRITE, descriptors): _prebuild
+        self._ready: dict[int, tuple] = {}  # layer -> (WRITE made but not posted, its descriptors)
         self._notif_attached = False
         self._began = False
         self._settling = False
@@ -283,8 +283,8 @@ class SendHandle(TcpSend, FutureResult):
     def _prebuild(self, peer) -> None:
         """One WRITE per layer, made (not posted) while BEGIN_OK travels (TransportConfig.nixl_prebuild).
         A push then posts each layer's WRITE with one call: the first layer's bytes move after
-        microseconds instead of after one make_prepped_xfer over every index of the push. Layers
-        already queued when the send starts are built first. Unposted ones are released on settle."""
+        microseconds instead of after one make_prepped_xfer over every index of the push. All layers are
+        built, in order, before BEGIN_OK is awaited; unposted ones are released on settle."""
         nixl = self.t.nixl
         if not (self.t.config.nixl_prebuild and self.src and nixl.can_post_blocks(peer.remote_agent)):
             return

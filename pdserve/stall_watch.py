@@ -1,13 +1,19 @@
-"""A debugging aid: log when this process's threads could not get the GIL for a while, and where each
-thread was when it came back.
+"""A debugging aid: log when a worker's threads could not run, and where they were.
 
 ``PDSERVE_STALL_WATCH_MS=50`` (any positive number of ms) in a worker's environment starts one daemon
-thread that naps 2 ms in a loop. A nap that ends much later than asked means no Python thread could
-run meanwhile: some thread held the GIL (a C call that does not release it, or pure Python past the
-switch interval). Then one WARNING line with the gap, the engine's last step phases (``phases()``:
-plan / forward launch / sampling sync, ms) and the innermost frames of every other thread. The event
-loop and the kvtransfer sender stall exactly as long, so this is how a KV acknowledgement that waits
-a whole forward pass shows up. Off by default: one wake-up every 2 ms.
+thread that naps 2 ms in a loop and checks two things:
+
+* **GIL stalls**: a nap that ends much later than asked means no Python thread could run meanwhile --
+  some thread held the GIL (a C call that does not release it, or pure Python past the switch
+  interval). One WARNING line with the gap, the engine's last step phases (``phases()``: plan + forward
+  launch / sampling sync, ms) and the innermost frames of every other thread.
+* **A stuck event loop** (``loop_thread``): the loop's thread on one line, outside its selector wait,
+  past the threshold -- a blocking call that releases the GIL, which the first check cannot see. One
+  line with its stack when it passes the threshold, one with the duration when it moves on. This is
+  how the prefill worker's loop was found sitting in NIXL's ``transfer()`` while the GPU's launch
+  queue drained (docs/gpu.md, "Session 3").
+
+Off by default: one wake-up every 2 ms.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ def start_from_env(phases: Callable[[], dict] | None = None, *,
     thread = threading.Thread(target=_watch, args=(threshold_ms / 1e3, phases, stop, loop_thread),
                               name="stall-watch", daemon=True)
     thread.start()
-    log.info("stall watch on: GIL gaps over %.0f ms are logged", threshold_ms)
+    log.info("stall watch on: GIL gaps%s over %.0f ms are logged",
+             "" if loop_thread is None else " and event loop stalls", threshold_ms)
     return StallWatch(thread, stop)
 
 

@@ -191,7 +191,8 @@ class PrefillWorker:
             log.warning("releasing a prefilled request's blocks failed: %r", fut.exception())
 
     async def idle(self) -> None:
-        """Return once every queued block release has run (tests, graceful shutdown)."""
+        """Return once every queued block release has run (tests). On shutdown nothing needs it: the
+        engine thread runs every command queued before its stop."""
         while self._releasing:
             await asyncio.wait(list(self._releasing))
 
