@@ -94,6 +94,11 @@ class ServeSettings:
     conditional_disagg: str = "off"
     min_uncached_tokens: int = 256
     local_prefill_tokens_per_s: float = 30000.0
+    # ... and when the prefill worker's queue is longer than this (s; 0 = never for that reason), within
+    # a budget of local_prefill_duty of the decode worker's time, local_prefill_burst_s at once
+    max_prefill_wait_s: float = 0.5
+    local_prefill_duty: float = 0.25
+    local_prefill_burst_s: float = 0.25
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,6 +113,10 @@ class ServeSettings:
         _one_of("kv_stream_layers", self.kv_stream_layers, ON_OFF)
         if self.min_uncached_tokens < 0 or not self.local_prefill_tokens_per_s > 0:
             raise ValueError("--min-uncached-tokens must be >= 0 and --local-prefill-tokens-per-s > 0")
+        if (self.max_prefill_wait_s < 0 or self.local_prefill_burst_s < 0
+                or not 0 < self.local_prefill_duty <= 1):
+            raise ValueError("--max-prefill-wait-s and --local-prefill-burst-s must be >= 0 and "
+                             "--local-prefill-duty in (0, 1]")
         for name in ("port", "metrics_port", "kv_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
@@ -173,7 +182,7 @@ _INT = {"port", "metrics_port", "block_size", "num_blocks", "max_num_seqs", "max
         "launch_ahead_layers",
         "kv_port", "lease_ms", "min_uncached_tokens"}
 _FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
-          "local_prefill_tokens_per_s"}
+          "local_prefill_tokens_per_s", "max_prefill_wait_s", "local_prefill_duty", "local_prefill_burst_s"}
 
 
 def _parse(name: str, raw: str) -> object:
@@ -235,6 +244,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--min-uncached-tokens", type=int, help="router, conditional: at or below this many uncached prompt "
       "tokens prefill locally (default 256)")
     a("--local-prefill-tokens-per-s", type=float, help="router, conditional: the decode worker's prefill "
-      "rate used to estimate recompute time (default 30000, a GPU figure)")
+      "rate used to estimate recompute time, and the prefill pool's until measured (default 30000, a GPU "
+      "figure)")
+    a("--max-prefill-wait-s", type=float, help="router, conditional: prefill locally when the prefill "
+      "worker's estimated queue is longer than this many seconds (default 0.5; 0 = never for that reason)")
+    a("--local-prefill-duty", type=float, help="router, conditional: at most this share of a decode "
+      "worker's time goes to local prefills (default 0.25; 1 = no limit)")
+    a("--local-prefill-burst-s", type=float, help="router, conditional: at most this many seconds of local "
+      "prefill back to back on one decode worker (default 0.25)")
     a("--store-timeout", type=float, help="router: seconds one Redis call may take on the placement path "
       "before the local view decides (default 0.05)")

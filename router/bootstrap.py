@@ -79,7 +79,10 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
     conditional = None
     if settings.conditional_disagg == "auto":
         conditional = ConditionalConfig(min_uncached_tokens=settings.min_uncached_tokens,
-                                        local_prefill_tokens_per_s=settings.local_prefill_tokens_per_s)
+                                        local_prefill_tokens_per_s=settings.local_prefill_tokens_per_s,
+                                        max_prefill_wait_s=settings.max_prefill_wait_s,
+                                        local_duty=settings.local_prefill_duty,
+                                        local_burst_s=settings.local_prefill_burst_s)
     pipeline = Pipeline(directory, placer, block_size=settings.block_size, lease_ms=settings.lease_ms,
                         conditional=conditional, colocated=colocated)
     servicer = RouterServicer(pipeline=pipeline, directory=directory, limits=limits)

@@ -254,6 +254,8 @@ class Pipeline:
                                 f"decode {list(alloc.transports)}")
             raise err
         meta.transport, meta.fallback, meta.fallback_reason = transport, bool(fallback), fallback
+        meta.extra["prefill_wait_est_s"] = round(decision.prefill_wait_s, 4)
+        ticket = self.local.prefill_sent(p.worker_id, decision.uncached_tokens)
         try:
             res = await p.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
@@ -263,7 +265,13 @@ class Pipeline:
                                             num_cached_tokens=alloc.num_cached_tokens, transport=transport)),
                 timeout=timeout)
         except grpc.aio.AioRpcError as exc:
+            self.local.prefill_answered(ticket)  # no sample: the call failed
             raise _failed(exc, p.worker_id, "prefill") from None
+        except BaseException:  # cancelled (client gone, deadline): out of the queue estimate all the same
+            self.local.prefill_answered(ticket)
+            raise
+        self.local.prefill_answered(ticket, compute_s=res.compute_s,
+                                    computed_tokens=len(req.prompt_ids) - res.num_cached_tokens)
         meta.prefill_rpc_ms = (time.monotonic() - t1) * 1e3
         meta.prefill_queue_ms, meta.prefill_compute_ms = res.queue_s * 1e3, res.compute_s * 1e3
         meta.kv_wait_ms = res.kv_wait_s * 1e3

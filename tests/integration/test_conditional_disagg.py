@@ -1,7 +1,8 @@
 """Conditional disaggregation with real processes: 1 prefill + 1 decode, router `--conditional-disagg auto`.
 
 The decode worker's assumed prefill rate is set absurdly low (``--local-prefill-tokens-per-s 1``:
-any recompute looks slower than any transfer), so the only rule that fires is the threshold
+any recompute looks slower than any transfer), the load rule is off (``--max-prefill-wait-s 0``) and
+the local budget unlimited (``--local-prefill-duty 1``), so the only rule that fires is the threshold
 (``--min-uncached-tokens 32``): a prompt whose uncached part is <= 32 tokens is prefilled by the
 decode worker, anything longer by the prefill worker. Covers: a concurrent mixed batch (some local,
 some remote) token-identical to one engine, the decision reported per request and counted in the
@@ -9,6 +10,11 @@ router's metrics, a session's next turn going local because the decode worker ho
 seeded sampling, and cleanup on every local path (client cancel, deadline, a local request the
 worker side aborts, a dropped or unknown local Decode). Every test ends with the leak checks: free
 blocks back on both workers, nothing leased or running, the router's in-flight gauge at 0.
+
+A second cluster (``busy_cluster``) turns the load rule on, with a queue threshold of a microsecond
+and a budget of one local prefill: a concurrent burst of prompts is split between the prefill pool
+and the decode worker ("prefill_busy") until the budget is spent ("local_budget"), token-identical
+to one engine.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ def wait_clean(cluster, port: int) -> None:
 @pytest.fixture(scope="module")
 def cluster(make_checkpoint, tmp_path_factory):
     args = ("--conditional-disagg", "auto", "--min-uncached-tokens", str(THRESHOLD),
-            "--local-prefill-tokens-per-s", "1")
+            "--local-prefill-tokens-per-s", "1", "--max-prefill-wait-s", "0", "--local-prefill-duty", "1")
     with metered_cluster(make_checkpoint("llama"), tmp_path_factory.mktemp("cond"), prefill=1, decode=1,
                          transport="tcp", router_args=args) as c:
         yield c
@@ -162,3 +168,40 @@ def test_decode_worker_errors_on_the_local_path_free_the_reservation(cluster, cl
         assert rest and rest[-1].finish_reason == "abort"
         stats = stub.GetStats(common_pb2.StatsRequest(), timeout=10)
         assert stats.kv_bytes_per_block > 0 and stats.max_num_seqs > 0
+
+
+@pytest.fixture(scope="module")
+def busy_cluster(make_checkpoint, tmp_path_factory):
+    # Any token in flight at the prefill worker counts as a queue (1 us). An assumed rate of 1000 tok/s
+    # makes a 60-token prompt cost 60 ms locally (more than the 3 ms transfer: no "transfer_slower") and
+    # the budget (100 ms at once, refilled at 0.1% of the time) one local prefill for the whole burst.
+    args = ("--conditional-disagg", "auto", "--min-uncached-tokens", "0", "--max-prefill-wait-s", "1e-6",
+            "--local-prefill-tokens-per-s", "1000", "--local-prefill-duty", "0.001",
+            "--local-prefill-burst-s", "0.1")
+    with metered_cluster(make_checkpoint("llama"), tmp_path_factory.mktemp("busy"), prefill=1, decode=1,
+                         transport="tcp", router_args=args) as c:
+        yield c
+
+
+def test_prefill_queue_sends_some_prompts_local_within_the_budget(busy_cluster) -> None:
+    c = busy_cluster
+    ps = [ids(200 + i, 60) for i in range(8)]
+    max_tokens = [5] * len(ps)
+    want = reference(c.model, ps, max_tokens)
+    got = run_concurrently(c.router, ps, max_tokens, ignore_eos=True)
+    reasons = [r.final["prefill_mode_reason"] for r in got]
+    for r, w in zip(got, want, strict=True):
+        assert r.token_ids == w, r.final["prefill_mode_reason"]
+        mode = "local" if r.final["prefill_mode_reason"] == "prefill_busy" else "remote"
+        assert r.final["prefill_mode"] == mode
+    assert set(reasons) <= {"disaggregate", "prefill_busy", "local_budget"}, reasons
+    assert reasons.count("prefill_busy") == 1, reasons  # a queue was seen; the budget held
+    assert "disaggregate" in reasons  # the first prompt found no queue
+    m = scrape(c.metrics_port)
+    assert m['pdserve_router_prefill_decisions_total{mode="local",reason="prefill_busy"}'] == reasons.count(
+        "prefill_busy")
+    # one at a time, nothing is ever queued: every prompt goes to the prefill pool
+    with Client(c.router, timeout=60) as cl:
+        alone = [cl.generate(prompt_ids=ids(300 + i, 60), max_tokens=3).final for i in range(2)]
+    assert [f["prefill_mode_reason"] for f in alone] == ["disaggregate"] * 2
+    wait_clean(c, c.metrics_port)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.v1 import common_pb2
@@ -81,3 +82,27 @@ def test_second_policy_on_one_registry_shares_the_counter() -> None:
     assert a.counter is b.counter
     assert PrefillModePolicy(None, object()).counter is None  # a placer without metrics: not counted
     assert isinstance(placer.metrics.registry, CollectorRegistry)
+
+
+def test_prefill_queue_and_local_budget() -> None:
+    placer = make_placer()
+    cfg = ConditionalConfig(min_uncached_tokens=16, local_prefill_tokens_per_s=10_000.0,
+                            max_prefill_wait_s=0.5, local_duty=0.01, local_burst_s=0.5)
+    pol = PrefillModePolicy(cfg, placer)
+    p, d = Handle("p"), Handle("d", stats())
+    req = Req(list(range(4096)))
+    assert pol.decide(req, 0, p, d).reason == "disaggregate"
+    tickets = [pol.prefill_sent("p", 4096) for _ in range(2)]  # 8192 tokens queued: 0.82 s at 10k tok/s
+    busy = pol.decide(req, 0, p, d)
+    assert (busy.local, busy.reason) == (True, "prefill_busy")
+    assert busy.prefill_wait_s == pytest.approx(0.8192)
+    # that local prefill (0.41 s) spent the budget: the next prompt queues at the prefill worker
+    assert pol.decide(req, 0, p, d).reason == "local_budget"
+    assert pol.decide(req, 0, p, Handle("d2", stats(worker_id="d2"))).reason == "prefill_busy"  # per worker
+    # answers end the queue; a learned rate (40k tok/s) shortens the estimate for the next burst
+    pol.prefill_answered(tickets[0], compute_s=0.1, computed_tokens=4096)
+    pol.prefill_answered(tickets[1])
+    assert pol.queue.outstanding("p") == 0 and pol.queue.rate("p") == pytest.approx(40960.0, rel=1e-3)
+    pol.prefill_sent("p", 8192)
+    assert pol.decide(req, 0, p, Handle("d3", stats())).reason == "disaggregate"  # 0.2 s: no queue to flee
+    assert count(placer, "local", "prefill_busy") == 2 and count(placer, "remote", "local_budget") == 1
