@@ -4,9 +4,10 @@ Every mode is a ``pdserve up --launcher process`` cluster (``pdserve.launcher.cl
 the router, placement and metrics are the same code in each; only the workers differ:
 
 * **disaggregated**: 1 prefill (GPU0) + 1 decode (GPU1), KV over NIXL VRAM to VRAM, policy prefix.
-* **conditional**: the same 1P1D with ``--conditional-disagg auto`` (router/conditional.py): prompts
-  whose uncached part is <= 256 tokens, or whose KV would take longer to move than to recompute,
-  are prefilled by the decode worker.
+* **conditional**: the same 1P1D with ``--conditional-disagg auto`` (router/conditional.py) at its
+  defaults: prompts whose uncached part is <= 256 tokens, whose KV would take longer to move than to
+  recompute, or that would queue more than 0.5 s at the prefill worker are prefilled by the decode
+  worker, within a budget of 25% of its time (at most 0.25 s at once).
 * **colocated**: 2 colocated workers (one per GPU) behind the router (``--mode colocated``, what
   ``pdserve up --colocated 2`` starts) with the engine's default chunked-prefill budget (2048 tokens
   per step); the router places each request on one of them.
@@ -15,7 +16,8 @@ the router, placement and metrics are the same code in each; only the workers di
 
 The prefill pool is compute-tuned (``--prefill-args "--max-num-batched-tokens 8192"``: a 4k prompt in
 one step, nothing to protect there); decode and colocated workers keep the engine defaults otherwise.
-The conditional mode runs only the short-prompt control: on 4k prompts it decides exactly as 1P1D.
+On 4k prompts the conditional mode differs from 1P1D only by the queue rule: what the one prefill
+GPU cannot take within 0.5 s goes to the decode GPU, up to its budget.
 Every rate point draws its own prompts (seeded by workload and rate, the same prompts in every mode):
 reusing one seed let the prefix cache answer every later point's prompts without any prefill.
 
@@ -43,12 +45,14 @@ from pathlib import Path
 
 import torch
 
-WORKLOADS = {  # name: (input_len, output_len, rates req/s over both GPUs, requests per rate point)
-    # 1P1D's prefill GPU computes a 4k prompt of the 8B shape in ~107 ms: ~9 prompts/s at most. Session 2
-    # measured 2/4/6/7; 8 and 9 are where colocated decode steps start to carry a prefill chunk more
-    # than one time in ten (the p90 ITL knee) while the prefill GPU is still below saturation.
-    "long_prompt": ("4096", "256", (4.0, 6.0, 7.0, 8.0, 9.0), 72),
-    "short_prompt": ("256", "128", (8.0, 16.0, 32.0), 64),
+WORKLOADS = {  # name: (input_len, output_len, rates req/s over both GPUs, seconds of arrivals per point)
+    # 1P1D's prefill GPU computes a 4k prompt of the 8B shape in ~107 ms: ~9 prompts/s at most. Sessions
+    # 2-3 measured 2-9 req/s with 72 requests a point: 8 s of arrivals and a 2 s drain without prefills
+    # left the colocated p90 ITL on its knee (8 req/s: 52 ms, 9 req/s: 9 ms). 25 s of arrivals make the
+    # steady state most of each point; 7-10 req/s is where colocated decode steps carry a prefill chunk
+    # about one time in ten or more (the p90 knee) and the one prefill GPU nears saturation.
+    "long_prompt": ("4096", "256", (7.0, 8.5, 10.0), 25.0),
+    "short_prompt": ("256", "128", (8.0, 16.0, 32.0), 6.0),
 }
 SLO = {"ttft_slo_ms": 2000.0, "tpot_slo_ms": 50.0}
 
@@ -100,8 +104,7 @@ MODES = ("disaggregated", "conditional", "colocated", "colocated-chunk512")
 # one piece after the prefill instead of layer by layer during it.
 EXTRA_MODES = ("disaggregated-oneshot",)
 BASELINES = ("colocated", "colocated-chunk512")
-MODE_WORKLOADS = {"conditional": ("short_prompt",),  # on 4k prompts conditional == 1P1D (see above)
-                  "disaggregated-oneshot": ("long_prompt",)}
+MODE_WORKLOADS = {"disaggregated-oneshot": ("long_prompt",)}
 PREFILL_POOL_ARGS = ("--max-num-batched-tokens", "8192")
 BENCH_ENV = {"OMP_NUM_THREADS": "4", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -165,6 +168,12 @@ def _load(address: str, workload: str, rate: float, n: int, seed: int, vocab: in
                          output_len=parse_dist(outp), vocab_size=vocab, seed=seed, timeout_s=240.0))
 
 
+def rate_points(workloads: dict, quick: bool = False) -> list[tuple[str, float, int]]:
+    """(workload, rate, requests) per point: the rate times the workload's seconds of arrivals."""
+    return [(w, r, max(8, round(r * secs))) for w, (_, _, rates, secs) in workloads.items()
+            for r in (rates[:1] if quick else rates)]
+
+
 def point_seed(workload: str, rate: float) -> int:
     """The prompts' seed of one rate point: its own per point (no prefix-cache carry-over between
     points), the same in every mode (each mode is measured on the same prompts)."""
@@ -218,7 +227,7 @@ def bench_disagg(out: str | Path, *, quick: bool = False, preset: str = "llama3-
     model = write_checkpoint(Path(model_dir), preset)
     ckpt_s = time.monotonic() - t_start
     vocab = 1000
-    points = [(w, r, n) for w, (_, _, rates, n) in WORKLOADS.items() for r in (rates[:1] if quick else rates)]
+    points = rate_points(WORKLOADS, quick)
     transport = "nixl"
     kv_gb = 30.0 if preset == "llama3-8b" else 4.0
     specs = cluster_specs(model, n_gpus=n_gpus, kv_gb=kv_gb, transport=transport, modes=modes)
@@ -363,12 +372,12 @@ if __name__ == "__main__":  # a functional run on any GPU machine: python3 bench
     if "--dry-run" in sys.argv:  # no GPU: what would run
         n = int(os.environ.get("PDSERVE_DRY_RUN_GPUS", "2"))
         plan = {"modes": describe(cluster_specs("MODEL", n_gpus=n, kv_gb=30.0)),
-                "points": [(w, r, k) for w, (_, _, rates, k) in WORKLOADS.items() for r in rates]}
+                "points": rate_points(WORKLOADS)}
         print(json.dumps(plan, indent=1))
         raise SystemExit(0)
     preset = sys.argv[2] if len(sys.argv) > 2 else "small"
     if preset == "small":  # 4096-token context: shorter prompts
-        WORKLOADS.update(long_prompt=("2048", "128", (2.0,), 12), short_prompt=("256", "64", (4.0,), 16))
+        WORKLOADS.update(long_prompt=("2048", "128", (2.0,), 6.0), short_prompt=("256", "64", (4.0,), 4.0))
     r = bench_disagg(sys.argv[1], quick=True, preset=preset)
     print("\n".join(r["markdown"]))
     Path(sys.argv[1], "disagg.json").write_text(json.dumps(r, indent=1, default=str))

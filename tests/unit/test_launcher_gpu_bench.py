@@ -35,7 +35,7 @@ def test_two_gpus_each_worker_on_its_own(gd) -> None:
     assert plan["colocated"]["router_args"] == ["--mode", "colocated"]
     assert [w["args"] for w in plan["colocated-chunk512"]["workers"]] == [
         ["--max-num-batched-tokens", "512"]] * 2
-    assert plan["conditional"]["workloads"] == ["short_prompt"]
+    assert plan["conditional"]["workloads"] == ["long_prompt", "short_prompt"]
     assert plan["disaggregated"]["workloads"] == ["long_prompt", "short_prompt"]
 
 
@@ -43,6 +43,10 @@ def test_every_rate_point_draws_its_own_prompts_the_same_in_every_mode(gd) -> No
     seeds = {gd.point_seed(w, r) for w, (_, _, rates, _) in gd.WORKLOADS.items() for r in rates}
     assert len(seeds) == sum(len(v[2]) for v in gd.WORKLOADS.values())
     assert gd.point_seed("long_prompt", 2.0) == gd.point_seed("long_prompt", 2)
+    # requests per point = rate x seconds of arrivals (at least 8); quick keeps each workload's first rate
+    pts = gd.rate_points({"w": ("1", "1", (2.0, 10.0), 25.0)})
+    assert pts == [("w", 2.0, 50), ("w", 10.0, 250)]
+    assert gd.rate_points({"w": ("1", "1", (0.1, 9.0), 25.0)}, quick=True) == [("w", 0.1, 8)]
 
 
 def test_one_gpu_shares_it_and_modes_filter(gd) -> None:
