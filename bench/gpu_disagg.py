@@ -48,10 +48,10 @@ import torch
 WORKLOADS = {  # name: (input_len, output_len, rates req/s over both GPUs, seconds of arrivals per point)
     # 1P1D's prefill GPU computes a 4k prompt of the 8B shape in ~107 ms: ~9 prompts/s at most. Sessions
     # 2-3 measured 2-9 req/s with 72 requests a point: 8 s of arrivals and a 2 s drain without prefills
-    # left the colocated p90 ITL on its knee (8 req/s: 52 ms, 9 req/s: 9 ms). 25 s of arrivals make the
+    # left the colocated p90 ITL on its knee (8 req/s: 52 ms, 9 req/s: 9 ms). 22 s of arrivals make the
     # steady state most of each point; 7-10 req/s is where colocated decode steps carry a prefill chunk
     # about one time in ten or more (the p90 knee) and the one prefill GPU nears saturation.
-    "long_prompt": ("4096", "256", (7.0, 8.5, 10.0), 25.0),
+    "long_prompt": ("4096", "256", (7.0, 8.5, 10.0), 22.0),
     "short_prompt": ("256", "128", (8.0, 16.0, 32.0), 6.0),
 }
 SLO = {"ttft_slo_ms": 2000.0, "tpot_slo_ms": 50.0}
