@@ -304,25 +304,35 @@ def compare(res: dict) -> dict:
                     "p90_itl_colocated_over_disagg": b["itl_ms"]["p90"] / a["itl_ms"]["p90"],
                     "p99_itl_colocated_over_disagg": b["itl_ms"]["p99"] / a["itl_ms"]["p99"],
                     "goodput_disagg": a["goodput"], "goodput_colocated": b["goodput"],
+                    # requests within the SLOs, of num_requests (the same prompts in both)
+                    "slo_met_disagg": num_good(a), "slo_met_colocated": num_good(b),
+                    "num_requests": a.get("num_requests"),
                     "tokens_per_s_per_gpu_disagg": a["output_token_throughput"] / 2,
                     "tokens_per_s_per_gpu_colocated": b["output_token_throughput"] / 2,
                     "p90_ttft_ms_disagg": a["ttft_ms"]["p90"], "p90_ttft_ms_colocated": b["ttft_ms"]["p90"]}
     return out
 
 
+def num_good(summary: dict) -> int:
+    """Requests within both SLOs (runs before num_good was recorded: goodput x duration)."""
+    if "num_good" in summary:
+        return int(summary["num_good"])
+    return round(summary["goodput"] * summary.get("duration_s", 0.0))
+
+
 def markdown(res: dict) -> list[str]:
     rows = ["| workload @ rate | mode | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | TPOT p90 ms | E2E p90 s | "
-            "tok/s/GPU | goodput req/s |", "|---|---|---|---|---:|---:|---:|---:|"]
+            "tok/s/GPU | within SLO | goodput req/s |", "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for mode in (*MODES, *EXTRA_MODES):
         for key, s in (res.get(mode) or {}).items():
             if "ttft_ms" not in s:
-                rows.append(f"| {key} | {mode} | {s.get('status', '?')} | | | | | |")
+                rows.append(f"| {key} | {mode} | {s.get('status', '?')} | | | | | | |")
                 continue
             t, i = s["ttft_ms"], s["itl_ms"]
             rows.append(f"| {key} | {mode} | {t['p50']:.0f}/{t['p90']:.0f}/{t['p99']:.0f} | "
                         f"{i['p50']:.1f}/{i['p90']:.1f}/{i['p99']:.1f} | {s['tpot_ms']['p90']:.1f} | "
                         f"{s['e2e_ms']['p90'] / 1e3:.2f} | {s['output_token_throughput'] / 2:.0f} | "
-                        f"{s['goodput']:.2f} |")
+                        f"{num_good(s)}/{s.get('num_requests', '?')} | {s['goodput']:.2f} |")
     stages = [(mode, key, s["ttft_breakdown_ms"]) for mode in (*MODES, *EXTRA_MODES)
               for key, s in (res.get(mode) or {}).items() if s.get("ttft_breakdown_ms")]
     if stages:
@@ -340,7 +350,9 @@ def markdown(res: dict) -> list[str]:
         p99 = c.get("p99_itl_colocated_over_disagg", 0.0)
         rows.append(f"\n{key}: p90 ITL {c.get('baseline', 'colocated')}/disaggregated = "
                     f"{c['p90_itl_colocated_over_disagg']:.2f}x (p99 {p99:.2f}x), "
-                    f"goodput {c['goodput_disagg']:.2f} vs {c['goodput_colocated']:.2f} req/s")
+                    f"goodput {c['goodput_disagg']:.2f} vs {c['goodput_colocated']:.2f} req/s"
+                    + (f" ({c['slo_met_disagg']} vs {c['slo_met_colocated']} of {c['num_requests']} within "
+                       "the SLOs)" if "slo_met_disagg" in c else ""))
     for k in (f"{m}_error" for m in (*MODES, *EXTRA_MODES)):
         if k in res:
             rows.append(f"\n{k}: {res[k]}")

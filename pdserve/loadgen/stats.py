@@ -59,7 +59,11 @@ def summarize(samples: Sequence[Sample], duration_s: float, *, ttft_slo_ms: floa
             return False
         return not (tpot_slo_ms is not None and s.output_tokens > 1 and not s.tpot_s * 1e3 <= tpot_slo_ms)
 
-    out["goodput"] = sum(1 for s in ok if good(s)) / dur
+    # num_good: requests within both SLOs. Two runs of the same prompts that both serve every request
+    # within them have equal num_good; their goodput (num_good / duration) still differs by how long
+    # each took to drain its last request.
+    out["num_good"] = sum(1 for s in ok if good(s))
+    out["goodput"] = out["num_good"] / dur
     out["slo"] = {"ttft_ms": ttft_slo_ms, "tpot_ms": tpot_slo_ms}
     errors: dict[str, int] = {}
     for s in samples:

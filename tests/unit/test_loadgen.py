@@ -41,7 +41,7 @@ def test_summarize_throughput_and_goodput() -> None:
     s = summarize([fast, slow, err], 2.0, ttft_slo_ms=100, tpot_slo_ms=50)
     assert s["num_ok"] == 2 and s["num_errors"] == 1 and s["errors"] == {"UNAVAILABLE": 1}
     assert s["request_throughput"] == 1.0 and s["output_token_throughput"] == 4.0
-    assert s["goodput"] == 0.5  # only `fast` meets both SLOs
+    assert s["goodput"] == 0.5 and s["num_good"] == 1  # only `fast` meets both SLOs
     assert s["ttft_ms"]["p50"] == pytest.approx(255.0)
     assert len([v for v in [s["itl_ms"]["p99"]] if v > 0]) == 1
     table = format_table(s, "t")
