@@ -254,7 +254,6 @@ class Pipeline:
                                 f"decode {list(alloc.transports)}")
             raise err
         meta.transport, meta.fallback, meta.fallback_reason = transport, bool(fallback), fallback
-        meta.extra["prefill_wait_est_s"] = round(decision.prefill_wait_s, 4)
         ticket = self.local.prefill_sent(p.worker_id, decision.uncached_tokens)
         try:
             res = await p.stub.Prefill(prefill_pb2.PrefillRequest(

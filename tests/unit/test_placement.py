@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from fake_clock import Clock
 
 from router.placement import (
     NoWorkersAvailable,
@@ -18,16 +19,8 @@ from router.placement.fakes import request, workers
 from router.placement.scoring import load_cap
 
 
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def make(policy="prefix", n_p=2, n_d=3, clock=None, **kw) -> Placer:
-    clock = clock or Clock()
+    clock = clock or Clock(1000.0)
     pl = Placer(PlacerConfig(policy=policy, **kw), clock=clock, wall=clock)
     pl.update_workers(workers(n_p, n_d))
     return pl
@@ -171,7 +164,7 @@ def test_session_affinity_sticks_then_moves_when_decode_fails():
 
 
 def test_failed_outcome_marks_worker_unhealthy_and_cooldown_expires():
-    clock = Clock()
+    clock = Clock(1000.0)
     pl = make("session+prefix", clock=clock, unhealthy_cooldown_s=5.0)
     r = request("a", toks(64), session_id="s")
     p = pl.place(r)
@@ -230,7 +223,7 @@ def test_removed_worker_moves_session_and_is_never_chosen():
 
 
 def test_session_ttl_expiry_forgets_binding():
-    clock = Clock()
+    clock = Clock(1000.0)
     pl = make("session+prefix", clock=clock, session_ttl_s=10)
     p = pl.place(request("a", toks(64), session_id="s"))
     clock.t += 5

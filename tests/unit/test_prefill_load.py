@@ -3,16 +3,9 @@
 import math
 
 import pytest
+from fake_clock import Clock
 
 from router.prefill_load import LocalBudget, PrefillQueue
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_queue_counts_outstanding_tokens_per_worker_until_answered():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fake_clock import Clock
 
 from engine.prefix_hash import block_hashes
 from router.placement import WorkerInfo, WorkerLoad
@@ -14,14 +15,6 @@ from router.state.prefix_index import PrefixIndex
 from router.state.sessions import SessionBinding, SessionTable
 from router.state.store import load_from_json, load_to_json, worker_from_json, worker_to_json
 from router.state.workers import WorkerView
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_prefix_index_matches_leading_blocks_per_worker():
