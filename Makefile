@@ -69,12 +69,12 @@ test: setup tools
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) -m engine.bench --json bench/results/engine-cpu.json
+	$(PY) -m bench.engine_bench --json bench/results/engine-cpu.json
 	$(MAKE) $(MODEL)/config.json
-	OMP_NUM_THREADS=1 $(PY) -m pdserve.loadgen.compare --model $(MODEL) --json bench/results/cluster-cpu.json
-	$(PY) -m router.bench_placement --json bench/results/router-placement.json
+	OMP_NUM_THREADS=1 $(PY) -m pdserve.app.loadgen.compare --model $(MODEL) --json bench/results/cluster-cpu.json
+	$(PY) -m bench.router_placement --json bench/results/router-placement.json
 	OMP_NUM_THREADS=1 $(PY) bench/router_affinity.py --model $(MODEL) --json bench/results/router-affinity.json
-	$(PY) -m kvtransfer.bench --json bench/results/kvtransfer-cpu.json
+	$(PY) -m bench.kv_bench --json bench/results/kvtransfer-cpu.json
 
 kind-test: setup tools
 	deploy/kind/kind-test.sh

@@ -9,7 +9,7 @@
 #   smoke  import flashinfer and nixl, JIT-build the attention kernels, one NIXL VRAM agent
 #   tests  pytest -m gpu tests/gpu (for real: CUDA is there)
 #   bench  python3 bench/gpu.py (writes bench/results/gpu-<device>-<date>.json)
-#   stream-8b  layer-wise KV push on vs off, llama3-8b shape, NIXL and TCP (prefill_service.bench_stream)
+#   stream-8b  layer-wise KV push on vs off, llama3-8b shape, NIXL and TCP (bench.prefill_stream)
 # Everything worth keeping goes to $OUT (logs, JSON, the compiled JIT kernels as one .tar.xz).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -83,11 +83,11 @@ for step in "${steps[@]}"; do
         bench) python3 bench/gpu.py --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/bench.log"; rc=$(( rc | $? )) ;;
         disagg-small) python3 bench/gpu_disagg.py "$OUT" small 2>&1 | tee "$OUT/disagg.log"; rc=$(( rc | $? ))
                       tail -n 30 "$OUT"/disagg-logs/*.log ;;
-        stream-8b)  # layer-wise KV push on vs off on the llama3-8b shape (prefill_service/bench_stream.py)
+        stream-8b)  # layer-wise KV push on vs off on the llama3-8b shape (bench/prefill_stream.py)
             python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; \
 from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve-llama3-8b'), 'llama3-8b')"
             for tr in nixl tcp; do
-                python3 -m prefill_service.bench_stream --model /dev/shm/pdserve-llama3-8b --device cuda \
+                python3 -m bench.prefill_stream --model /dev/shm/pdserve-llama3-8b --device cuda \
                     --transport $tr --lengths 1024,4096 --iters 6 --threads 1 \
                     --json "$OUT/kv-stream-layers-8b-$tr.json" 2>&1 | tee -a "$OUT/stream.log"; rc=$(( rc | $? ))
             done ;;

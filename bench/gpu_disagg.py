@@ -1,6 +1,6 @@
 """Disaggregated vs colocated on the same two GPUs, all behind one router, under ``pdserve bench`` load.
 
-Every mode is a ``pdserve up --launcher process`` cluster (``pdserve.launcher.cluster.Cluster``), so
+Every mode is a ``pdserve up --launcher process`` cluster (``pdserve.app.launcher.cluster.Cluster``), so
 the router, placement and metrics are the same code in each; only the workers differ:
 
 * **disaggregated**: 1 prefill (GPU0) + 1 decode (GPU1), KV over NIXL VRAM to VRAM, policy prefix.
@@ -21,11 +21,11 @@ GPU cannot take within 0.5 s goes to the decode GPU, up to its budget.
 Every rate point draws its own prompts (seeded by workload and rate, the same prompts in every mode):
 reusing one seed let the prefix cache answer every later point's prompts without any prefill.
 
-Devices come from ``pdserve.launcher.devices`` (``--gpu-peers``): each worker computes on its own
+Devices come from ``pdserve.app.launcher.devices`` (``--gpu-peers``): each worker computes on its own
 GPU and sees the other one after it (``CUDA_VISIBLE_DEVICES=1,0`` for the GPU1 worker) so UCX's
 cuda_ipc can map the peer's memory. With one GPU everything shares GPU0 (a functional check only).
 Workloads: (a) long prompts (4096 in, 256 out), where prefill interferes with colocated decode, and
-(b) a short-prompt control (256 in, 128 out). Metrics from ``pdserve.loadgen.stats.summarize``:
+(b) a short-prompt control (256 in, 128 out). Metrics from ``pdserve.app.loadgen.stats.summarize``:
 TTFT/ITL/TPOT/E2E p50/p90/p99, output tokens/s (per GPU = /2), goodput under TTFT <= 2 s and
 TPOT <= 50 ms. ITL samples are kept for the plot. ``python3 bench/gpu_disagg.py --dry-run`` prints
 the clusters it would start (roles, devices, router flags) and the rate points, without a GPU.
@@ -118,8 +118,8 @@ def _worker_args(kv_gb: float) -> tuple[str, ...]:
 def cluster_specs(model: str | Path, *, n_gpus: int, kv_gb: float, transport: str = "nixl",
                   modes: tuple[str, ...] = MODES) -> dict:
     """mode -> ClusterSpec: which workers, on which GPUs, with which router flags (no GPU needed)."""
-    from pdserve.launcher.cluster import ClusterSpec
-    from pdserve.launcher.devices import DevicePlan
+    from pdserve.app.launcher.cluster import ClusterSpec
+    from pdserve.app.launcher.devices import DevicePlan
 
     gpus = tuple(str(i) for i in range(max(n_gpus, 1)))
     two = len(gpus) >= 2
@@ -144,7 +144,7 @@ def cluster_specs(model: str | Path, *, n_gpus: int, kv_gb: float, transport: st
 
 def describe(specs: dict) -> dict:
     """What each mode's cluster runs: (serve role, devices) per worker in launch order, router flags."""
-    from pdserve.launcher.devices import assign
+    from pdserve.app.launcher.devices import assign
 
     out = {}
     for mode, spec in specs.items():
@@ -160,8 +160,8 @@ def describe(specs: dict) -> dict:
 
 
 def _load(address: str, workload: str, rate: float, n: int, seed: int, vocab: int):
-    from pdserve.loadgen.dist import parse_dist
-    from pdserve.loadgen.runner import RunConfig, run
+    from pdserve.app.loadgen.dist import parse_dist
+    from pdserve.app.loadgen.runner import RunConfig, run
 
     inp, outp = WORKLOADS[workload][:2]
     return run(RunConfig(router=address, rate=rate, num_requests=n, input_len=parse_dist(inp),
@@ -182,7 +182,7 @@ def point_seed(workload: str, rate: float) -> int:
 
 def _sweep(addresses: list[str], points: list[tuple[str, float, int]], deadline: float, vocab: int) -> dict:
     """Run every (workload, rate, n) point against the servers (load split evenly across them)."""
-    from pdserve.loadgen.stats import summarize
+    from pdserve.app.loadgen.stats import summarize
 
     out = {}
     for workload, rate, n in points:
@@ -213,8 +213,8 @@ def _sweep(addresses: list[str], points: list[tuple[str, float, int]], deadline:
 
 def bench_disagg(out: str | Path, *, quick: bool = False, preset: str = "llama3-8b",
                  budget_s: float | None = None, modes: tuple[str, ...] | None = None) -> dict:
-    from pdserve.launcher.backends import ProcessBackend
-    from pdserve.launcher.cluster import Cluster
+    from pdserve.app.launcher.backends import ProcessBackend
+    from pdserve.app.launcher.cluster import Cluster
 
     out = Path(out)
     t_start = time.monotonic()
@@ -276,8 +276,8 @@ def kv_memory_gb(preset: str) -> float:
 
 
 async def _warm(address: str, vocab: int) -> None:
-    from pdserve.loadgen.dist import parse_dist
-    from pdserve.loadgen.runner import RunConfig, run
+    from pdserve.app.loadgen.dist import parse_dist
+    from pdserve.app.loadgen.runner import RunConfig, run
 
     # Both prompt shapes once (cold kernels and allocator growth stay out of the first rate point).
     for n in ("64", WORKLOADS["long_prompt"][0]):

@@ -30,9 +30,9 @@ from engine.layer_sink import LayerSink
 from engine.model import CausalLM, build_model
 from engine.model_runner import ModelRunner
 from engine.sampler import advance_generator, make_generator
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, Status
+from pdserve.sampling import SamplingParams
 
 __all__ = ["EngineConfig", "LLMEngine", "Reservation", "StepOutput"]
 

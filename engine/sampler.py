@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
 from engine.staging import to_device
+from pdserve.sampling import SamplingParams
 
 
 @dataclass

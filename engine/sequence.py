@@ -7,7 +7,7 @@ import enum
 import torch
 
 from engine.prefix_hash import ROOT_HASH, hash_block
-from engine.sampling_params import SamplingParams
+from pdserve.sampling import SamplingParams
 
 
 class Status(enum.Enum):

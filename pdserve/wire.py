@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from engine.sampling_params import SamplingParams
+from pdserve.sampling import SamplingParams
 from pdserve.v1 import common_pb2
 
 DEFAULT_MAX_TOKENS = 16

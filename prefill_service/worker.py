@@ -78,7 +78,7 @@ class PrefillWorker:
     def __init__(self, *, engine: AsyncEngine, kv: Any, worker_id: str, block_size: int,
                  stream_layers: bool = True) -> None:
         self.engine = engine
-        self.kv = kv  # pdserve.kvlink.KVLink: send / open_stream + wait_sent / can_stream_layers
+        self.kv = kv  # kvtransfer.link.KVLink: send / open_stream + wait_sent / can_stream_layers
         self.worker_id = worker_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.block_size = block_size

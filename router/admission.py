@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from pdserve.sampling import SamplingParams
 from pdserve.v1 import router_pb2
 from pdserve.wire import DEFAULT_MAX_TOKENS, sampling_from_proto, validate_token_ids
 

@@ -26,7 +26,7 @@ SERVICE_NAMES = {"router": "pdserve.v1.Router", "prefill": "pdserve.v1.Prefill",
 
 def served_health_names(role: str) -> list[str]:
     """The grpc.health.v1 service names `pdserve serve --role ROLE` registers (the serving contract)."""
-    from pdserve.roles import SERVICE_NAMES as SERVED
+    from pdserve.app.roles import SERVICE_NAMES as SERVED
 
     return SERVED[role]
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+PDSERVE = [sys.executable, "-m", "pdserve.app.cli"]
 KIND_DIR = REPO / "deploy" / "kind"
 HELM_CANDIDATES = (os.environ.get("HELM"), str(REPO / ".tools" / "node_modules" / ".bin" / "helm"))
 KIND_CLUSTER = os.environ.get("PDSERVE_KIND_CLUSTER", "pdserve-e2e")
@@ -41,7 +41,7 @@ MODEL_SEED = 0  # the chart's model.init.seed default: pods and the local refere
 def write_tiny_model(out: Path) -> Path:
     """The same checkpoint the chart's init container writes (`pdserve model init --preset tiny --seed 0`)."""
     if not (out / "config.json").exists():
-        from pdserve.cli import main as cli_main  # in-process: torch is imported once per test session
+        from pdserve.app.cli import main as cli_main  # in-process: torch is imported once per test session
 
         code = cli_main(["model", "init", "--preset", MODEL_PRESET, "--seed", str(MODEL_SEED),
                          "--out", str(out)])

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from pdserve.cli import main as cli_main
+from pdserve.app.cli import main as cli_main
 from pdserve.client import Client
 
 PROMPTS = [

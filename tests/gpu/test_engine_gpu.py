@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.sampling import SamplingParams
 
 
 def _engine(path, **kw) -> LLMEngine:

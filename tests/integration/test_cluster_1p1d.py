@@ -14,8 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.app.launcher.local import LocalCluster
 from pdserve.client import Client, build_request
-from pdserve.launcher.local import LocalCluster
 
 pytestmark = pytest.mark.slow
 PROMPT_LENS = [1, 5, 16, 17, 40, 100]
@@ -28,7 +28,7 @@ def prompts(vocab: int = 1024) -> list[list[int]]:
 
 def reference(model_dir, prompt_list: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     from engine.engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_blocks=256, device="cpu"))
     return [engine.generate([p], SamplingParams(max_tokens=m))[0] for p, m in zip(prompt_list, max_tokens,
@@ -105,7 +105,7 @@ def test_first_token_streams_before_decode_finishes(cluster) -> None:
         first = next(stream)
         # The first message is the prefill's token alone; at this point the decode worker still
         # holds the request (leased or running): the answer is nowhere near done.
-        from pdserve.launcher.local import get_stats
+        from pdserve.app.launcher.local import get_stats
 
         s = get_stats(decode.address, "decode")
         assert len(first.token_ids) == 1 and not first.HasField("final")
@@ -216,7 +216,7 @@ def test_health_reflection_and_list_workers(cluster) -> None:
 def test_cli_client_json_and_error(cluster, capsys) -> None:
     import json
 
-    from pdserve.cli import main
+    from pdserve.app.cli import main
 
     assert main(["client", "--router", cluster.router, "--prompt-ids", "5,6,7", "--max-tokens", "4",
                  "--json"]) == 0

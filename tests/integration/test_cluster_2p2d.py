@@ -14,8 +14,8 @@ import grpc
 import pytest
 from test_cluster_1p1d import MAX_TOKENS, prompts, reference, run_concurrently
 
+from pdserve.app.launcher.local import LocalCluster, get_stats, ucx_tcp_env
 from pdserve.client import Client
-from pdserve.launcher.local import LocalCluster, get_stats, ucx_tcp_env
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from test_cluster_1p1d import MAX_TOKENS, prompts, reference, run_concurrently
 
+from pdserve.app.launcher.local import colocated, get_stats
 from pdserve.client import Client
-from pdserve.launcher.local import colocated, get_stats
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def test_colocated_validation_and_cancel(server) -> None:
 
 
 def test_bench_against_colocated(server, tmp_path, capsys) -> None:
-    from pdserve.cli import main
+    from pdserve.app.cli import main
 
     out = tmp_path / "bench.json"
     assert main(["bench", "--router", server.address, "--rate", "50", "--num-requests", "6", "--input-len",
@@ -69,7 +69,7 @@ def test_bench_against_colocated(server, tmp_path, capsys) -> None:
 def test_async_engine_stream_cancel_and_idle(make_checkpoint) -> None:
     from engine.async_engine import AsyncEngine
     from engine.engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(make_checkpoint("llama")), num_blocks=64, device="cpu"))
     start_free = engine.num_free_blocks

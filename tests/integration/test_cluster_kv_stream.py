@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from test_cluster_1p1d import MAX_TOKENS, prompts, reference, run_concurrently
 
-from pdserve.launcher.local import LocalCluster, ucx_tcp_env
+from pdserve.app.launcher.local import LocalCluster, ucx_tcp_env
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,8 @@ def test_ray_up_scale_down(make_checkpoint, tmp_path) -> None:
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--prefill", "1",
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.app.cli", "up", "--model", str(model),
+                           "--prefill", "1",
                            "--decode", "1", "--transport", "tcp", "--num-blocks", "128",
                            "--run-dir", str(run_dir),
                            "--launcher", "ray", "--ray-num-cpus", "2", "--drain-timeout", "10"],
@@ -55,21 +56,21 @@ def test_ray_up_scale_down(make_checkpoint, tmp_path) -> None:
 
         t = threading.Thread(target=traffic)
         t.start()
-        scale = subprocess.run([sys.executable, "-m", "pdserve.cli", "scale", "decode", "2", "--run-dir",
+        scale = subprocess.run([sys.executable, "-m", "pdserve.app.cli", "scale", "decode", "2", "--run-dir",
                                 str(run_dir)], capture_output=True, text=True, env=env, timeout=240)
         assert scale.returncode == 0, scale.stderr
         with Client(router, timeout=10) as c:
             workers = c.list_workers()
         assert sorted(w["role"] for w in workers) == ["decode", "decode", "prefill"]
         time.sleep(1.0)
-        scale = subprocess.run([sys.executable, "-m", "pdserve.cli", "scale", "decode", "1", "--run-dir",
+        scale = subprocess.run([sys.executable, "-m", "pdserve.app.cli", "scale", "decode", "1", "--run-dir",
                                 str(run_dir)], capture_output=True, text=True, env=env, timeout=240)
         assert scale.returncode == 0, scale.stderr
         done.set()
         t.join(60)
         assert not errors, errors[:3]
         assert len(served) > 0
-        down = subprocess.run([sys.executable, "-m", "pdserve.cli", "down", "--run-dir", str(run_dir)],
+        down = subprocess.run([sys.executable, "-m", "pdserve.app.cli", "down", "--run-dir", str(run_dir)],
                               capture_output=True, text=True, env=env, timeout=180)
         assert down.returncode == 0, down.stderr
         assert up.wait(60) == 0

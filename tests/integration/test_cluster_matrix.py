@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from test_cluster_1p1d import MAX_TOKENS, prompts, reference, run_concurrently
 
+from pdserve.app.launcher.local import LocalCluster, ucx_tcp_env
 from pdserve.client import Client
-from pdserve.launcher.local import LocalCluster, ucx_tcp_env
 
 pytestmark = pytest.mark.slow
 

@@ -26,8 +26,8 @@ import grpc
 import pytest
 from test_cluster_1p1d import reference, run_concurrently
 
+from pdserve.app.launcher.local import LocalCluster
 from pdserve.client import Client
-from pdserve.launcher.local import LocalCluster
 from pdserve.probe import free_port
 from pdserve.probe import scrape_metrics as scrape
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -118,7 +118,7 @@ def test_next_turn_prefills_on_the_decode_worker_that_holds_the_history(cluster,
 
 def test_seeded_sampling_local_equals_one_engine(cluster, clean) -> None:
     from engine.engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.sampling import SamplingParams
 
     prompt = ids(9, 24)
     with Client(cluster.router, timeout=60) as c:

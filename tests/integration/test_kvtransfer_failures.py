@@ -1,16 +1,16 @@
 """Killing the peer process mid-transfer (SIGKILL): the survivor gets PeerUnavailable -- not a timeout --
 and holds nothing for the request afterwards (no expectation, send, peer, NIXL transfer or remote agent).
-The survivor is this test process; the victim is a kvtransfer.peer_proc child. TCP and NIXL in one go."""
+The survivor is this test process; the victim is a bench.kv_peer_proc child. TCP and NIXL in one go."""
 
 import asyncio
 
 import pytest
 import torch
 
+from bench.kv_peer_proc import fill_random
+from bench.kv_peers import PeerClient
 from engine.kv_layout import KVLayout
 from kvtransfer import PeerUnavailable, make_transport
-from kvtransfer.client import PeerClient
-from kvtransfer.peer_proc import fill_random
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
+from bench.kv_peers import PeerClient
 from engine.kv_layout import KVLayout
-from kvtransfer.client import PeerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -1,5 +1,5 @@
 """KV blocks between two OS processes, byte-exact, through TCP and NIXL (UCX default transports and
-UCX_TLS=tcp, i.e. simulated RDMA). Both sides run in child processes (kvtransfer.peer_proc) so each
+UCX_TLS=tcp, i.e. simulated RDMA). Both sides run in child processes (bench.kv_peer_proc) so each
 gets its own UCX environment; the test compares sha256 digests of the source and destination blocks
 and checks that every block outside the destination stayed zero. These tests never skip."""
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
+from bench.kv_peers import PeerClient, PeerError
 from engine.kv_layout import KVLayout
-from kvtransfer.client import PeerClient, PeerError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -1,4 +1,4 @@
-"""A small run of the affinity benchmark (pdserve/loadgen/affinity.py) on real workers: 1 prefill +
+"""A small run of the affinity benchmark (pdserve/app/loadgen/affinity.py) on real workers: 1 prefill +
 2 decode, a ``session+prefix`` router and a ``round_robin`` router on the same workers.
 
 Structural facts only (no timings): with affinity every turn of a session stays on one decode
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.loadgen.affinity import chat, chat_report, format_report, policy_routers
+from pdserve.app.loadgen.affinity import chat, chat_report, format_report, policy_routers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 BS = 16

@@ -24,9 +24,9 @@ import urllib.request
 import pytest
 from test_router_redis import RedisServer
 
+from pdserve.app.launcher.local import QUIET_ENV, LocalCluster
+from pdserve.app.launcher.procs import spawn
 from pdserve.client import Client
-from pdserve.launcher.local import QUIET_ENV, LocalCluster
-from pdserve.launcher.procs import spawn
 from pdserve.probe import free_port
 from pdserve.probe import scrape_metrics as scrape
 
@@ -96,7 +96,7 @@ def tokens(seed: int, n: int) -> list[int]:
 def replay(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The same conversation on one in-process engine: each turn's full prompt from scratch."""
     from engine.engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_blocks=256, device="cpu"))
     return [engine.generate([p], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0] for p in prompts]
@@ -258,7 +258,7 @@ def test_seeded_sampling_through_the_cluster_equals_one_engine(cluster, leak_che
     """temperature > 0 with a seed: prefill samples token 1, decode the rest; the decode engine's
     generator must continue where the prefill's left off, so the stream equals one engine's."""
     from engine.engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.sampling import SamplingParams
 
     prompts = [tokens(40 + i, n) for i, n in enumerate((5, 17, 40))]
     engine = LLMEngine(EngineConfig(model=str(cluster.model), num_blocks=256, device="cpu"))
@@ -304,7 +304,7 @@ def test_router_metrics_scraped(cluster, leak_check) -> None:
 def test_transport_fallback_reported_and_counted(cluster, tmp_path, leak_check) -> None:
     """A prefill worker that prefers NIXL paired with a TCP-only decode worker: the KV goes over TCP
     and the final response and the fallbacks counter say so (router C, on just those two)."""
-    from pdserve.launcher.local import get_stats
+    from pdserve.app.launcher.local import get_stats
 
     decode = next(h for h in cluster.workers if h.role == "decode" and h.alive())
     prefill = router = None

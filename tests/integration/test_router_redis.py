@@ -16,11 +16,11 @@ import time
 import pytest
 import redis
 
+from bench.placement_fakes import request
+from pdserve.app.registration import LeaseConflict, WorkerRegistration
 from pdserve.probe import free_port
 from router.discovery.redis_leases import RedisLeaseDiscovery
 from router.placement import Outcome, Placer, PlacerConfig, WorkerInfo, WorkerLoad
-from router.placement.fakes import request
-from router.registry import LeaseConflict, WorkerRegistration
 from router.state.redis_store import RedisStore
 from router.state.store import StoreUnavailable
 

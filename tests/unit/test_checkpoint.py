@@ -14,7 +14,7 @@ import engine.checkpoint as ckpt
 from engine.checkpoint import parameter_shapes, preset_config, write_random_checkpoint
 from engine.config import HF_ARCHITECTURE, ModelConfig, RopeScaling
 from engine.tokenizer import Tokenizer
-from pdserve.cli import main
+from pdserve.app.cli import main
 
 
 def test_cli_init_writes_a_complete_hf_directory(tmp_path, capsys):

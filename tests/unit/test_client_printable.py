@@ -1,4 +1,4 @@
-from pdserve.commands.client import printable
+from pdserve.app.commands.client import printable
 
 
 def test_control_characters_are_escaped_but_text_survives():

@@ -20,10 +20,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from bench.placement_fakes import request
 from router.discovery import make_discovery
 from router.discovery.k8s import K8sDiscovery, K8sDiscoveryConfig, slice_workers
 from router.placement import Placer, PlacerConfig
-from router.placement.fakes import request
 
 pytestmark = pytest.mark.timeout(60)
 

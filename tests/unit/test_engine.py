@@ -13,7 +13,7 @@ from engine.checkpoint import preset_config
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import DuplicateRequest, KVCacheFull, QueueFull, RequestTooLong, UnknownRequest
 from engine.model import build_model
-from engine.sampling_params import SamplingParams
+from pdserve.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 

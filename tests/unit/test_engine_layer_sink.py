@@ -10,7 +10,7 @@ import engine.model_runner as model_runner
 from engine.checkpoint import preset_config
 from engine.engine import EngineConfig, LLMEngine
 from engine.model import build_model
-from engine.sampling_params import SamplingParams
+from pdserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 PARAMS = SamplingParams(max_tokens=1)

@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
-from pdserve.cli import main
+from pdserve.app.cli import main
+from pdserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -68,7 +68,8 @@ def test_clear_errors(capsys, make_checkpoint, tmp_path):
 
 def test_console_script_prints_an_answer(tiny_llama_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--model", str(tiny_llama_dir),
+    proc = subprocess.run([sys.executable, "-m", "pdserve.app.cli", "generate",
+                           "--model", str(tiny_llama_dir),
                            "--prompt", "The quick brown fox", "--max-tokens", "5", "--device", "cpu"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr

@@ -11,6 +11,7 @@ import torch
 from kvtransfer_testkit import leak_free, needs_nixl, run
 
 import kvtransfer.receiver as rxmod
+from bench.kv_peer_proc import fill_random
 from engine.kv_layout import KVLayout
 from kvtransfer import (
     InvalidTransfer,
@@ -18,7 +19,6 @@ from kvtransfer import (
     TransferTimeout,
     make_transport,
 )
-from kvtransfer.peer_proc import fill_random
 from kvtransfer.protocol import parse_notif
 
 pytestmark = pytest.mark.timeout(90)

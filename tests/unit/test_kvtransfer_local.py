@@ -7,6 +7,7 @@ import socket
 import pytest
 import torch
 
+from bench.kv_peer_proc import fill_random
 from engine.kv_layout import KVLayout
 from kvtransfer import (
     InvalidTransfer,
@@ -16,7 +17,6 @@ from kvtransfer import (
     UnknownRequest,
     make_transport,
 )
-from kvtransfer.peer_proc import fill_random
 from kvtransfer.protocol import HEADER, Msg, decode_header, decode_meta, encode
 
 pytestmark = pytest.mark.timeout(60)

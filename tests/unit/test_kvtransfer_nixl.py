@@ -9,6 +9,7 @@ import pytest
 import torch
 from kvtransfer_testkit import leak_free, needs_nixl, run
 
+from bench.kv_peer_proc import fill_random
 from engine.kv_layout import KVLayout
 from kvtransfer import (
     BackendUnavailable,
@@ -18,7 +19,6 @@ from kvtransfer import (
     make_transport,
     nixl_backend,
 )
-from kvtransfer.peer_proc import fill_random
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from kvtransfer_testkit import needs_nixl, run
 
+from bench.kv_peer_proc import fill_random
 from engine.kv_layout import KVLayout
 from kvtransfer import BackendUnavailable, TransportConfig, make_transport, nixl_backend
-from kvtransfer.peer_proc import fill_random
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -6,9 +6,9 @@ import logging
 
 import torch
 
+from bench.kv_peer_proc import fill_random
 from engine.kv_layout import KVLayout
 from kvtransfer import make_transport
-from kvtransfer.peer_proc import fill_random
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype="float32")
 

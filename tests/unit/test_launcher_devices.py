@@ -1,4 +1,4 @@
-"""GPU assignment of `pdserve up` (pdserve/launcher/devices.py) and how the cluster hands it to backends.
+"""GPU assignment of `pdserve up` (pdserve/app/launcher/devices.py) and how the cluster hands it to backends.
 
 No GPU and no process: the assignment is pure, and the cluster is driven with a recording backend.
 """
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.launcher.backends import WorkerHandle, device_env
-from pdserve.launcher.cluster import Cluster, ClusterSpec
-from pdserve.launcher.devices import DeviceAssigner, DevicePlan, assign, parse_ids, visible_gpus
+from pdserve.app.launcher.backends import WorkerHandle, device_env
+from pdserve.app.launcher.cluster import Cluster, ClusterSpec
+from pdserve.app.launcher.devices import DeviceAssigner, DevicePlan, assign, parse_ids, visible_gpus
 
 
 def test_round_robin_in_launch_order_prefill_first() -> None:

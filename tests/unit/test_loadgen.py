@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from pdserve.loadgen.dist import parse_dist
-from pdserve.loadgen.stats import Sample, format_table, percentile, summarize
+from pdserve.app.loadgen.dist import parse_dist
+from pdserve.app.loadgen.stats import Sample, format_table, percentile, summarize
 
 
 def test_parse_dist_kinds_and_bounds() -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 from fake_clock import Clock
 
+from bench.placement_fakes import request, workers
 from router.placement import (
     NoWorkersAvailable,
     Outcome,
@@ -15,7 +16,6 @@ from router.placement import (
     WorkerInfo,
     WorkerLoad,
 )
-from router.placement.fakes import request, workers
 from router.placement.scoring import load_cap
 
 

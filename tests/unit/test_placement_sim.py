@@ -1,14 +1,14 @@
 """Simulated "must show" numbers: multi-turn KV reuse with affinity on/off, shared-prompt load bound.
 
 Caches are simulated with the engine's real block hashes and a bounded LRU per worker
-(router/placement/fakes.py); the numbers are printed (pytest -s) and checked against the goals.
+(bench/placement_fakes.py); the numbers are printed (pytest -s) and checked against the goals.
 """
 
 from __future__ import annotations
 
 import math
 
-from router.placement.sim import chat_workload, shared_prompt_workload
+from bench.placement_sim import chat_workload, shared_prompt_workload
 
 
 def test_five_turn_chat_affinity_on_vs_off():

@@ -15,9 +15,9 @@ from engine.async_engine import AsyncEngine
 from engine.checkpoint import preset_config
 from engine.engine import EngineConfig, LLMEngine
 from engine.model import build_model
-from engine.sampling_params import SamplingParams
 from kvtransfer import BackendUnavailable, TransferAborted, make_transport, nixl_backend
-from pdserve.kvlink import KVLink
+from kvtransfer.link import KVLink
+from pdserve.sampling import SamplingParams
 from prefill_service.layer_stream import LayerStream
 from prefill_service.worker import PrefillAborted, PrefillWorker, Target
 

@@ -28,8 +28,8 @@ from engine.config import ModelConfig, RopeScaling
 from engine.engine import EngineConfig, LLMEngine
 from engine.kv_layout import KVLayout
 from engine.model import build_model
-from engine.sampling_params import SamplingParams
 from engine.weights import load_weights
+from pdserve.sampling import SamplingParams
 
 VARIANTS = {
     "llama": dict(arch="llama"),

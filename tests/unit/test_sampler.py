@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.sampler import Sampler, make_generator
-from engine.sampling_params import SamplingParams
+from pdserve.sampling import SamplingParams
 
 V = 50
 

@@ -3,9 +3,9 @@
 import pytest
 
 from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, Status
+from pdserve.sampling import SamplingParams
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""Routing-decision microbenchmark: ``python -m router.bench_placement [--json OUT]``.
+"""Routing-decision microbenchmark: ``python -m bench.router_placement [--json OUT]``.
 
 For 8, 64 and 256 workers (half prefill, half decode) the Placer is warmed with a realistic
 history (prompts of 256..4096 tokens, a handful of shared system prompts, multi-turn sessions,
@@ -17,9 +17,9 @@ import random
 import statistics
 import time
 
+from bench.placement_fakes import workers
 from engine.prefix_hash import block_hashes
 from router.placement import Outcome, PlacementRequest, Placer, PlacerConfig, WorkerLoad
-from router.placement.fakes import workers
 
 BLOCK = 16
 

@@ -1,11 +1,11 @@
 """Layer-wise KV push on vs off: prefill-return latency (prefill start -> transfer acknowledged).
 
-    python -m prefill_service.bench_stream [--model DIR] [--lengths 512,2048] [--iters 5]
+    python -m bench.prefill_stream [--model DIR] [--lengths 512,2048] [--iters 5]
         [--transport tcp|nixl] [--device cpu|cuda] [--threads 1,2]
         [--json bench/results/kv-stream-layers-cpu.json]
 
 The real prefill path in this process (AsyncEngine on its own thread + PrefillWorker + KVLink), the
-decode side's receiver in a child process (``kvtransfer.peer_proc``, as a decode worker would hold
+decode side's receiver in a child process (``bench.kv_peer_proc``, as a decode worker would hold
 it). Each request is a fresh random prompt (prefix caching off), so every token is computed and every
 block is sent; streaming on and off alternate request by request so both see the same background
 load. Per row: p50 / min of the prefill-return latency, of the time the first token waited for the
@@ -30,12 +30,12 @@ from pathlib import Path
 async def run(args: argparse.Namespace, model_dir: str) -> list[dict]:
     import torch
 
+    from bench.kv_peers import PeerClient
     from engine.async_engine import AsyncEngine
     from engine.engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
-    from kvtransfer.client import PeerClient
+    from kvtransfer.link import KVLink
     from kvtransfer.transport import make_transport
-    from pdserve.kvlink import KVLink
+    from pdserve.sampling import SamplingParams
     from prefill_service.worker import PrefillWorker, Target
 
     longest = max(args.lengths)

@@ -59,9 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pdserve.launcher.backends import ProcessBackend, RayBackend
-    from pdserve.launcher.cluster import Cluster, ClusterSpec
-    from pdserve.launcher.devices import DevicePlan, parse_ids, visible_gpus
+    from pdserve.app.launcher.backends import ProcessBackend, RayBackend
+    from pdserve.app.launcher.cluster import Cluster, ClusterSpec
+    from pdserve.app.launcher.devices import DevicePlan, parse_ids, visible_gpus
 
     worker_args = ["--device", args.device]
     if args.num_blocks:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.launcher.backends import ProcessBackend, WorkerHandle
-from pdserve.launcher.cluster import Cluster, ClusterSpec
-from pdserve.launcher.procs import ServeProcess, spawn
+from pdserve.app.launcher.backends import ProcessBackend, WorkerHandle
+from pdserve.app.launcher.cluster import Cluster, ClusterSpec
+from pdserve.app.launcher.procs import ServeProcess, spawn
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 QUIET_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

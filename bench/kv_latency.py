@@ -1,9 +1,9 @@
 """Per-transfer latency over the real path: two OS processes, sequential one-shot sends, p50/min.
 
-    python -m kvtransfer.latency [--json OUT] [--iters 20] [--backends tcp,nixl,nixl_ucx_tcp]
+    python -m bench.kv_latency [--json OUT] [--iters 20] [--backends tcp,nixl,nixl_ucx_tcp]
         [--variant NAME=ROOT[:CONFIG_JSON] ...]
 
-Where ``python -m kvtransfer.bench`` measures bandwidth on the Llama-3.1-8B layout, this measures what
+Where ``python -m bench.kv_bench`` measures bandwidth on the Llama-3.1-8B layout, this measures what
 a request's TTFT pays: the time from start_send() to the receiver's acknowledgement, for a few blocks
 and for many, on the tiny test model's layout (4 layers, 4 KiB per (layer, block)) and on the 8B layout
 (32 layers, 64 KiB per (layer, block)). The destination ids are scattered (every other block), as a
@@ -27,9 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.kv_peers import PeerClient
 from engine.kv_layout import KVLayout
-
-from .client import PeerClient
 
 TINY = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32",
                 model_fingerprint="latency-tiny")
@@ -149,7 +148,7 @@ def main(argv=None) -> None:
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        command = "python -m kvtransfer.latency " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "python -m bench.kv_latency " + " ".join(sys.argv[1:] if argv is None else argv)
         Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
         print(f"wrote {args.json}")
 

@@ -46,7 +46,7 @@ def _fail(message: str, code: int = 2) -> int:
 def run(args: argparse.Namespace) -> int:
     from engine.engine import EngineConfig, LLMEngine
     from engine.errors import EngineError, ModelLoadError
-    from engine.sampling_params import SamplingParams
+    from pdserve.sampling import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.app.loadgen.dist import Dist
+from pdserve.app.loadgen.stats import Sample
 from pdserve.client import AsyncClient, build_request
-from pdserve.loadgen.dist import Dist
-from pdserve.loadgen.stats import Sample
 
 
 @dataclass(frozen=True, kw_only=True)

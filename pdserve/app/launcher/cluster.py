@@ -31,8 +31,8 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.launcher.backends import WorkerHandle
-from pdserve.launcher.devices import DeviceAssigner, DevicePlan
+from pdserve.app.launcher.backends import WorkerHandle
+from pdserve.app.launcher.devices import DeviceAssigner, DevicePlan
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from router.file_discovery import write_workers_file
 

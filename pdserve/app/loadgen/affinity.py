@@ -1,4 +1,4 @@
-"""Session affinity on vs off with real workers, in one run: ``python -m pdserve.loadgen.affinity``.
+"""Session affinity on vs off with real workers, in one run: ``python -m pdserve.app.loadgen.affinity``.
 
 Starts one set of workers (``--prefill`` x ``--decode``, KV over TCP) and one router process per
 policy on those same workers (``session+prefix``, ``prefix``, ``round_robin``), then:
@@ -31,11 +31,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pdserve.launcher.local import QUIET_ENV, LocalCluster
-from pdserve.launcher.procs import spawn
-from pdserve.loadgen.dist import parse_dist
-from pdserve.loadgen.runner import RunConfig, run
-from pdserve.loadgen.stats import Sample, kv_summary
+from pdserve.app.launcher.local import QUIET_ENV, LocalCluster
+from pdserve.app.launcher.procs import spawn
+from pdserve.app.loadgen.dist import parse_dist
+from pdserve.app.loadgen.runner import RunConfig, run
+from pdserve.app.loadgen.stats import Sample, kv_summary
 
 POLICIES = ("session+prefix", "prefix", "round_robin")
 

@@ -1,6 +1,6 @@
 """`pdserve` console entry point.
 
-Subcommands live one per module in ``pdserve.commands``; each module exposes
+Subcommands live one per module in ``pdserve.app.commands``; each module exposes
 ``register(subparsers)`` which adds its parser and sets ``func`` (called with the parsed args,
 returning an exit code). Discovery keeps this file free of per-command edits.
 """
@@ -13,7 +13,8 @@ import logging
 import pkgutil
 import sys
 
-from pdserve import __version__, commands
+from pdserve import __version__
+from pdserve.app import commands
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """KV transfer benchmark: GB/s and per-transfer latency per backend, next to raw baselines.
 
-    python -m kvtransfer.bench [--json OUT] [--quick] [--backends tcp,nixl,nixl_ucx_tcp]
+    python -m bench.kv_bench [--json OUT] [--quick] [--backends tcp,nixl,nixl_ucx_tcp]
 
 Layout: Llama-3.1-8B-shaped (32 layers, 8 KV heads, head_dim 128, bf16, block 16): one 16-token
 block is 2 MiB over all layers, a 4096-token prompt 512 MiB. For every backend a receiver and a sender
@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 
+from bench.kv_peers import PeerClient, PeerError
 from engine.kv_layout import KVLayout
-
-from .client import PeerClient, PeerError
 
 LLAMA8B = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16",
                    model_fingerprint="bench-llama-3.1-8b")

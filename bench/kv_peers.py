@@ -1,4 +1,4 @@
-"""Parent-side driver for kvtransfer.peer_proc children (tests and benchmark)."""
+"""Parent-side driver for bench.kv_peer_proc children (tests and benchmark)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class PeerClient:
             if value is None:
                 del full_env[key]
         proc = await asyncio.create_subprocess_exec(
-            *(prefix or []), sys.executable, "-m", "kvtransfer.peer_proc", cwd=root, env=full_env,
+            *(prefix or []), sys.executable, "-m", "bench.kv_peer_proc", cwd=root, env=full_env,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr, limit=1 << 24)
         self = cls(proc)
         hello = json.loads(await asyncio.wait_for(proc.stdout.readline(), 120))

@@ -43,9 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pdserve.loadgen.dist import parse_dist
-    from pdserve.loadgen.runner import RunConfig, run
-    from pdserve.loadgen.stats import format_table, summarize
+    from pdserve.app.loadgen.dist import parse_dist
+    from pdserve.app.loadgen.runner import RunConfig, run
+    from pdserve.app.loadgen.stats import format_table, summarize
 
     try:
         cfg = RunConfig(router=args.router, rate=args.rate, num_requests=args.num_requests,

@@ -105,7 +105,7 @@ async def _load_engine(settings: ServeSettings, server: GrpcServer):
 
 
 async def _prefill(settings: ServeSettings, server: GrpcServer):
-    from pdserve.kvlink import make_kv_link
+    from kvtransfer.link import make_kv_link
     from pdserve.v1 import prefill_pb2_grpc
     from prefill_service.service import PrefillServicer
     from prefill_service.worker import PrefillWorker
@@ -131,7 +131,7 @@ async def _prefill(settings: ServeSettings, server: GrpcServer):
 async def _decode(settings: ServeSettings, server: GrpcServer):
     from decode_service.service import DecodeServicer
     from decode_service.worker import DecodeWorker
-    from pdserve.kvlink import make_kv_link
+    from kvtransfer.link import make_kv_link
     from pdserve.v1 import decode_pb2_grpc
 
     holder = _Late()
@@ -243,8 +243,8 @@ async def _worker_extras(settings: ServeSettings, server: GrpcServer, engine, ae
             g.labels(**labels).set_function(lambda a=attr: getattr(aengine.snapshot, a))
         start_http_server(settings.metrics_port, addr=settings.host, registry=registry)
     if settings.redis:
+        from pdserve.app.registration import WorkerRegistration
         from router.placement import WorkerLoad
-        from router.registry import WorkerRegistration
         from router.state import make_store
 
         def load() -> WorkerLoad:

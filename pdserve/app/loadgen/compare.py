@@ -1,4 +1,4 @@
-"""Disaggregated vs colocated, side by side on this host: ``python -m pdserve.loadgen.compare``.
+"""Disaggregated vs colocated, side by side on this host: ``python -m pdserve.app.loadgen.compare``.
 
 Modes (``--modes``, each started with the `pdserve up --launcher process` code path, one at a time):
 
@@ -23,10 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.launcher.local import LocalCluster, colocated
-from pdserve.loadgen.dist import parse_dist
-from pdserve.loadgen.runner import RunConfig, run
-from pdserve.loadgen.stats import format_table, summarize
+from pdserve.app.launcher.local import LocalCluster, colocated
+from pdserve.app.loadgen.dist import parse_dist
+from pdserve.app.loadgen.runner import RunConfig, run
+from pdserve.app.loadgen.stats import format_table, summarize
 from pdserve.probe import free_port, scrape_metrics
 
 

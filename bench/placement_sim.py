@@ -1,6 +1,6 @@
 """Placement simulations for the issue's "must show" numbers that need no real workers.
 
-``python -m router.placement.sim [--json OUT]`` prints:
+``python -m bench.placement_sim [--json OUT]`` prints:
 - multi-turn chat: prompt-cache hit ratio and KV bytes sent per policy (affinity on vs off),
   with caches simulated by ``SimCluster`` (engine's real block hashes, bounded LRU per worker);
 - shared system prompt: requests per decode/prefill worker, max/mean, against the bound.
@@ -14,8 +14,8 @@ import json
 import random
 from dataclasses import dataclass
 
+from bench.placement_fakes import SimCluster, chat_tokens, request, workers
 from router.placement.config import PlacerConfig
-from router.placement.fakes import SimCluster, chat_tokens, request, workers
 from router.placement.placer import Placer
 
 

@@ -30,7 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2
-    from pdserve.roles import run_role
+    from pdserve.app.roles import run_role
 
     try:
         asyncio.run(run_role(settings))

@@ -1,7 +1,7 @@
 """A KV-transfer peer in its own OS process, driven by JSON lines on stdin/stdout.
 
 Used by the two-process integration tests and by the benchmark: the parent starts
-``python -m kvtransfer.peer_proc`` (possibly under ``ip netns exec`` or with ``UCX_TLS`` set), then sends
+``python -m bench.kv_peer_proc`` (possibly under ``ip netns exec`` or with ``UCX_TLS`` set), then sends
 one JSON object per line ``{"id": n, "op": ..., ...}`` and reads ``{"id": n, "ok": true, ...}`` or
 ``{"id": n, "ok": false, "kind": ..., "error": ...}``. Commands run as concurrent tasks, so a ``wait``
 does not block a later ``send``. Only JSON crosses the pipe.
@@ -24,9 +24,8 @@ import threading
 import torch
 
 from engine.kv_layout import KVLayout
-
-from .errors import TransferError
-from .transport import make_transport
+from kvtransfer.errors import TransferError
+from kvtransfer.transport import make_transport
 
 
 def fill_random(kv: torch.Tensor, seed: int) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.launcher.procs import ServeProcess, spawn
+from pdserve.app.launcher.procs import ServeProcess, spawn
 
 log = logging.getLogger(__name__)
 

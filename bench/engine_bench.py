@@ -1,6 +1,7 @@
 """Colocated engine throughput on CPU next to ``transformers`` ``generate``, measured in the same run.
 
-    python -m engine.bench --json bench/results/engine-cpu.json [--presets tiny small] [--batches 1 8 32]
+    python -m bench.engine_bench --json bench/results/engine-cpu.json \
+        [--presets tiny small] [--batches 1 8 32]
 
 For each preset a random checkpoint is written once and loaded by both sides (same weights, float32).
 For each batch size ``B``, with ``B`` distinct random prompts of ``--prompt-len`` tokens:
@@ -32,7 +33,7 @@ import torch
 
 from engine.checkpoint import preset_config, write_random_checkpoint
 from engine.engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.sampling import SamplingParams
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -128,7 +129,7 @@ def _fmt(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.engine_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])

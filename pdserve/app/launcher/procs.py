@@ -1,6 +1,6 @@
 """Start one `pdserve serve` process and learn its address.
 
-``spawn(role, args, log_path)`` runs ``python -m pdserve.cli serve --role ROLE --port 0 ...`` in its own
+``spawn(role, args, log_path)`` runs ``python -m pdserve.app.cli serve --role ROLE --port 0 ...`` in its own
 process group, waits for the line ``pdserve <role> <id> listening on HOST:PORT`` that the server
 prints once it is SERVING, and returns a ``ServeProcess``. ``stop()`` sends SIGTERM (graceful
 drain) and escalates to SIGKILL after a timeout. Used directly by the process launcher and the
@@ -60,7 +60,7 @@ class ServeProcess:
 def spawn(role: str, args: list[str], log_path: str | Path, *, host: str = "127.0.0.1",
           advertise_host: str | None = None, env: dict[str, str] | None = None,
           timeout: float = 180.0) -> ServeProcess:
-    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "serve", "--role", role,
+    cmd = [sys.executable, "-m", "pdserve.app.cli", "--log-level", "INFO", "serve", "--role", role,
            "--host", host, "--advertise-host", advertise_host or host, *args]
     if "--port" not in args:
         cmd += ["--port", "0"]

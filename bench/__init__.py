@@ -1,0 +1,1 @@
+"""Benchmark and test drivers (not part of the installed library)."""

@@ -1,0 +1,1 @@
+"""CLI subcommands. Each module here defines ``register(subparsers)``; ``pdserve.app.cli`` finds them."""

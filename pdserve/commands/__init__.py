@@ -1,1 +1,0 @@
-"""CLI subcommands. Each module here defines ``register(subparsers)``; ``pdserve.cli`` finds them."""
