@@ -172,7 +172,10 @@ class Pipeline:
         except RequestFailed as exc:
             await state.run(decode_reserved=True, prefill_running=True)
             failed = getattr(exc, "extra_worker", "")
-            self._feedback(preq, placement, meta, success=False, error=exc.message, failed=failed)
+            # Capacity is not sickness: a full worker (RESOURCE_EXHAUSTED) is only skipped by this
+            # request's retry; only a dead one (UNAVAILABLE) leaves placement for the cooldown.
+            sick = failed if exc.code == grpc.StatusCode.UNAVAILABLE else ""
+            self._feedback(preq, placement, meta, success=False, error=exc.message, failed=sick)
             if exc.code in RETRYABLE and failed:
                 yield exc
                 return

@@ -11,7 +11,6 @@ server the same way.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import grpc
 from pdserve.app.launcher.backends import ProcessBackend, WorkerHandle
 from pdserve.app.launcher.cluster import Cluster, ClusterSpec
 from pdserve.app.launcher.procs import ServeProcess, spawn
+from pdserve.settings import ucx_tls_for_tests
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 QUIET_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -36,11 +36,13 @@ class LocalCluster:
                  run_dir: str | Path, worker_args: tuple[str, ...] = ("--num-blocks", "256"),
                  env: dict[str, str] | None = None, policy: str = "round_robin",
                  drain_timeout: float = 10.0, router_args: tuple[str, ...] = (),
-                 colocated: bool = False) -> None:
+                 colocated: bool = False, prefill_args: tuple[str, ...] = (),
+                 decode_args: tuple[str, ...] = ()) -> None:
         # colocated=True: ``decode`` colocated workers behind the router (``prefill`` must be 0)
         self.spec = ClusterSpec(model=str(model), num_prefill=prefill, num_decode=decode, transport=transport,
                                 worker_args=tuple(worker_args), policy=policy, drain_timeout=drain_timeout,
-                                router_args=("--stats-interval", "0.2", *router_args), colocated=colocated)
+                                router_args=("--stats-interval", "0.2", *router_args), colocated=colocated,
+                                prefill_args=tuple(prefill_args), decode_args=tuple(decode_args))
         self.env = {**QUIET_ENV, **(env or {})}
         self.cluster = Cluster(spec=self.spec, backend=ProcessBackend(Path(run_dir), self.env),
                                run_dir=Path(run_dir))
@@ -94,4 +96,4 @@ def colocated(model: str | Path, *, log_path: str | Path, args: tuple[str, ...] 
 
 def ucx_tcp_env() -> dict[str, str]:
     """NIXL over UCX restricted to TCP: simulated RDMA on a machine without an RDMA NIC."""
-    return {"UCX_TLS": os.environ.get("PDSERVE_TEST_UCX_TLS", "tcp")}
+    return {"UCX_TLS": ucx_tls_for_tests()}
