@@ -10,6 +10,10 @@ Disaggregation hooks (see docs/engine-contract.md): ``add_prefill_request`` runs
 its KV for the caller ("prefilled"); ``reserve`` / ``commit_prefilled`` take blocks for a prompt
 whose KV another worker writes, then decode from the first token it sampled; ``release`` drops a
 pinned or reserved request at any stage. Finished requests' full blocks stay in the prefix cache.
+
+Tensor parallelism: ``LLMEngine(config, tp=group)`` is rank 0 of a worker whose other ranks are
+``engine.tp_worker.TPFollower``s; ``kv_layout`` stays the whole model's, ``rank_kv_layout`` is
+this rank's heads, and ``close()`` releases the followers.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -27,11 +30,15 @@ from engine.engine_types import EngineConfig, Reservation, StepOutput
 from engine.errors import DuplicateRequest, KVCacheFull, QueueFull, RequestTooLong, UnknownRequest
 from engine.kv_layout import KVLayout, dtype_name
 from engine.layer_sink import LayerSink
-from engine.model import CausalLM, build_model
+from engine.model import CausalLM
 from engine.model_runner import ModelRunner
 from engine.sampler import advance_generator, make_generator
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, Status
+from engine.tp_group import TPGroup
+from engine.tp_plan import send_stop
+from engine.tp_worker import agree_num_blocks, load_model, rank_layout, tp_fingerprint
+from engine.tp_worker import resolve_device as _resolve_device
 from pdserve.sampling import SamplingParams
 
 __all__ = ["EngineConfig", "LLMEngine", "Reservation", "StepOutput"]
@@ -50,15 +57,21 @@ class _Counters:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, model: CausalLM | None = None, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, *, model: CausalLM | None = None, tokenizer=None,
+                 tp: TPGroup | None = None) -> None:
         self.config = config
         self.device = _resolve_device(config.device)
+        self.tp = tp
+        if tp is not None and tp.rank != 0:
+            raise ValueError("LLMEngine is rank 0 of a tensor parallel group; other ranks run TPFollower")
         if model is None:
             if config.model is None:
                 raise ValueError("EngineConfig.model (a model directory) is required without model=")
-            model, tokenizer = _load(config, self.device)
+            model, tokenizer = load_model(config, self.device, tp)
         else:
             model = model.to(self.device, dtype=_dtype(config.dtype) or next(model.parameters()).dtype)
+        if model.tp is not tp:
+            raise ValueError("model= must be built with the engine's TPGroup (build_model(tp=...))")
         self.model = model.eval()
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -67,14 +80,15 @@ class LLMEngine:
         self.kv_layout = KVLayout.for_model(cfg, block_size=config.block_size, dtype=dtype,
                                             memory=self.device.type,
                                             model_fingerprint=_model_fingerprint(cfg, model))
+        self.rank_kv_layout = rank_layout(self.kv_layout, model)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
-        num_blocks = self._num_blocks()
+        num_blocks = self._num_blocks() if tp is None else agree_num_blocks(tp, self._num_blocks())
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_prefix_caching=config.enable_prefix_caching)
-        self.runner = ModelRunner(model, self.kv_layout, num_blocks, device=self.device,
+        self.runner = ModelRunner(model, self.rank_kv_layout, num_blocks, device=self.device,
                                   attention_backend=config.attention_backend, seed=config.seed,
                                   launch_ahead_layers=config.launch_ahead_layers)
         self.runner.enable_cuda_graphs(max_batch=config.max_num_seqs, max_model_len=self.max_model_len)
@@ -83,6 +97,7 @@ class LLMEngine:
         self._pending: list[StepOutput] = []  # outputs decided outside step() (abort, commit)
         self._arrivals = 0
         self.stats = _Counters()
+        self._closed = False
         log.info("engine ready: %s on %s, %d KV blocks (%s), backend %s", cfg.architecture, self.device,
                  num_blocks, self.kv_layout.describe(), self.runner.backend.name)
 
@@ -230,6 +245,12 @@ class LLMEngine:
             raise RuntimeError(f"{len(errors)} request(s) failed: {next(iter(errors.values()))}")
         return [results[rid] for rid in ids]
 
+    def close(self) -> None:
+        """Release a tensor-parallel worker's other ranks (they leave ``TPFollower.run``); idempotent."""
+        if self.tp is not None and not self._closed:
+            self._closed = True
+            send_stop(self.tp)
+
     # ---- internals ----------------------------------------------------------------------------
     def _get(self, request_id: str) -> Sequence:
         seq = self._requests.get(request_id)
@@ -322,7 +343,7 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_blocks is not None:
             return cfg.num_blocks
-        per_block = self.kv_layout.cache_bytes(1)
+        per_block = self.rank_kv_layout.cache_bytes(1)
         if cfg.kv_cache_bytes is not None:
             budget = cfg.kv_cache_bytes
         elif self.device.type == "cuda":
@@ -353,12 +374,6 @@ def _abort_sink(seq: Sequence, reason: str) -> None:
         sink.abort(reason)
 
 
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, dtype_name(name))
 
@@ -367,16 +382,5 @@ def _model_fingerprint(cfg: ModelConfig, model: torch.nn.Module) -> str:
     """Architecture plus sampled weights: KV is only interchangeable between identical models."""
     from engine.weights import weights_fingerprint
 
-    return f"{cfg.fingerprint()[:8]}{weights_fingerprint(model)[:8]}"
-
-
-def _load(config: EngineConfig, device: torch.device):
-    from engine.tokenizer import Tokenizer
-    from engine.weights import load_weights
-
-    path = Path(config.model)
-    model_config = ModelConfig.from_pretrained(path)
-    dtype = _dtype(config.dtype) or model_config.torch_dtype
-    model = build_model(model_config, init="meta")
-    load_weights(model, path, dtype=dtype, device=device)
-    return model, Tokenizer.from_dir(path)
+    weights = weights_fingerprint(model) if model.tp is None else tp_fingerprint(model, model.tp)
+    return f"{cfg.fingerprint()[:8]}{weights[:8]}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,10 @@ from torch import nn
 
 from engine.attention.base import AttentionMetadata
 from engine.config import ModelConfig
+from engine.tp_shard import TensorSlice, TPShard
+
+if TYPE_CHECKING:
+    from engine.tp_group import TPGroup
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -125,17 +130,23 @@ class FusedLinears:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    """Self-attention; under tensor parallelism (``tp``) this rank's query/KV heads only, and
+    ``o_proj``'s partial sums all-reduced (the block's one collective)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        shard = None if tp is None else TPShard.for_model(config, rank=tp.rank, size=tp.size)
+        self.tp = tp
         self.layer_idx = layer_idx
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = config.num_heads if shard is None else shard.local_heads
+        self.num_kv_heads = config.num_kv_heads if shard is None else shard.local_kv_heads
         self.head_dim = config.head_dim
         h, bias = config.hidden_size, config.qkv_bias
-        self.q_proj = nn.Linear(h, config.q_size, bias=bias)
-        self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
-        self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
-        self.o_proj = nn.Linear(config.q_size, h, bias=False)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(h, q_size, bias=bias)
+        self.k_proj = nn.Linear(h, kv_size, bias=bias)
+        self.v_proj = nn.Linear(h, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, h, bias=False)
         self.fused: FusedLinears | None = None
         self.kernels: ModuleType | None = None  # engine.fused_ops when CausalLM.set_fused_ops chose it
 
@@ -157,13 +168,17 @@ class Attention(nn.Module):
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         out = attn.backend.forward(q, k, v, kv_layer, attn)  # [T, heads, head_dim]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """SiLU-gated MLP; under ``tp`` this rank's intermediate rows, ``down_proj`` all-reduced."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
+        self.tp = tp
+        h, i = config.hidden_size, config.intermediate_size // (1 if tp is None else tp.size)
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
@@ -174,19 +189,22 @@ class MLP(nn.Module):
         projs = (self.gate_proj, self.up_proj)
         if self.fused is not None and self.fused.matches(projs):
             if self.kernels is not None:  # silu(gate) * up straight from the [T, 2 * I] output
-                return self.down_proj(self.kernels.silu_mul(self.fused.matmul(x)))
+                return self._reduce(self.down_proj(self.kernels.silu_mul(self.fused.matmul(x))))
             gate, up = self.fused(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         # gate is this call's own matmul output: activate and gate it in place.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self._reduce(self.down_proj(F.silu(gate, inplace=True).mul_(up)))
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_idx, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -199,24 +217,51 @@ class DecoderLayer(nn.Module):
         return x.add_(self.mlp(h))
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows ``[start, start + rows)`` of the embedding (rows past the vocabulary are
+    zero padding); other rows read as zeros and one all-reduce assembles every token's vector.
+    Adding zeros is exact, so the result equals the unsplit lookup bit for bit."""
+
+    def __init__(self, shard: TPShard, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__(shard.vocab_per_rank, hidden_size)
+        self.start, self.tp = shard.vocab_start, tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        out = F.embedding(torch.where(mine, local, 0), self.weight)
+        return self.tp.all_reduce(out.mul_(mine.unsqueeze(-1).to(out.dtype)))
+
+
 class DecoderModel(nn.Module):
     """``model.*`` of the HF checkpoint: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        if tp is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            shard = TPShard.for_model(config, rank=tp.rank, size=tp.size)
+            self.embed_tokens = VocabParallelEmbedding(shard, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """``*ForCausalLM`` for llama / mistral / qwen2 (they differ only in config: GQA, qkv bias, RoPE)."""
+    """``*ForCausalLM`` for llama / mistral / qwen2 (they differ only in config: GQA, qkv bias, RoPE).
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``tp``: this module is one tensor-parallel rank's share (``engine.tp_shard``); every rank runs
+    ``forward`` on the same inputs and ends with the same hidden states.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.shard = None if tp is None else TPShard.for_model(config, rank=tp.rank, size=tp.size)
+        self.model = DecoderModel(config, tp)
+        vocab = config.vocab_size if self.shard is None else self.shard.vocab_per_rank
+        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Not a buffer: it must survive meta-device construction and never appears in a state dict.
@@ -296,31 +341,52 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden]`` (already normed) -> ``[n, vocab]`` float32 logits."""
-        return self.lm_head(hidden).float()
+        """``[n, hidden]`` (already normed) -> ``[n, vocab]`` float32 logits (on every rank)."""
+        if self.tp is None:
+            return self.lm_head(hidden).float()
+        full = self.tp.all_gather_last(self.lm_head(hidden).float())  # [n, size * vocab_per_rank]
+        return full[:, :self.config.vocab_size]
+
+    def tp_slices(self) -> dict[str, TensorSlice]:
+        """Parameter name -> this rank's slice of the checkpoint tensor (empty without ``tp``)."""
+        if self.shard is None:
+            return {}
+        names = dict(self.named_parameters())
+        every = self.shard.slices(self.config.num_layers, qkv_bias=self.config.qkv_bias)
+        return {n: s for n, s in every.items() if n in names}
 
 
 def build_model(config: ModelConfig, *, device: torch.device | str = "cpu",
-                dtype: torch.dtype | None = None, init: str = "random", seed: int = 0) -> CausalLM:
+                dtype: torch.dtype | None = None, init: str = "random", seed: int = 0,
+                tp: TPGroup | None = None) -> CausalLM:
     """A ``CausalLM`` on ``device`` in ``dtype`` (default: the config's), in eval mode.
 
     ``init="random"``: the weights ``engine.checkpoint.write_random_checkpoint(config, seed=seed)``
-    would write, so a test gets the same model with or without a checkpoint directory.
+    would write, so a test gets the same model with or without a checkpoint directory (with ``tp``:
+    this rank's slices of them).
     ``init="meta"``: nothing allocated, for ``engine.weights.load_weights`` to fill.
     """
     dtype = dtype or config.torch_dtype
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, tp)
     if init == "meta":
         return model.to(dtype=dtype).eval()
     if init != "random":
         raise ValueError(f"init must be 'random' or 'meta', got {init!r}")
     from engine.checkpoint import random_tensor
+    from engine.weights import slice_of
 
     model = model.to_empty(device=device).to(dtype=dtype)
     if config.tie_word_embeddings:  # to_empty may have replaced the shared parameter
         model.lm_head.weight = model.model.embed_tokens.weight
+    slices = model.tp_slices()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(random_tensor(name, tuple(p.shape), seed, dtype))
+            sl = slices.get(name)
+            if sl is None:
+                p.copy_(random_tensor(name, tuple(p.shape), seed, dtype))
+            else:
+                full = list(p.shape)
+                full[sl.dim] = sl.full
+                p.copy_(slice_of(random_tensor(name, tuple(full), seed, dtype), sl))
     return model.eval()

@@ -10,6 +10,10 @@ request asked for them).
 A request running its final prompt chunk with a layer sink (``engine.layer_sink``) makes the step
 eager with an ``after_layer`` hook that reports each layer's KV as written; steps without one pass
 no hook at all.
+
+Tensor parallelism (``tp``): rank 0's runner broadcasts each step's plan (``engine.tp_plan``)
+before its forward; the other ranks' runners execute the same plan through ``follow`` and join
+the forward's all-reduces and the logits gather, then drop the logits (rank 0 samples).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from engine.model import CausalLM
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
 from engine.staging import to_device
+from engine.tp_plan import StepPlan, send_step
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,9 @@ class ModelRunner:
     def __init__(self, model: CausalLM, layout: KVLayout, num_blocks: int, *, device: torch.device,
                  attention_backend: str = "auto", seed: int | None = None, launch_ahead_layers: int = 0,
                  ) -> None:
+        """``layout``: this rank's KV (its heads only under tensor parallelism)."""
         cfg = model.config
+        self.tp = model.tp
         model.fuse_projections()
         self.model = model
         self.device = device
@@ -50,8 +57,10 @@ class ModelRunner:
         self.last_phases: dict = {}  # the last step's host timings (execute; pdserve.stall_watch)
         self.launch_ahead_layers = launch_ahead_layers if device.type == "cuda" else 0
         self.kv_cache = layout.allocate(num_blocks, device=device)
-        self.backend = get_backend(attention_backend, device=device, dtype=layout.torch_dtype,
-                                   **backend_geometry(cfg, block_size=layout.block_size))
+        geometry = backend_geometry(cfg, block_size=layout.block_size)
+        if model.shard is not None:
+            geometry.update(num_heads=model.shard.local_heads, num_kv_heads=model.shard.local_kv_heads)
+        self.backend = get_backend(attention_backend, device=device, dtype=layout.torch_dtype, **geometry)
         self.sampler = Sampler(device, seed=seed)
         self.cuda_graphs = None  # engine.cuda_graphs.DecodeGraphRunner once enable_cuda_graphs() captured
 
@@ -59,6 +68,8 @@ class ModelRunner:
         """Capture decode CUDA graphs when the backend can be captured on CUDA (see engine.cuda_graphs)."""
         from engine.cuda_graphs import maybe_runner
 
+        if self.tp is not None:  # the followers replay no graphs: every rank runs eager steps
+            return
         self.cuda_graphs = maybe_runner(self.model, self.backend, self.kv_cache, max_batch=max_batch,
                                         max_model_len=max_model_len)
 
@@ -85,6 +96,10 @@ class ModelRunner:
                          context_lens=[s.context_len for s in batch],
                          block_tables=[s.seq.block_table for s in batch])
         after_layer = self._layer_hook(batch)
+        ends = np.cumsum(spec.query_lens) - 1
+        rows = [int(ends[i]) for i, s in enumerate(batch) if s.samples]
+        if self.tp is not None:
+            send_step(self.tp, StepPlan(input_ids=input_ids, spec=spec, rows=rows))
         t0 = time.monotonic()
         throttle = (launch_throttle(self.launch_ahead_layers)
                     if self.launch_ahead_layers and len(input_ids) >= LAUNCH_THROTTLE_MIN_TOKENS else None)
@@ -104,13 +119,7 @@ class ModelRunner:
         if not samplers:
             self.last_phases = {"tokens": len(input_ids), "launch_ms": round((t1 - t0) * 1e3, 1)}
             return [], []
-        ends = np.cumsum(spec.query_lens) - 1
-        rows = [int(ends[i]) for i, s in enumerate(batch) if s.samples]
-        if len(rows) == len(batch) and rows[-1] == len(rows) - 1:
-            last = hidden  # pure decode step: every token samples
-        else:
-            last = hidden.index_select(0, self._to_device(rows))
-        logits = self.model.compute_logits(last)
+        logits = self.model.compute_logits(self._rows(hidden, rows))
         out = self.sampler(logits, [s.seq.params for s in samplers], [s.seq.generator for s in samplers])
         tokens = out.token_ids.tolist()
         # Host time of the last step's parts (pdserve.stall_watch reports them with a GIL stall):
@@ -131,3 +140,16 @@ class ModelRunner:
             top = tuple(zip(top_ids[i][:n], top_lps[i][:n], strict=True)) if n and top_ids else ()
             entries.append(TokenLogprob(token_id=tokens[i], logprob=lps[i], top=top))
         return tokens, entries
+
+    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if len(rows) == hidden.shape[0]:
+            return hidden  # pure decode step: every token samples
+        return hidden.index_select(0, self._to_device(rows))
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """A non-zero rank's share of rank 0's step: the same forward, then the logits gather."""
+        meta = self.backend.plan(plan.spec)
+        hidden = self.model(self._to_device(plan.input_ids), meta.positions, self.kv_cache, meta)
+        if plan.rows:
+            self.model.compute_logits(self._rows(hidden, plan.rows))

@@ -11,6 +11,10 @@ leaves a half-loaded module behind:
    dtype/device and copied into its parameter. Peak host memory is one tensor, not the checkpoint,
    so an 8B model loads into a GPU (or a ``meta``-initialised module) without 2x RAM.
 
+Tensor parallelism: ``slices`` (``CausalLM.tp_slices()``) names the parameters that hold only a
+rank's part of a checkpoint tensor (``engine.tp_shard.TensorSlice``); those are read with
+``safe_open(...).get_slice`` so a rank reads and holds its part only, never the whole tensor.
+
 Tolerated extras, as ``transformers`` tolerates them: rotary ``inv_freq`` buffers that old Llama
 checkpoints carry, and ``lm_head.weight`` stored by a checkpoint whose module ties it to the
 embedding (the module then has no separate ``lm_head.weight`` parameter).
@@ -29,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 
 from engine.errors import ModelLoadError
 from engine.kv_layout import dtype_name
+from engine.tp_shard import TensorSlice
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -77,18 +82,20 @@ def iter_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_weights(module: torch.nn.Module, path: str | Path, dtype: torch.dtype | str | None = None,
-                 device: torch.device | str | None = None) -> LoadStats:
+                 device: torch.device | str | None = None, *,
+                 slices: dict[str, TensorSlice] | None = None) -> LoadStats:
     """Fill ``module``'s parameters from the checkpoint at ``path`` (strict names and shapes).
 
     ``dtype``/``device`` default to each parameter's own (or CPU for a meta parameter). Parameters
     on the ``meta`` device are replaced by real ones, so a model built under ``torch.device("meta")``
-    is materialised tensor by tensor.
+    is materialised tensor by tensor. ``slices``: parameters that take only part of their tensor.
     """
     path = Path(path)
     target_dtype = _DTYPES[dtype_name(dtype)] if dtype is not None else None
     params = dict(module.named_parameters())  # tied parameters appear once, under their first name
     located = checkpoint_files(path)
-    plan = _plan(params, located, path)
+    slices = slices or {}
+    plan = _plan(params, located, path, slices)
     total_bytes = 0
     for file, names in plan.items():
         with _open(file) as f:
@@ -97,7 +104,9 @@ def load_weights(module: torch.nn.Module, path: str | Path, dtype: torch.dtype |
                 dt = target_dtype or param.dtype
                 dev = torch.device(device) if device is not None else (
                     torch.device("cpu") if param.is_meta else param.device)
-                tensor = f.get_tensor(name).to(device=dev, dtype=dt)
+                sl = slices.get(name)
+                stored = f.get_tensor(name) if sl is None else slice_of(f.get_slice(name), sl)
+                tensor = stored.to(device=dev, dtype=dt)
                 if param.is_meta or param.dtype != dt or param.device != dev:
                     _replace_parameter(module, name, tensor)
                 else:
@@ -111,8 +120,22 @@ def load_weights(module: torch.nn.Module, path: str | Path, dtype: torch.dtype |
 
 
 # -- internals -------------------------------------------------------------------------------
+def slice_of(source, sl: TensorSlice) -> torch.Tensor:
+    """``sl``'s part of ``source`` (a tensor, or a safetensors slice that reads only that part),
+    zero-padded past the stored size (the last rank's share of a vocabulary)."""
+    index = (slice(sl.start, sl.stop),) if sl.dim == 0 else (slice(None), slice(sl.start, sl.stop))
+    part = source[index]
+    if sl.stop - sl.start == sl.length:
+        return part
+    shape = list(part.shape)
+    shape[sl.dim] = sl.length
+    out = part.new_zeros(shape)
+    out.narrow(sl.dim, 0, sl.stop - sl.start).copy_(part)
+    return out
+
+
 def _plan(params: dict[str, torch.nn.Parameter], located: dict[str, Path],
-          path: Path) -> dict[Path, list[str]]:
+          path: Path, slices: dict[str, TensorSlice]) -> dict[Path, list[str]]:
     """Check names/shapes against the headers; return file -> names to load, in file order."""
     ignorable = {n for n in located if _IGNORED.search(n)}
     if "lm_head.weight" in located and "lm_head.weight" not in params:
@@ -133,9 +156,11 @@ def _plan(params: dict[str, torch.nn.Parameter], located: dict[str, Path],
         with _open(file) as f:
             for name in names:
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(params[name].shape):
-                    mismatched.append(f"{name}: checkpoint {list(shape)} vs model "
-                                      f"{list(params[name].shape)}")
+                want = list(params[name].shape)
+                if name in slices:  # the rank's parameter is a slice of the whole checkpoint tensor
+                    want[slices[name].dim] = slices[name].full
+                if shape != tuple(want):
+                    mismatched.append(f"{name}: checkpoint {list(shape)} vs model {want}")
     if mismatched:
         problems.append(f"mis-shaped tensors {_names(mismatched)}")
     if problems:
