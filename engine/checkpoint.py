@@ -37,6 +37,14 @@ BOS_TOKEN, EOS_TOKEN, EOT_TOKEN = "<|begin_of_text|>", "<|end_of_text|>", "<|eot
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, EOT_TOKEN)  # trained first, so their ids are 0, 1, 2
 BOS_ID, EOS_ID, EOT_ID = 0, 1, 2
 TOKENIZER_VOCAB = 1024
+# Meta's Llama 3 Instruct chat template, so `/v1/chat/completions` works on random presets. The random
+# tokenizer has no header specials: <|start_header_id|> / <|end_header_id|> encode as ordinary text.
+LLAMA3_CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 PRESETS = ("tiny", "small", "llama3-8b")
 ARCHES = ("llama", "mistral", "qwen2")
@@ -146,7 +154,8 @@ def write_random_checkpoint(out: str | Path, config: ModelConfig, *, seed: int =
 
 
 def write_tokenizer(out: str | Path, *, max_length: int = 2048) -> None:
-    """Write tokenizer.json + tokenizer_config.json (loadable by engine.tokenizer and AutoTokenizer)."""
+    """Write tokenizer.json + tokenizer_config.json (loadable by engine.tokenizer and AutoTokenizer), the
+    config with a Llama-3 chat template."""
     out = Path(out)
     (out / "tokenizer.json").write_text(trained_tokenizer_json(), encoding="utf-8")
     _write_json(out / "tokenizer_config.json", {
@@ -156,6 +165,7 @@ def write_tokenizer(out: str | Path, *, max_length: int = 2048) -> None:
         "add_bos_token": True,
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
+        "chat_template": LLAMA3_CHAT_TEMPLATE,
     })
 
 
