@@ -10,6 +10,11 @@ the same directory, so tests must treat it as read-only (copy it before breaking
 
 Fixtures ``tiny_llama_dir``, ``tiny_mistral_dir`` and ``tiny_qwen2_dir`` are the three families with
 default settings (Qwen2 has q/k/v biases by construction).
+
+Test order is random (pytest-randomly, loaded by ``addopts`` in pyproject.toml) so that a test leaning
+on another one's leftovers fails where it is written, not on some later submission. The seed is
+printed first and last in every run, ``-q`` included (which hides pytest's header); replay a run with
+``make test PYTEST_ARGS="-p randomly --randomly-seed=N"``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,26 @@ import pytest
 from engine.checkpoint import preset_config, write_random_checkpoint
 
 MakeCheckpoint = Callable[..., Path]
+
+
+def _seed_line(config: pytest.Config) -> str | None:
+    seed = getattr(config.option, "randomly_seed", None)
+    if not isinstance(seed, int) or not config.getoption("randomly_reorganize", True):
+        return None
+    return f"Using --randomly-seed={seed} (replay: make test PYTEST_ARGS=\"-p randomly --randomly-seed={seed}\")"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    line = _seed_line(session.config)
+    if reporter is not None and line and reporter.verbosity < 0:  # else pytest's header has it
+        reporter.write_line(line)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    line = _seed_line(config)
+    if line:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
