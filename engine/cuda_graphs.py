@@ -23,12 +23,12 @@ returns None for the others, on CPU, or when ``PDSERVE_CUDA_GRAPHS=0``.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention.base import AttentionBackend, BatchSpec
+from pdserve.settings import env_switch
 
 log = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -149,7 +149,7 @@ def maybe_runner(
 ) -> DecodeGraphRunner | None:
     """A captured runner when the backend supports graphs on CUDA and ``PDSERVE_CUDA_GRAPHS`` is not
     ``0``; None otherwise (the caller runs eagerly)."""
-    if os.environ.get("PDSERVE_CUDA_GRAPHS", "1") == "0":
+    if not env_switch("PDSERVE_CUDA_GRAPHS"):
         return None
     if backend.device.type != "cuda" or not hasattr(backend, "graph_state"):
         return None

@@ -31,25 +31,37 @@ class EngineError(Exception):
 class ModelLoadError(EngineError):
     """A model directory cannot be loaded: missing files, bad JSON, unsupported model, bad tensors."""
 
+    code = "FAILED_PRECONDITION"
+
 
 class KVCacheFull(EngineError):
     """Not enough free KV cache blocks for the request right now (it may fit later)."""
+
+    code = "RESOURCE_EXHAUSTED"
 
 
 class QueueFull(EngineError):
     """The engine's admission queue is full; the caller should retry later or elsewhere."""
 
+    code = "RESOURCE_EXHAUSTED"
+
 
 class RequestTooLong(EngineError, ValueError):
     """The request can never be served: it exceeds the context length or the whole KV cache."""
+
+    code = "INVALID_ARGUMENT"
 
 
 class DuplicateRequest(EngineError, ValueError):
     """A request id that the engine already holds was submitted again."""
 
+    code = "INVALID_ARGUMENT"
+
 
 class UnknownRequest(EngineError, KeyError):
     """A hook (commit_prefilled, block_table, ...) named a request the engine does not hold."""
+
+    code = "NOT_FOUND"
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
         return str(self.args[0]) if self.args else ""

@@ -27,9 +27,9 @@ float32 paths never touch this module. ``PDSERVE_FUSED_OPS=0`` turns them off. W
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from pdserve.settings import env_switch
 
 try:
     import triton
@@ -44,7 +44,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 def available(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether the fused kernels should run for a model on ``device`` in ``dtype``: CUDA, fp16/bf16,
     triton importable, and ``PDSERVE_FUSED_OPS`` not ``0``. Called once per model, not per step."""
-    if os.environ.get(ENV, "1") == "0":
+    if not env_switch(ENV):
         return False
     return triton is not None and torch.device(device).type == "cuda" and dtype in HALF_DTYPES
 

@@ -109,13 +109,13 @@ class GrpcServer:
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Map an internal exception to the gRPC status a caller can act on (DESIGN.md "Errors").
 
+    Errors raised on purpose (engine.errors, kvtransfer.errors) name their status in a class attribute
+    ``code``, so this floor module needs no import of the layers above it.
+    """
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code(), exc.details() or ""
     code_name = getattr(type(exc), "code", None)
     if isinstance(code_name, str) and code_name in grpc.StatusCode.__members__:
-    Errors raised on purpose (engine.errors, kvtransfer.errors) name their status in a class attribute
-    ``code``, so this floor module needs no import of the layers above it.
-    """
         return grpc.StatusCode[code_name], str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)

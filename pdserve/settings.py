@@ -254,3 +254,36 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       "prefill back to back on one decode worker (default 0.25)")
     a("--store-timeout", type=float, help="router: seconds one Redis call may take on the placement path "
       "before the local view decides (default 0.05)")
+
+
+# ---- the process environment beyond the serve flags ---------------------------------------------------
+# Debugging switches and what launchers hand on to their children. Read here so that every variable the
+# project looks at is listed in one file; callers get plain values.
+
+
+def environ() -> dict[str, str]:
+    """A copy of this process's environment (launchers start children with it)."""
+    return dict(os.environ)
+
+
+def env_switch(name: str, default: bool = True) -> bool:
+    """An on/off debugging switch: ``0`` turns it off, ``1`` on; unset keeps ``default``.
+
+    Used for ``PDSERVE_CUDA_GRAPHS``, ``PDSERVE_FUSED_OPS``, ``PDSERVE_KV_TRACE`` and
+    ``PDSERVE_UCX_PROTO_INFO`` (docs/gpu.md lists what each does).
+    """
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    return raw != "0"
+
+
+def stall_watch_ms() -> float:
+    """``PDSERVE_STALL_WATCH_MS`` (0 = off); a value that is not a number is off, with ValueError's text."""
+    raw = os.environ.get("PDSERVE_STALL_WATCH_MS", "0") or "0"
+    return float(raw)
+
+
+def ucx_tls_for_tests() -> str:
+    """UCX transports for NIXL in local test clusters (``PDSERVE_TEST_UCX_TLS``, default ``tcp``)."""
+    return os.environ.get("PDSERVE_TEST_UCX_TLS", "tcp")

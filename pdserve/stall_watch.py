@@ -26,6 +26,8 @@ import time
 import traceback
 from collections.abc import Callable
 
+from pdserve.settings import stall_watch_ms
+
 log = logging.getLogger("pdserve.stall")
 _NAP_S = 0.002
 
@@ -42,10 +44,9 @@ class StallWatch:
 def start_from_env(phases: Callable[[], dict] | None = None, *,
                    loop_thread: int | None = None) -> StallWatch | None:
     try:
-        threshold_ms = float(os.environ.get("PDSERVE_STALL_WATCH_MS", "0") or 0)
-    except ValueError:
-        log.warning("PDSERVE_STALL_WATCH_MS=%r is not a number; stall watch off",
-                    os.environ.get("PDSERVE_STALL_WATCH_MS"))
+        threshold_ms = stall_watch_ms()
+    except ValueError as exc:
+        log.warning("PDSERVE_STALL_WATCH_MS is not a number (%s); stall watch off", exc)
         return None
     if threshold_ms <= 0:
         return None

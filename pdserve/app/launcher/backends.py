@@ -128,10 +128,10 @@ class ServeActor:
         # Bind everywhere, advertise the node's IP: pools may live on different Ray nodes.
         self.proc = spawn(role, args, log_path, env=env, host="0.0.0.0",
                           advertise_host=ray.util.get_node_ip_address())
-        import os
+        from pdserve.settings import environ
 
         return {"worker_id": self.proc.worker_id, "address": self.proc.address, "pid": self.proc.pid,
-                "devices": env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", ""))}
+                "devices": env.get("CUDA_VISIBLE_DEVICES", environ().get("CUDA_VISIBLE_DEVICES", ""))}
 
     def stop(self, timeout: float) -> int:
         return self.proc.stop(timeout) if self.proc else 0

@@ -9,7 +9,6 @@ tests, and inside each Ray actor by the Ray launcher.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -18,6 +17,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from pdserve.settings import environ
 
 _READY = re.compile(r"^pdserve (\w+) (\S+) listening on (\S+):(\d+)\s*$")
 
@@ -64,7 +65,7 @@ def spawn(role: str, args: list[str], log_path: str | Path, *, host: str = "127.
            "--host", host, "--advertise-host", advertise_host or host, *args]
     if "--port" not in args:
         cmd += ["--port", "0"]
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**environ(), **(env or {})}
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
