@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shlex
 import sys
 from pathlib import Path
+
+from pdserve.settings import environ
 
 DEFAULT_RUN_DIR = ".run/cluster"
 _PASS_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "UCX_TLS", "CUDA_VISIBLE_DEVICES", "PDSERVE_LEASE_MS")
@@ -76,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         devices = DevicePlan(gpus_per_worker=args.gpus_per_worker, prefill_gpus=parse_ids(args.prefill_gpus),
                              decode_gpus=parse_ids(args.decode_gpus),
-                             visible=visible_gpus(dict(os.environ))
+                             visible=visible_gpus(environ())
                              if args.gpus_per_worker or args.gpu_peers else (), peers=args.gpu_peers)
         spec = ClusterSpec(model=str(Path(args.model).resolve()),
                            num_prefill=0 if args.colocated else args.prefill,
@@ -91,7 +92,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     run_dir = Path(args.run_dir).resolve()
     # Ray actors do not inherit the driver's environment: pass on what tunes the workers.
-    env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+    process_env = environ()
+    env = {k: process_env[k] for k in _PASS_ENV if k in process_env}
     if args.launcher == "ray":
         backend = RayBackend(run_dir, env=env, address=args.ray_address, num_cpus=args.ray_num_cpus)
     else:
