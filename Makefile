@@ -15,11 +15,12 @@ TOOLS := .tools
 HELM_VERSION ?= 3.6.2
 HELM := $(TOOLS)/node_modules/.bin/helm
 
-.PHONY: setup tools run test proto proto-check lint bench clean help kind-test
+.PHONY: setup tools run test test-repeat proto proto-check lint bench clean help kind-test
 
 help:
 	@echo "make run    - set up, start a local cluster on the tiny random model, answer a prompt"
-	@echo "make test   - set up and run lint + the whole test suite"
+	@echo "make test   - set up and run lint + the whole test suite (random order, seed printed)"
+	@echo "make test-repeat N=10 - the whole suite N times, a fresh random order each, a line per run"
 	@echo "make bench  - CPU benchmarks (tables printed, JSON under bench/results/)"
 	@echo "make proto  - regenerate Python code from proto/"
 	@echo "make lint   - ruff"
@@ -67,6 +68,13 @@ lint: setup
 test: setup tools
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Flake hunt before pushing: per run its seed, passed/failed/errors/skipped and seconds; exits 1 if any
+# run was red (replay one with `make test PYTEST_ARGS="-p randomly --randomly-seed=SEED"`).
+N ?= 10
+test-repeat: setup tools
+	$(VENV)/bin/ruff check .
+	$(PY) tests/repeat.py --runs $(N) -- $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m bench.engine_bench --json bench/results/engine-cpu.json
