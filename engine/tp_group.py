@@ -29,6 +29,7 @@ class TPGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("tp-ctrl", store), rank, size, timeout)
         if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self.data = dist.ProcessGroupNCCL(dist.PrefixStore("tp-nccl", store), rank, size, opts)

@@ -61,6 +61,8 @@ class ServeSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     launch_ahead_layers: int | None = None  # None: the engine's default (EngineConfig)
+    # worker roles: ranks of one worker (engine.tp_worker); on CUDA rank r uses cuda:r of the visible GPUs
+    tensor_parallel_size: int = 1
     transport: str = "auto"
     kv_port: int = 0
     # prefill: push each layer's KV while the next one computes (when the transport supports it)
@@ -121,9 +123,12 @@ class ServeSettings:
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ValueError(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
-        for name in ("block_size", "max_num_seqs", "lease_ms"):
+        for name in ("block_size", "max_num_seqs", "lease_ms", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.tensor_parallel_size > 1 and self.role in ("prefill", "decode"):
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: the {self.role} role "
+                             f"moves KV per rank, which is not built yet; TP > 1 runs the colocated role")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"--num-blocks must be >= 1, got {self.num_blocks}")
         if self.num_blocks is not None and self.kv_memory_gb is not None:
@@ -179,7 +184,7 @@ class ServeSettings:
 
 
 _INT = {"port", "metrics_port", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-        "launch_ahead_layers",
+        "launch_ahead_layers", "tensor_parallel_size",
         "kv_port", "lease_ms", "min_uncached_tokens"}
 _FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
           "local_prefill_tokens_per_s", "max_prefill_wait_s", "local_prefill_duty", "local_prefill_burst_s"}
@@ -220,6 +225,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-num-batched-tokens", type=int, help="chunked-prefill token budget per step")
     a("--launch-ahead-layers", type=int,
       help="CUDA: how many layers a large step may launch ahead of the GPU (0: no limit; default 4)")
+    a("--tensor-parallel-size", type=int, help="worker roles: processes (GPUs) per worker, one tensor "
+      "parallel rank each (default 1)")
     a("--transport", choices=TRANSPORTS, help="KV transport (default auto: nixl if usable, else tcp)")
     a("--kv-port", type=int, help="KV side-channel / TCP data port (0 = pick free)")
     a("--kv-stream-layers", choices=ON_OFF, help="prefill: push each layer's KV while the next layer "

@@ -27,7 +27,9 @@ SERVICE_NAMES = {
 
 
 def build_engine(settings: ServeSettings):
-    """An LLMEngine for a worker role, from the serve settings."""
+    """An LLMEngine for a worker role, from the serve settings. At ``tensor_parallel_size > 1`` it is
+    rank 0 of the worker and ``engine.tp_ranks`` holds the other ranks' processes
+    (``pdserve.app.tp_ranks``); ``close_engine`` stops them."""
     from engine.engine import EngineConfig, LLMEngine
 
     kwargs = dict(model=settings.model, dtype=None if settings.dtype == "auto" else settings.dtype,
@@ -41,7 +43,28 @@ def build_engine(settings: ServeSettings):
         kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
     if settings.launch_ahead_layers is not None:
         kwargs["launch_ahead_layers"] = settings.launch_ahead_layers
-    return LLMEngine(EngineConfig(**kwargs))
+    if settings.tensor_parallel_size == 1:
+        return LLMEngine(EngineConfig(**kwargs))
+    from pdserve.app.tp_ranks import rank_device, start_ranks
+
+    config = EngineConfig(**{**kwargs, "device": rank_device(settings.device, 0)})
+    ranks = start_ranks(config, settings.tensor_parallel_size)
+    try:
+        engine = LLMEngine(config, tp=ranks.group)
+    except BaseException:
+        ranks.stop(timeout=0)
+        raise
+    engine.tp_ranks = ranks
+    return engine
+
+
+def close_engine(engine) -> None:
+    """Release a tensor-parallel engine's other ranks and wait for their processes (no-op at TP 1).
+    Call once the engine thread has stopped."""
+    ranks = getattr(engine, "tp_ranks", None)
+    if ranks is not None:
+        engine.close()
+        ranks.stop()
 
 
 async def run_role(settings: ServeSettings) -> None:
@@ -97,6 +120,11 @@ async def _load_engine(settings: ServeSettings, server: GrpcServer):
 
     async def stop_watch() -> None:
         task.cancel()
+    async def close_ranks() -> None:  # registered first, so it runs after the role's aengine.stop
+        await asyncio.to_thread(close_engine, engine)
+
+    server.on_stop(close_ranks)
+
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
