@@ -77,12 +77,12 @@ test-repeat: setup tools
 	$(PY) tests/repeat.py --runs $(N) -- $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) -m bench.engine_bench --json bench/results/engine-cpu.json
+	$(PY) -m bench.engine_bench --json bench/results/engine-cpu-2026-11-21-02c56ad.json
 	$(MAKE) $(MODEL)/config.json
-	OMP_NUM_THREADS=1 $(PY) -m pdserve.app.loadgen.compare --model $(MODEL) --json bench/results/cluster-cpu.json
-	$(PY) -m bench.router_placement --json bench/results/router-placement.json
-	OMP_NUM_THREADS=1 $(PY) bench/router_affinity.py --model $(MODEL) --json bench/results/router-affinity.json
-	$(PY) -m bench.kv_bench --json bench/results/kvtransfer-cpu.json
+	OMP_NUM_THREADS=1 $(PY) -m pdserve.app.loadgen.compare --model $(MODEL) --json bench/results/cluster-cpu-2026-11-21-b805a47.json
+	$(PY) -m bench.router_placement --json bench/results/router-placement-cpu-2026-11-21-c7f7548.json
+	OMP_NUM_THREADS=1 $(PY) bench/router_affinity.py --model $(MODEL) --json bench/results/router-affinity-cpu-2026-11-21-f533a8b.json
+	$(PY) -m bench.kv_bench --json bench/results/kvtransfer-cpu-2026-11-21-a8d0eb8.json
 
 kind-test: setup tools
 	deploy/kind/kind-test.sh
