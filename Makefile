@@ -81,7 +81,11 @@ test-repeat: setup tools
 bench: setup
 	$(PY) -m bench.engine_bench --json bench/results/engine-$(RESULT).json
 	$(MAKE) $(MODEL)/config.json
-	OMP_NUM_THREADS=1 $(PY) -m pdserve.app.loadgen.compare --model $(MODEL) --json bench/results/cluster-$(RESULT).json
+	OMP_NUM_THREADS=1 $(VENV)/bin/pdserve bench --sweep --model $(MODEL) --modes 1p1d-tcp,conditional,colocated \
+	    --rates 4,8,16 --seconds-per-rate 3 --input-len lognormal:96:0.6:16:384 --output-len uniform:8:32 \
+	    --ttft-slo-ms 500 --tpot-slo-ms 100 --overload-factor 1.5 --router-args "--stats-interval 0.2" \
+	    --worker-args "--num-blocks 1024" --progress off --run-dir .run/bench-sweep \
+	    --json bench/results/cluster-sweep-$(RESULT).json
 	$(PY) -m bench.router_placement --json bench/results/router-placement-$(RESULT).json
 	OMP_NUM_THREADS=1 $(PY) bench/router_affinity.py --model $(MODEL) --json bench/results/router-affinity-$(RESULT).json
 	$(PY) -m bench.kv_bench --json bench/results/kvtransfer-$(RESULT).json

@@ -115,47 +115,38 @@ def _worker_args(kv_gb: float) -> tuple[str, ...]:
     return ("--device", "cuda", "--dtype", "bfloat16", "--kv-memory-gb", str(kv_gb), "--max-num-seqs", "64")
 
 
+# This benchmark's mode names -> the shared catalogue's (pdserve/app/loadgen/modes.py).
+CATALOGUE = {"disaggregated": "1p1d", "conditional": "conditional", "colocated": "colocated",
+             "colocated-chunk512": "colocated-chunk512", "disaggregated-oneshot": "1p1d-oneshot"}
+
+
+def mode_options(model: str | Path, *, n_gpus: int, kv_gb: float, transport: str = "nixl",
+                 router_args: tuple[str, ...] = ()):
+    """The GPU runs' options: the same worker flags for every role, a compute-tuned prefill pool, each
+    worker on its own GPU (one GPU: all share it), 2 colocated workers on 2 GPUs."""
+    from pdserve.app.loadgen.modes import ModeOptions
+
+    return ModeOptions(model=str(model), worker_args=_worker_args(kv_gb), prefill_args=PREFILL_POOL_ARGS,
+                       router_args=router_args, gpus=max(n_gpus, 1), colocated_workers=2, transport=transport,
+                       drain_timeout=30.0)
+
+
 def cluster_specs(model: str | Path, *, n_gpus: int, kv_gb: float, transport: str = "nixl",
                   modes: tuple[str, ...] = MODES) -> dict:
     """mode -> ClusterSpec: which workers, on which GPUs, with which router flags (no GPU needed)."""
-    from pdserve.app.launcher.cluster import ClusterSpec
-    from pdserve.app.launcher.devices import DevicePlan
+    from pdserve.app.loadgen.modes import cluster_spec
 
-    gpus = tuple(str(i) for i in range(max(n_gpus, 1)))
-    two = len(gpus) >= 2
-    # 1P1D: prefill on GPU0, decode on GPU1, each seeing the other after its own (cuda_ipc).
-    pd = (DevicePlan(prefill_gpus=("0",), decode_gpus=("1",), visible=gpus[:2], peers=True) if two
-          else DevicePlan(prefill_gpus=("0",), decode_gpus=("0",)))
-    common = dict(model=str(model), worker_args=_worker_args(kv_gb), policy="prefix", drain_timeout=30.0)
-    pd_common = dict(num_prefill=1, num_decode=1, transport=transport, devices=pd,
-                     prefill_args=PREFILL_POOL_ARGS, **common)
-    colo = dict(num_prefill=0, num_decode=2 if two else 1, colocated=True, transport="tcp",
-                devices=DevicePlan(gpus_per_worker=1, visible=gpus[:2]), **common)
-    specs = {
-        "disaggregated": ClusterSpec(**pd_common),
-        "conditional": ClusterSpec(router_args=("--conditional-disagg", "auto"), **pd_common),
-        "disaggregated-oneshot": ClusterSpec(**{**pd_common, "prefill_args": (*PREFILL_POOL_ARGS,
-                                                                              "--kv-stream-layers", "off")}),
-        "colocated": ClusterSpec(**colo),
-        "colocated-chunk512": ClusterSpec(decode_args=("--max-num-batched-tokens", "512"), **colo),
-    }
-    return {m: specs[m] for m in modes}
+    opts = mode_options(model, n_gpus=n_gpus, kv_gb=kv_gb, transport=transport)
+    return {m: cluster_spec(CATALOGUE[m], opts) for m in modes}
 
 
 def describe(specs: dict) -> dict:
-    """What each mode's cluster runs: (serve role, devices) per worker in launch order, router flags."""
-    from pdserve.app.launcher.devices import assign
+    """What each mode's cluster runs (``modes.describe``) and which workloads it is measured on."""
+    from pdserve.app.loadgen.modes import describe as describe_specs
 
-    out = {}
-    for mode, spec in specs.items():
-        pools = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
-        roles = ["colocated" if spec.colocated and r == "decode" else r for r in pools]
-        out[mode] = {"workers": [{"role": r, "CUDA_VISIBLE_DEVICES": ",".join(d),
-                                  "args": list(spec.prefill_args if r == "prefill" else spec.decode_args)}
-                                 for r, d in zip(roles, assign(spec.devices, pools), strict=True)],
-                     "workloads": list(MODE_WORKLOADS.get(mode, WORKLOADS)),
-                     "router_args": [*spec.router_args, *(("--mode", "colocated") if spec.colocated else ())],
-                     "transport": spec.transport}
+    out = describe_specs(specs)
+    for mode, d in out.items():
+        d["workloads"] = list(MODE_WORKLOADS.get(mode, WORKLOADS))
     return out
 
 
@@ -267,7 +258,7 @@ def bench_disagg(out: str | Path, *, quick: bool = False, preset: str = "llama3-
 def kv_memory_gb(preset: str) -> float:
     """KV cache per worker: what the GPU holds beside the 8B weights (16 GB) and ~12 GB of activations,
     CUDA graphs and allocator slack, at most 80 GB (H200: 80, H100: ~44). The same for every role and
-    mode. Session 3 used 30 GB: 56 requests of 4k+256 tokens, which the decode GPU of a 1P1D cluster
+    mode. A fixed 30 GB held 56 requests of 4k+256 tokens, which the decode GPU of a 1P1D cluster
     outgrew at 10 req/s (its Allocate refused; colocated workers hold half the load each)."""
     if preset != "llama3-8b":
         return 4.0

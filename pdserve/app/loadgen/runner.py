@@ -6,14 +6,18 @@ Poisson times; each turn's prompt is the previous prompt + the previous answer +
 with the same ``session_id`` once the previous turn finished (so prefix reuse and affinity show).
 ``system_prompt_len`` prepends one shared prefix to every request (shared-system-prompt workload).
 Prompts are random token ids (no tokenizer needed), generated from ``seed``; ``ignore_eos`` keeps
-output lengths as asked.
+output lengths as asked. ``trace``: (input, output) pairs replayed in order (cycling) instead of the two
+length distributions. ``run(cfg, on_done=f)`` calls ``f(sample)`` as each request ends (a progress bar).
+A refused request keeps the router's retry hint (``retry-after-ms`` trailing metadata) in its sample.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -37,6 +41,7 @@ class RunConfig:
     timeout_s: float = 300.0
     system_prompt_len: int = 0   # shared by every request / session (drawn once from the seed)
     session_prefix: str = "bench"
+    trace: tuple[tuple[int, int], ...] = ()  # (input, output) lengths, replayed in order
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -63,35 +68,65 @@ async def _one(client: AsyncClient, cfg: RunConfig, prompt: list[int], out_len: 
         r = await client.generate(req, timeout=cfg.timeout_s)
     except grpc.aio.AioRpcError as exc:
         return Sample(ok=False, error=exc.code().name, prompt_tokens=len(prompt), session=session,
-                      turn=turn), []
+                      turn=turn, retry_after_ms=retry_after_ms(exc)), []
     return Sample(ok=True, ttft_s=r.ttft_s, itl_s=r.itl_s, tpot_s=r.tpot_s, e2e_s=r.e2e_s,
                   prompt_tokens=len(prompt), output_tokens=len(r.token_ids), session=session, turn=turn,
                   final=r.final), r.token_ids
 
 
-async def run(cfg: RunConfig) -> tuple[list[Sample], float]:
+def length_source(cfg: RunConfig, rng: random.Random) -> Callable[[], tuple[int, int]]:
+    """(input, output) lengths of the next request: the trace's next pair (cycling), else one draw of
+    each distribution."""
+    if cfg.trace:
+        pairs = itertools.cycle(cfg.trace)
+        return lambda: next(pairs)
+    return lambda: (cfg.input_len.sample(rng), cfg.output_len.sample(rng))
+
+
+def retry_after_ms(exc: grpc.aio.AioRpcError) -> float | None:
+    """The router's ``retry-after-ms`` hint of a refused request, if it sent one."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
+async def run(cfg: RunConfig, on_done: Callable[[Sample], None] | None = None) -> tuple[list[Sample], float]:
     rng = random.Random(cfg.seed)
     client = AsyncClient(cfg.router)
     samples: list[Sample] = []
     tasks: list[asyncio.Task] = []
     system = _tokens(rng, cfg.system_prompt_len, cfg.vocab_size)
+    lengths = length_source(cfg, rng)
+
+    def done(sample: Sample) -> None:
+        samples.append(sample)
+        if on_done is not None:
+            on_done(sample)
 
     async def session(k: int) -> None:
         history: list[int] = list(system)
         for t in range(cfg.turns):
-            prompt = history + _tokens(rng, cfg.input_len.sample(rng), cfg.vocab_size)
-            out_len = cfg.output_len.sample(rng)
+            in_len, out_len = lengths()
+            prompt = history + _tokens(rng, in_len, cfg.vocab_size)
             name = f"{cfg.session_prefix}-{cfg.seed}-{k}"
             sample, answer = await _one(client, cfg, prompt, out_len, name, t)
-            samples.append(sample)
+            done(sample)
             if not sample.ok:
                 return
             history = prompt + answer
 
     async def single() -> None:
-        prompt = system + _tokens(rng, cfg.input_len.sample(rng), cfg.vocab_size)
-        sample, _ = await _one(client, cfg, prompt, cfg.output_len.sample(rng), "")
-        samples.append(sample)
+        in_len, out_len = lengths()
+        prompt = system + _tokens(rng, in_len, cfg.vocab_size)
+        sample, _ = await _one(client, cfg, prompt, out_len, "")
+        done(sample)
 
     n = cfg.sessions if cfg.sessions else cfg.num_requests
     start = time.perf_counter()

@@ -2,7 +2,8 @@
 
 Definitions (per request): TTFT = first token arrival - send; ITL = gaps between consecutive token
 arrivals; TPOT = (last token - first token) / (output tokens - 1); E2E = last message - send.
-Goodput counts requests per second that finished OK *and* met every given SLO (TTFT, TPOT).
+Goodput counts requests per second that finished OK *and* met every given SLO (TTFT, TPOT); SLO
+attainment is the share of all requests sent that did (RESOURCE_EXHAUSTED sheds count as misses).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Sample:
     session: str = ""
     turn: int = 0                               # 0-based turn of its session (0 for single requests)
     final: dict = field(default_factory=dict)   # the response's FinalInfo (pdserve.client dict form)
+    retry_after_ms: float | None = None         # a refused request: the router's retry hint
 
 
 def summarize(samples: Sequence[Sample], duration_s: float, *, ttft_slo_ms: float | None = None,
@@ -64,6 +66,11 @@ def summarize(samples: Sequence[Sample], duration_s: float, *, ttft_slo_ms: floa
     # each took to drain its last request.
     out["num_good"] = sum(1 for s in ok if good(s))
     out["goodput"] = out["num_good"] / dur
+    # SLO attainment: of every request sent, the share served within the SLOs (a refused or failed
+    # request is a miss); the sweep's goodput frontier is the highest rate where it stays >= 95%.
+    out["slo_attainment"] = out["num_good"] / len(samples) if samples else float("nan")
+    hints = [s.retry_after_ms for s in samples if s.retry_after_ms is not None]
+    out["retry_after_ms_p50"] = percentile(hints, 50)
     out["slo"] = {"ttft_ms": ttft_slo_ms, "tpot_ms": tpot_slo_ms}
     errors: dict[str, int] = {}
     for s in samples:
