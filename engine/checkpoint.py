@@ -46,7 +46,8 @@ LLAMA3_CHAT_TEMPLATE = (
     "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-PRESETS = ("tiny", "small", "llama3-8b")
+PRESETS = ("tiny", "small", "llama3-8b", "llama3-70b", "llama3-70b-short")
+SHORT_70B_LAYERS = 16  # llama3-70b-short: the 70B widths, few enough layers for one 2-GPU lease
 ARCHES = ("llama", "mistral", "qwen2")
 
 
@@ -68,6 +69,13 @@ def preset_config(preset: str, *, arch: str = "llama", dtype: str | None = None,
     elif preset == "llama3-8b":  # the Llama-3.1-8B shape
         fields = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                       num_heads=32, num_kv_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, dtype="bfloat16",
+                      rope_scaling=RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                               high_freq_factor=4.0, original_max_position_embeddings=8192))
+    elif preset in ("llama3-70b", "llama3-70b-short"):  # the Llama-3.1-70B shape (short: fewer layers)
+        fields = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                      num_layers=80 if preset == "llama3-70b" else SHORT_70B_LAYERS,
+                      num_heads=64, num_kv_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
                       rope_theta=500000.0, dtype="bfloat16",
                       rope_scaling=RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                high_freq_factor=4.0, original_max_position_embeddings=8192))

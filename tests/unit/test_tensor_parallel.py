@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -159,3 +160,17 @@ def test_tp_engine_kv_cache_holds_the_ranks_heads(make_checkpoint):
 
     (shape, local, total), _, _ = tp_engine_run(2, config, shapes)
     assert shape == (4, 32, 2, BLOCK, 1, 16) and (local, total) == (1, 2)
+
+
+def test_70b_presets_split_over_2_4_8_ranks():
+    from engine.checkpoint import SHORT_70B_LAYERS, preset_config
+
+    full, short = preset_config("llama3-70b"), preset_config("llama3-70b-short")
+    assert full.num_parameters() == 70_553_706_496  # Llama-3.1-70B exactly
+    assert (full.hidden_size, full.intermediate_size, full.num_heads, full.num_kv_heads, full.num_layers) == \
+        (8192, 28672, 64, 8, 80)
+    assert dataclasses.replace(full, num_layers=SHORT_70B_LAYERS) == short
+    for size in (2, 4, 8):
+        shard = TPShard.for_model(full, rank=size - 1, size=size)
+        assert (shard.local_heads, shard.local_kv_heads, shard.local_intermediate) == \
+            (64 // size, 8 // size, 28672 // size)

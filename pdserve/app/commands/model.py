@@ -1,6 +1,7 @@
 """``pdserve model ...``: model directory utilities.
 
-``pdserve model init --preset tiny|small|llama3-8b --out DIR [--seed S] [--arch A] [--dtype D]``
+``pdserve model init --preset PRESET --out DIR [--seed S] [--arch A] [--dtype D]`` (PRESET: tiny, small,
+llama3-8b, llama3-70b, llama3-70b-short)
 writes a random-weight checkpoint in Hugging Face layout (see engine/checkpoint.py).
 ``pdserve model info --model DIR`` prints the parsed config of any supported checkpoint.
 """
@@ -21,12 +22,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = parser.add_subparsers(dest="model_command", metavar="ACTION")
 
     init = sub.add_parser("init", help="write a random-weight checkpoint (HF layout)")
-    init.add_argument("--preset", required=True, choices=["tiny", "small", "llama3-8b"])
+    from engine.checkpoint import PRESETS
+
+    init.add_argument("--preset", required=True, choices=PRESETS)
     init.add_argument("--out", required=True, help="directory to write (created if missing)")
     init.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     init.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2"])
     init.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                      help="stored dtype (default: float32 for tiny/small, bfloat16 for llama3-8b)")
+                      help="stored dtype (default: float32 for tiny/small, bfloat16 for the llama3 shapes)")
     init.add_argument("--max-shard-size", default="5GB", type=_parse_size,
                       help="split weights into shards of at most this size (default 5GB)")
     init.set_defaults(func=_init)
