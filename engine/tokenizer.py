@@ -86,6 +86,20 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_releasing_gil(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Like ``encode``, through ``encode_batch``, which releases the GIL while the Rust tokenizer
+        runs (``encode`` holds it): called on a worker thread for a large text, the caller's event loop
+        keeps running meanwhile."""
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        if add_special_tokens and self._prepend_bos:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry (added tokens included): no token covers more
+        of a text, which bounds a text's token count from below without tokenizing it."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

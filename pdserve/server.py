@@ -47,8 +47,12 @@ CHANNEL_OPTIONS = [
 
 class GrpcServer:
     def __init__(self, *, host: str, port: int, service_full_names: Sequence[str],
-                 drain_timeout: float = 30.0) -> None:
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+                 drain_timeout: float = 30.0, max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        # gRPC refuses a larger request (RESOURCE_EXHAUSTED) before it is parsed: the public port's
+        # --max-request-bytes is enforced here, ahead of any work.
+        options = [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v)
+                   for k, v in GRPC_OPTIONS]
+        self.server = grpc.aio.server(options=options)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._names = list(service_full_names)

@@ -101,6 +101,9 @@ class ServeSettings:
     max_prefill_wait_s: float = 0.5
     local_prefill_duty: float = 0.25
     local_prefill_burst_s: float = 0.25
+    # router / colocated: the largest GenerateRequest accepted on the public port, in bytes; gRPC
+    # refuses a larger one (RESOURCE_EXHAUSTED) before it is read into memory or tokenized
+    max_request_bytes: int = 16 * 1024 * 1024
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -135,6 +138,8 @@ class ServeSettings:
             raise ValueError("give either --num-blocks or --kv-memory-gb, not both")
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ValueError(f"--kv-memory-gb must be > 0, got {self.kv_memory_gb}")
+        if not 1024 <= self.max_request_bytes <= 1 << 30:
+            raise ValueError(f"--max-request-bytes must be in 1024..{1 << 30}, got {self.max_request_bytes}")
         if self.store_timeout <= 0:
             raise ValueError(f"--store-timeout must be > 0, got {self.store_timeout}")
         if self.drain_timeout < 0 or self.session_ttl <= 0 or self.stats_interval <= 0:
@@ -185,7 +190,7 @@ class ServeSettings:
 
 _INT = {"port", "metrics_port", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
         "launch_ahead_layers", "tensor_parallel_size",
-        "kv_port", "lease_ms", "min_uncached_tokens"}
+        "kv_port", "lease_ms", "min_uncached_tokens", "max_request_bytes"}
 _FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
           "local_prefill_tokens_per_s", "max_prefill_wait_s", "local_prefill_duty", "local_prefill_burst_s"}
 
@@ -261,6 +266,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       "prefill back to back on one decode worker (default 0.25)")
     a("--store-timeout", type=float, help="router: seconds one Redis call may take on the placement path "
       "before the local view decides (default 0.05)")
+    a("--max-request-bytes", type=int, help="router / colocated: largest request accepted on the public port "
+      "(bytes, default 16 MiB); a larger one is refused with RESOURCE_EXHAUSTED before any work")
 
 
 # ---- the process environment beyond the serve flags ---------------------------------------------------

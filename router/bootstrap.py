@@ -94,5 +94,6 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
                 await task
         await directory.close()
         await placer.close()
+        servicer.close()
 
     return servicer, stop

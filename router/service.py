@@ -8,12 +8,13 @@ builds the response messages so both roles stream exactly the same shape.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import grpc
 
 from pdserve.server import abort_from
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.admission import SESSION_METADATA_KEY, Admitted, ModelLimits, admit
+from router.admission import SESSION_METADATA_KEY, Admitted, ModelLimits, admit_async
 from router.directory import WorkerDirectory
 from router.pipeline import Done, FirstToken, Pipeline, RequestFailed, Tokens
 from router.text import TextAssembler
@@ -65,12 +66,12 @@ def metadata_session(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-async def admit_or_abort(request, context, limits: ModelLimits) -> Admitted:
+async def admit_or_abort(request, context, limits: ModelLimits, executor: Executor | None = None) -> Admitted:
     try:
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline expired before admission")
-        return admit(request, limits, metadata_session(context))
+        return await admit_async(request, limits, metadata_session(context), executor)
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     raise AssertionError("unreachable")
@@ -81,9 +82,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.pipeline = pipeline
         self.directory = directory
         self.limits = limits
+        # Large prompts are tokenized here, two at a time, so they never take the event loop (nor
+        # every thread of the loop's default executor).
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+
+    def close(self) -> None:
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        req = await admit_or_abort(request, context, self.limits)
+        req = await admit_or_abort(request, context, self.limits, self.tokenize_pool)
         out = GenerateStream(req, self.limits.tokenizer)
         try:
             async for event in self.pipeline.run(req, context.time_remaining()):

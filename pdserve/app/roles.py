@@ -68,9 +68,11 @@ def close_engine(engine) -> None:
 
 
 async def run_role(settings: ServeSettings) -> None:
+    public = settings.role in ("router", "colocated")  # serves the client-facing API
     server = GrpcServer(host=settings.host, port=settings.port,
                         service_full_names=SERVICE_NAMES[settings.role],
-                        drain_timeout=settings.drain_timeout)
+                        drain_timeout=settings.drain_timeout,
+                        **({"max_receive_bytes": settings.max_request_bytes} if public else {}))
     setup = {"prefill": _prefill, "decode": _decode, "router": _router,
              "colocated": _colocated}[settings.role]
     # Servicers must be registered before the server starts, so roles register first and load after.
