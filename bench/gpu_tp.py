@@ -1,0 +1,199 @@
+"""Tensor parallelism on GPUs: one worker at TP 2 vs TP 1, side by side in one run.
+
+    python -m bench.gpu_tp                       # 2 GPUs: llama3-8b at TP 1 and 2, llama3-70b-short at TP 2
+    python -m bench.gpu_tp --cpu-check           # the same path on CPU (gloo), tiny model, small shapes
+
+For each (preset, TP size) one engine (rank 0 in this process, ranks 1.. as child processes, exactly
+as ``pdserve serve --tensor-parallel-size N`` runs them) is timed through the engine API:
+
+* ``decode_b{B}``: median ms of one decode step of B sequences, each holding ``--context`` tokens of
+  KV (reserved and committed, as a decode worker receives them, so no prefill is needed to fill them);
+* ``prefill``: median ms of one ``--prefill`` token prompt in one step;
+* ``greedy``: 16 greedy tokens of 4 prompts, compared with TP 1's (bf16 sums in another order may
+  legitimately flip a near tie; the table reports how many sequences match exactly).
+
+Each time is reported next to its bound on this rank's share of the work (decode: weight + KV bytes
+over the measured copy bandwidth; prefill: linear-layer FLOPs over the measured bf16 matmul rate)
+and, for TP > 1, as the speed-up over TP 1 of the same preset. Checkpoints are random, written once
+under ``--models`` (the 70B-wide short preset is ~32 GB in bf16). Writes JSON under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint import preset_config, write_random_checkpoint
+from engine.engine import EngineConfig, LLMEngine
+from pdserve.app.tp_ranks import rank_device, start_ranks
+from pdserve.sampling import SamplingParams
+
+GREEDY_PROMPTS, GREEDY_TOKENS = 4, 16
+
+
+def checkpoint(preset: str, root: Path) -> Path:
+    path = root / preset
+    if not (path / "config.json").is_file():
+        print(f"  writing a random {preset} checkpoint to {path}", flush=True)
+        write_random_checkpoint(path, preset_config(preset), seed=0, max_shard_bytes=4 << 30)
+    return path
+
+
+def open_engine(path: Path, size: int, device: str, *, num_blocks: int, max_tokens: int):
+    config = EngineConfig(model=str(path), device=rank_device(device, 0), num_blocks=num_blocks,
+                          max_num_seqs=128, max_num_batched_tokens=max_tokens, block_size=16)
+    if size == 1:
+        return LLMEngine(config), None
+    ranks = start_ranks(config, size)
+    return LLMEngine(config, tp=ranks.group), ranks
+
+
+def close_engine(engine: LLMEngine, ranks) -> None:
+    assert engine.leak_report() is None, engine.leak_report()
+    if ranks is not None:
+        engine.close()
+        ranks.stop()
+
+
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def decode_ms(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
+    rng = random.Random(batch)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
+    ids = [f"d{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.reserve(rid, _prompt(rng, context, vocab), params)
+        engine.commit_prefilled(rid, 5)
+    engine.step()  # warm-up
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return statistics.median(times)
+
+
+def prefill_ms(engine: LLMEngine, tokens: int, repeats: int = 3) -> float:
+    rng = random.Random(tokens)
+    times = []
+    for i in range(repeats + 1):
+        engine.add_request(f"p{i}", _prompt(rng, tokens, engine.model_config.vocab_size),
+                           SamplingParams(max_tokens=1))
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        if i:  # the first one warms up
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def ceilings(device: str) -> dict:
+    if device == "cpu":
+        return {}
+    from bench.gpu import ceilings as measure
+
+    return measure(quick=True)
+
+
+def bounds(cfg, size: int, ceil: dict, *, batch: int, context: int, prefill: int) -> dict:
+    if not ceil:
+        return {}
+    itemsize = 2
+    weights = (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size) * itemsize / size
+    kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize / min(size, cfg.num_kv_heads)
+    linear_flops = 2 * (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size) * prefill / size
+    return {"decode_ms": (weights + batch * context * kv_token) / ceil["copy_GBps"] / 1e6,
+            "prefill_ms": linear_flops / ceil["matmul_bf16_TFLOPs"] / 1e9}
+
+
+def run_one(preset: str, size: int, args, ceil: dict, reference: dict) -> dict:
+    path = checkpoint(preset, Path(args.models))
+    cfg = preset_config(preset) if not args.cpu_check else preset_config(preset, dtype="float32")
+    batches = [int(b) for b in args.batches.split(",")]
+    blocks = max(batches) * -(-(args.context + args.steps + 8) // 16) + 64
+    t0 = time.perf_counter()
+    engine, ranks = open_engine(path, size, args.device, num_blocks=blocks,
+                                max_tokens=max(args.prefill, 128))
+    row = {"preset": preset, "tp": size, "load_s": round(time.perf_counter() - t0, 1)}
+    try:
+        rng = random.Random(0)
+        prompts = [_prompt(rng, 24 + 8 * i, cfg.vocab_size) for i in range(GREEDY_PROMPTS)]
+        row["greedy"] = engine.generate(prompts, SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True))
+        for b in batches:
+            row[f"decode_b{b}_ms"] = decode_ms(engine, b, args.context, args.steps)
+            row[f"decode_b{b}_bound_ms"] = bounds(cfg, size, ceil, batch=b, context=args.context,
+                                                  prefill=args.prefill).get("decode_ms")
+        row["prefill_ms"] = prefill_ms(engine, args.prefill)
+        row["prefill_bound_ms"] = bounds(cfg, size, ceil, batch=1, context=args.context,
+                                         prefill=args.prefill).get("prefill_ms")
+    finally:
+        close_engine(engine, ranks)
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    base = reference.get(preset)
+    if base is None:
+        reference[preset] = row
+    else:
+        row["greedy_match"] = sum(a == b for a, b in zip(row["greedy"], base["greedy"], strict=True))
+        for key in [k for k in row if k.endswith("_ms") and "bound" not in k]:
+            row[key.replace("_ms", "_speedup")] = base[key] / row[key]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default="llama3-8b:1,llama3-8b:2,llama3-70b-short:2",
+                    help="preset:tp pairs, in order; a preset's first run is its reference")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--models", default="/tmp/pdserve-models")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--cpu-check", action="store_true", help="tiny model on CPU (gloo), small shapes")
+    args = ap.parse_args()
+    if args.cpu_check:
+        args.runs, args.batches, args.context, args.prefill, args.steps, args.device = \
+            "tiny:1,tiny:2,tiny:4", "1,4", 64, 64, 3, "cpu"
+        torch.set_num_threads(1)
+    ceil = ceilings(args.device)
+    reference: dict = {}
+    rows = []
+    for item in args.runs.split(","):
+        preset, size = item.split(":")
+        print(f"# {preset} TP {size}", flush=True)
+        rows.append(run_one(preset, int(size), args, ceil, reference))
+        r = rows[-1]
+        cells = [f"{k}={v:.2f}" for k, v in r.items() if isinstance(v, float)]
+        match = f"  greedy {r['greedy_match']}/{GREEDY_PROMPTS} same" if "greedy_match" in r else ""
+        print(f"  load {r['load_s']} s  " + "  ".join(cells) + match, flush=True)
+    result = {"benchmark": "gpu-tp", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+              "settings": {k: v for k, v in vars(args).items()}, "ceilings": ceil,
+              "devices": torch.cuda.device_count() if torch.cuda.is_available() else 0, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"gpu-tp-{'cpu-check' if args.cpu_check else 'cuda'}-{dt.date.today().isoformat()}"
+    path = out / f"{name}{'-' + args.tag if args.tag else ''}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
