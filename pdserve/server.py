@@ -47,12 +47,13 @@ CHANNEL_OPTIONS = [
 
 class GrpcServer:
     def __init__(self, *, host: str, port: int, service_full_names: Sequence[str],
-                 drain_timeout: float = 30.0, max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 drain_timeout: float = 30.0, max_receive_bytes: int = MAX_MESSAGE_BYTES,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         # gRPC refuses a larger request (RESOURCE_EXHAUSTED) before it is parsed: the public port's
         # --max-request-bytes is enforced here, ahead of any work.
         options = [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v)
                    for k, v in GRPC_OPTIONS]
-        self.server = grpc.aio.server(options=options)
+        self.server = grpc.aio.server(options=options, interceptors=list(interceptors) or None)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._names = list(service_full_names)
@@ -64,6 +65,7 @@ class GrpcServer:
         self.drain_timeout = drain_timeout
         self._stop_callbacks: list[Callable[[], Awaitable[None]]] = []
         self._stopping = asyncio.Event()
+        self.serving = False  # what health says; the router's HTTP door reports the same
 
     async def start(self) -> int:
         self.port = self.server.add_insecure_port(self._bind)
@@ -75,6 +77,7 @@ class GrpcServer:
         return self.port
 
     async def set_serving(self, serving: bool) -> None:
+        self.serving = serving
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", *self._names):

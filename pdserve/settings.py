@@ -51,6 +51,14 @@ class ServeSettings:
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_port: int = 0
+    # router: the OpenAI-compatible HTTP door beside gRPC (0 = off), and the model name it answers to
+    # (default: the model directory's name)
+    http_port: int = 0
+    served_model_name: str = ""
+    # router: keys clients must present on both doors (authorization: Bearer KEY); the file holds one
+    # key a line and is re-read when it changes (rotation without a restart)
+    api_key: tuple[str, ...] = ()
+    api_keys_file: str | None = None
     advertise_host: str = ""
     worker_id: str = ""
     dtype: str = "auto"
@@ -122,7 +130,7 @@ class ServeSettings:
                 or not 0 < self.local_prefill_duty <= 1):
             raise ValueError("--max-prefill-wait-s and --local-prefill-burst-s must be >= 0 and "
                              "--local-prefill-duty in (0, 1]")
-        for name in ("port", "metrics_port", "kv_port"):
+        for name in ("port", "metrics_port", "kv_port", "http_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ValueError(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
@@ -144,6 +152,10 @@ class ServeSettings:
             raise ValueError(f"--store-timeout must be > 0, got {self.store_timeout}")
         if self.drain_timeout < 0 or self.session_ttl <= 0 or self.stats_interval <= 0:
             raise ValueError("--drain-timeout must be >= 0 and --session-ttl / stats interval > 0")
+        if self.role != "router" and (self.http_port or self.api_key or self.api_keys_file):
+            raise ValueError("--http-port, --api-key and --api-keys-file are router flags")
+        if self.http_port and self.http_port == self.port:
+            raise ValueError(f"--http-port {self.http_port} is the gRPC --port as well")
         if self.role != "router" and not self.model:
             raise ValueError(f"--model DIR is required for role {self.role!r} (or PDSERVE_MODEL)")
         if self.role == "router":
@@ -180,7 +192,7 @@ class ServeSettings:
                 if raw is None or raw == "":
                     continue
                 given = _parse(f.name, raw)
-            if f.name in ("prefill", "decode"):
+            if f.name in ("prefill", "decode", "api_key"):
                 given = _split_addrs(given)  # type: ignore[arg-type]
             values[f.name] = given
         if "role" not in values:
@@ -188,7 +200,8 @@ class ServeSettings:
         return cls(**values)  # type: ignore[arg-type]
 
 
-_INT = {"port", "metrics_port", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
+_INT = {"port", "metrics_port", "http_port", "block_size", "num_blocks", "max_num_seqs",
+        "max_num_batched_tokens",
         "launch_ahead_layers", "tensor_parallel_size",
         "kv_port", "lease_ms", "min_uncached_tokens", "max_request_bytes"}
 _FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
@@ -219,6 +232,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--host", help="bind address (default 0.0.0.0)")
     a("--port", type=int, help="gRPC port (default 50051; 0 = pick a free one)")
     a("--metrics-port", type=int, help="Prometheus /metrics port (0 = off)")
+    a("--http-port", type=int, help="router: OpenAI-compatible HTTP API port on --host (0 = off, default)")
+    a("--served-model-name", help="router: the model name the HTTP API answers to (default: the model "
+      "directory's name)")
+    a("--api-key", action="append", help="router: a key clients must send (authorization: Bearer KEY) on "
+      "gRPC and HTTP; repeatable; PDSERVE_API_KEY takes a comma-separated list")
+    a("--api-keys-file", help="router: file of accepted keys, one a line, re-read when it changes")
     a("--advertise-host", help="the host others should dial (default: this host's IP)")
     a("--worker-id", help="stable worker id (default generated)")
     a("--dtype", choices=DTYPES)

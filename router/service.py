@@ -8,6 +8,7 @@ builds the response messages so both roles stream exactly the same shape.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 import grpc
@@ -59,6 +60,23 @@ class GenerateStream:
                                            final=final)
 
 
+async def generate_messages(pipeline: Pipeline, req: Admitted, tokenizer: object | None,
+                            timeout: float | None) -> AsyncIterator[router_pb2.GenerateResponse]:
+    """The response messages of one admitted request: the path both doors (gRPC, HTTP) translate from.
+
+    Raises RequestFailed with the router's status when the request cannot be served.
+    """
+    out = GenerateStream(req, tokenizer)
+    async for event in pipeline.run(req, timeout):
+        if isinstance(event, FirstToken):
+            lps = [event.logprob] if event.logprob is not None else None
+            yield out.tokens([event.token_id], lps)
+        elif isinstance(event, Tokens):
+            yield out.tokens(event.token_ids, event.logprobs)
+        elif isinstance(event, Done):
+            yield out.final(event)
+
+
 def metadata_session(context: grpc.aio.ServicerContext) -> str | None:
     for key, value in context.invocation_metadata() or ():
         if key == SESSION_METADATA_KEY and value:
@@ -91,16 +109,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         req = await admit_or_abort(request, context, self.limits, self.tokenize_pool)
-        out = GenerateStream(req, self.limits.tokenizer)
         try:
-            async for event in self.pipeline.run(req, context.time_remaining()):
-                if isinstance(event, FirstToken):
-                    lps = [event.logprob] if event.logprob is not None else None
-                    yield out.tokens([event.token_id], lps)
-                elif isinstance(event, Tokens):
-                    yield out.tokens(event.token_ids, event.logprobs)
-                elif isinstance(event, Done):
-                    yield out.final(event)
+            async for msg in generate_messages(self.pipeline, req, self.limits.tokenizer,
+                                               context.time_remaining()):
+                yield msg
         except RequestFailed as exc:
             await context.abort(exc.code, exc.message)
         except Exception as exc:

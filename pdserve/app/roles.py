@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
 
@@ -69,11 +70,13 @@ def close_engine(engine) -> None:
 
 async def run_role(settings: ServeSettings) -> None:
     public = settings.role in ("router", "colocated")  # serves the client-facing API
+    keys = _api_keys(settings)
     server = GrpcServer(host=settings.host, port=settings.port,
                         service_full_names=SERVICE_NAMES[settings.role],
                         drain_timeout=settings.drain_timeout,
-                        **({"max_receive_bytes": settings.max_request_bytes} if public else {}))
-    setup = {"prefill": _prefill, "decode": _decode, "router": _router,
+                        **({"max_receive_bytes": settings.max_request_bytes} if public else {}),
+                        interceptors=_key_interceptors(keys))
+    setup = {"prefill": _prefill, "decode": _decode, "router": functools.partial(_router, keys=keys),
              "colocated": _colocated}[settings.role]
     # Servicers must be registered before the server starts, so roles register first and load after.
     finish = await setup(settings, server)
@@ -85,6 +88,23 @@ async def run_role(settings: ServeSettings) -> None:
     print(f"pdserve {settings.role} {settings.worker_id} listening on {settings.advertise_host}:{port}",
           flush=True)
     await server.serve_until_signal()
+
+
+def _api_keys(settings: ServeSettings):
+    """The router's accepted API keys (router/api_keys.py), or None when it takes none."""
+    if not (settings.api_key or settings.api_keys_file):
+        return None
+    from router.api_keys import ApiKeys
+
+    return ApiKeys(settings.api_key, settings.api_keys_file)
+
+
+def _key_interceptors(keys) -> list:
+    if keys is None:
+        return []
+    from router.api_keys import ApiKeyInterceptor
+
+    return [ApiKeyInterceptor(keys)]
 
 
 def _with_port(settings: ServeSettings, port: int) -> ServeSettings:
@@ -120,13 +140,13 @@ async def _load_engine(settings: ServeSettings, server: GrpcServer):
 
     task = asyncio.get_running_loop().create_task(watch())
 
-    async def stop_watch() -> None:
-        task.cancel()
     async def close_ranks() -> None:  # registered first, so it runs after the role's aengine.stop
         await asyncio.to_thread(close_engine, engine)
 
     server.on_stop(close_ranks)
 
+    async def stop_watch() -> None:
+        task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
@@ -235,7 +255,7 @@ class _NoKV:
         return None
 
 
-async def _router(settings: ServeSettings, server: GrpcServer):
+async def _router(settings: ServeSettings, server: GrpcServer, keys=None):
     from pdserve.v1 import router_pb2_grpc
     from router.bootstrap import build_router
 
@@ -246,6 +266,13 @@ async def _router(settings: ServeSettings, server: GrpcServer):
     async def finish(settings: ServeSettings) -> None:
         holder.target, stop = await build_router(settings)
         server.on_stop(stop)
+        if settings.http_port:  # the OpenAI-compatible door, on this loop, over the same servicer
+            from router.http.server import serve_http
+
+            http = await serve_http(holder.target, settings, keys=keys, healthy=lambda: server.serving)
+            server.on_stop(http.stop)  # runs before `stop`: HTTP requests end while the router stands
+            print(f"pdserve router {settings.worker_id} http on {settings.advertise_host}:{http.port}",
+                  flush=True)
 
     return finish
 

@@ -60,6 +60,11 @@ class ClusterSpec:
     # num_decode colocated workers behind the router, no prefill pool (the baseline, same router)
     colocated: bool = False
     devices: DevicePlan = field(default_factory=DevicePlan)
+    # the router's OpenAI-compatible HTTP port (0 = off) and API keys; the launcher presents the first
+    # key (or the keys file's first line, read at each call: rotation) to its router
+    http_port: int = 0
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str = ""
 
     def __post_init__(self) -> None:
         if self.colocated and (self.num_prefill != 0 or self.num_decode < 1):
@@ -98,11 +103,37 @@ class Cluster:
         args = ["--discovery", "file", "--workers-file", str(self.run_dir / WORKERS_FILE), "--model",
                 self.spec.model, "--policy", self.spec.policy, "--port", str(self.spec.router_port),
                 "--drain-timeout", str(self.spec.drain_timeout),
-                *(("--mode", "colocated") if self.spec.colocated else ()), *self.spec.router_args]
+                *(("--mode", "colocated") if self.spec.colocated else ()), *self._http_args(),
+                *self.spec.router_args]
         self.router = self.backend.start("router", args, "router")
         self.wait_router_sees(timeout=120)
         self.write_state()
         return self.router.address
+
+    def _http_args(self) -> list[str]:
+        args = ["--http-port", str(self.spec.http_port)] if self.spec.http_port else []
+        for key in self.spec.api_keys:
+            args += ["--api-key", key]
+        if self.spec.api_keys_file:
+            args += ["--api-keys-file", self.spec.api_keys_file]
+        return args
+
+    @property
+    def http_address(self) -> str:
+        """HOST:PORT of the router's HTTP door ("" when off)."""
+        if not (self.spec.http_port and self.router):
+            return ""
+        return f"{self.router.address.rsplit(':', 1)[0]}:{self.spec.http_port}"
+
+    def auth_metadata(self) -> list[tuple[str, str]]:
+        """gRPC metadata the launcher sends its router: the API key, when the router takes keys."""
+        from router.api_keys import read_keys_file
+
+        key = self.spec.api_keys[0] if self.spec.api_keys else ""
+        if not key and self.spec.api_keys_file:
+            keys = read_keys_file(self.spec.api_keys_file)
+            key = keys[0] if keys else ""
+        return [("authorization", f"Bearer {key}")] if key else []
 
     def _next_name(self, role: str) -> str:
         # Names (= worker ids) are handed out here, on the caller's thread, never in the pool threads.
@@ -135,7 +166,8 @@ class Cluster:
     def list_workers(self) -> list[router_pb2.WorkerEntry]:
         assert self.router is not None
         with grpc.insecure_channel(self.router.address) as ch:
-            resp = router_pb2_grpc.RouterStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5)
+            resp = router_pb2_grpc.RouterStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5,
+                                                              metadata=self.auth_metadata() or None)
         return list(resp.workers)
 
     def wait_router_sees(self, timeout: float) -> None:
@@ -155,7 +187,7 @@ class Cluster:
     def write_state(self) -> None:
         state = {"pid": os.getpid(), "backend": self.backend.name,
                  "ray_address": getattr(self.backend, "address", None),
-                 "router": self.router.address if self.router else None,
+                 "router": self.router.address if self.router else None, "http": self.http_address,
                  "workers": [{"role": h.role, "worker_id": h.worker_id, "address": h.address, "pid": h.pid,
                               "devices": getattr(h, "devices", "")}
                              for hs in self.workers.values() for h in hs],

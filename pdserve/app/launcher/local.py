@@ -37,20 +37,24 @@ class LocalCluster:
                  env: dict[str, str] | None = None, policy: str = "round_robin",
                  drain_timeout: float = 10.0, router_args: tuple[str, ...] = (),
                  colocated: bool = False, prefill_args: tuple[str, ...] = (),
-                 decode_args: tuple[str, ...] = ()) -> None:
+                 decode_args: tuple[str, ...] = (), http_port: int = 0, api_keys: tuple[str, ...] = (),
+                 api_keys_file: str = "") -> None:
         # colocated=True: ``decode`` colocated workers behind the router (``prefill`` must be 0)
         self.spec = ClusterSpec(model=str(model), num_prefill=prefill, num_decode=decode, transport=transport,
                                 worker_args=tuple(worker_args), policy=policy, drain_timeout=drain_timeout,
                                 router_args=("--stats-interval", "0.2", *router_args), colocated=colocated,
-                                prefill_args=tuple(prefill_args), decode_args=tuple(decode_args))
+                                prefill_args=tuple(prefill_args), decode_args=tuple(decode_args),
+                                http_port=http_port, api_keys=tuple(api_keys), api_keys_file=api_keys_file)
         self.env = {**QUIET_ENV, **(env or {})}
         self.cluster = Cluster(spec=self.spec, backend=ProcessBackend(Path(run_dir), self.env),
                                run_dir=Path(run_dir))
         self.router = ""
+        self.http = ""  # HOST:PORT of the router's HTTP door, when http_port is set
 
     def __enter__(self) -> LocalCluster:
         try:
             self.router = self.cluster.up()
+            self.http = self.cluster.http_address
         except BaseException:
             self.stop()
             raise

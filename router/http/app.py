@@ -1,0 +1,165 @@
+"""The OpenAI-compatible HTTP API as a FastAPI application.
+
+    POST /v1/completions        POST /v1/chat/completions   (``stream: true``: server-sent events,
+    GET  /v1/models             GET  /health                 ending with ``data: [DONE]``)
+
+Routes only translate (``frontend.py`` builds and admits the request, ``responses.py`` shapes the
+answer). A streamed request waits for its first message before the response starts, so a refusal
+that comes before the first token (no worker, every worker full, a bad value) is a real HTTP status
+with Retry-After where it applies, not an error event inside a 200. An error after the first token
+is sent as an ``{"error": ...}`` event (what OpenAI's clients raise on), then ``[DONE]``.
+
+Bodies over ``MAX_BODY_BYTES`` are refused with 413 before they are read whole. API keys are checked
+ahead of everything else (a wrong key gets 401 even with a malformed body); /health stays open.
+SSE framing is FastAPI's (``fastapi.sse``), JSON is the standard library's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse, format_sse_event
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.api_keys import ApiKeys, bearer_token
+from router.http.errors import OpenAIError
+from router.http.frontend import OpenAIFrontend, Run
+from router.http.responses import Collector, report_headers
+from router.http.schemas import ChatCompletionRequest, CompletionRequest
+
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a 128k-token prompt as JSON token ids is under 1 MiB
+OPEN_PATHS = frozenset({"/health"})
+_DONE = format_sse_event(data_str="[DONE]")
+
+
+class RequireApiKey:
+    """ASGI middleware: every path but OPEN_PATHS needs ``Authorization: Bearer KEY`` (401 otherwise)."""
+
+    def __init__(self, app, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            key = bearer_token(Headers(scope=scope).get("authorization"))
+            if not self.keys.allows(key):
+                err = OpenAIError(401, self.keys.refusal(key), code="invalid_api_key")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _sse(obj: dict) -> bytes:
+    return format_sse_event(data_str=json.dumps(obj, ensure_ascii=False))
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    where = ".".join(loc) or "body"
+    return f"{where}: {e.get('msg', 'invalid value')}", where
+
+
+def build_app(frontend: OpenAIFrontend, *, keys: ApiKeys | None = None,
+              healthy: Callable[[], bool] = lambda: True, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None,
+                  max_body_size=max_body_bytes, strict_content_type=False)
+    if keys is not None and keys.enabled:
+        app.add_middleware(RequireApiKey, keys=keys)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return OpenAIError(400, message, param=param, code="invalid_request").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = (f"request body too large: at most {max_body_bytes} bytes" if exc.status_code == 413
+                   else str(exc.detail))
+        return OpenAIError(exc.status_code, message).response()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = healthy()
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": 0,
+                                            "owned_by": "pdserve",
+                                            "max_model_len": frontend.limits.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        req = await frontend.admit_completion(body, request.headers)
+        col = Collector(kind="completion", request_id=req.request_id, model=frontend.model_name,
+                        tokenizer=frontend.limits.tokenizer, logprobs=body.logprobs is not None,
+                        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                        return_token_ids=body.return_token_ids)
+        return await _answer(frontend.start(req), col, body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        req = await frontend.admit_chat(body, request.headers)
+        col = Collector(kind="chat", request_id=req.request_id, model=frontend.model_name,
+                        tokenizer=frontend.limits.tokenizer, logprobs=body.logprobs,
+                        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                        return_token_ids=body.return_token_ids)
+        return await _answer(frontend.start(req), col, body.stream)
+
+    return app
+
+
+async def _answer(run: Run, col: Collector, stream: bool):
+    headers = {"x-request-id": run.req.request_id}
+    try:
+        first = await run.next()  # a refusal before the first token is the response's status
+    except BaseException:
+        run.close()
+        raise
+    if stream:
+        return EventSourceResponse(_events(run, col, first), headers=headers)
+    try:
+        msg = first
+        while msg is not None:
+            col.add(msg)
+            msg = await run.next()
+    finally:
+        run.close()
+    body = col.response()
+    if col.report is not None:
+        headers.update(report_headers(col.report, col.usage))
+    return JSONResponse(body, headers=headers)
+
+
+async def _events(run: Run, col: Collector, first) -> AsyncIterator[bytes]:
+    try:
+        opener = col.first_chunk()
+        if opener is not None:
+            yield _sse(opener)
+        msg = first
+        while msg is not None:
+            for chunk in col.chunk(msg):
+                yield _sse(chunk)
+            try:
+                msg = await run.next()
+            except OpenAIError as exc:  # after the first token the status is sent: report in-band
+                yield _sse(exc.body())
+                break
+        yield _DONE
+    finally:
+        run.close()  # the client went away mid-stream: the request's task is cancelled, blocks freed

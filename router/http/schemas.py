@@ -1,0 +1,96 @@
+"""Request bodies of the OpenAI-compatible door, as pydantic models.
+
+Only shapes are checked here (types, NaN / infinity refused, ranges the wire types impose); what a
+value means (temperature >= 0, top_p in (0, 1], prompt + max_tokens within the context) is checked
+once, by the router's admission, for both doors alike. Fields OpenAI defines that the cluster does
+not implement are declared so that a non-default value is refused with a message instead of being
+silently ignored (``UNSUPPORTED``); fields nobody declared are ignored, as OpenAI-compatible servers
+do, so clients that send vendor extras keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT32 = 2**31 - 1
+INT64 = 2**63 - 1
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, ge=-INT32, le=INT32)  # vLLM extension; -1 = off there
+    seed: int | None = Field(default=None, ge=-INT64 - 1, le=INT64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=256)
+    return_token_ids: bool = False  # vLLM extension: each choice also carries the generated token ids
+    # declared only to refuse a non-default value (UNSUPPORTED)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=-INT32, le=INT32)
+    logprobs: int | None = Field(default=None, ge=-INT32, le=INT32)  # top alternatives (0..5 in OpenAI)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class OtherPart(_Body):
+    type: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart | OtherPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(default=None, ge=-INT32, le=INT32)
+    max_completion_tokens: int | None = Field(default=None, ge=-INT32, le=INT32)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=-INT32, le=INT32)
+    add_generation_prompt: bool = True  # vLLM extension
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+
+# field -> (the value meaning "not used", what to say); a request with anything else is refused
+UNSUPPORTED: dict[str, tuple[object, str]] = {
+    "presence_penalty": (0.0, "presence_penalty is not supported"),
+    "frequency_penalty": (0.0, "frequency_penalty is not supported"),
+    "logit_bias": ({}, "logit_bias is not supported"),
+    "echo": (False, "echo is not supported (the cluster returns no prompt logprobs)"),
+    "best_of": (1, "best_of > 1 is not supported"),
+    "suffix": ("", "suffix is not supported"),
+    "tools": ([], "tools are not supported"),
+    "tool_choice": ("none", "tool_choice is not supported"),
+    "response_format": ({"type": "text"}, "response_format is not supported"),
+}
