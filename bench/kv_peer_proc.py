@@ -7,7 +7,8 @@ one JSON object per line ``{"id": n, "op": ..., ...}`` and reads ``{"id": n, "ok
 does not block a later ``send``. Only JSON crosses the pipe.
 
 ops: init (new transport; returns tid + endpoint), fill (seeded random KV), expect, wait, send, push,
-finish, send_wait, digest, stats, close, raw_listen (plain-socket baseline receiver), exit.
+finish, send_wait, send_many, send_concurrent, digest, stats, close, raw_listen (plain-socket baseline
+receiver), raw_send, raw_send_concurrent, exit.
 """
 
 from __future__ import annotations
@@ -45,15 +46,17 @@ def block_digest(kv: torch.Tensor, blocks: list[int]) -> str:
 
 def _raw_server(nbytes_list_port: list) -> None:
     """Plain blocking socket receiver: per message, read an 8-byte length then that many bytes with
-    recv_into into one preallocated buffer, reply one byte. The TCP baseline."""
+    recv_into into one preallocated buffer, reply one byte. The TCP baseline. Every accepted connection
+    gets a thread of its own (the concurrent baseline moves bytes over several at once, all into the same
+    buffer: the bytes are not looked at)."""
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind((nbytes_list_port[0], 0))
-    srv.listen(1)
+    srv.listen(64)
     nbytes_list_port.append(srv.getsockname()[1])
     buf = memoryview(bytearray(nbytes_list_port[1]))
-    while True:
-        conn, _ = srv.accept()
+
+    def serve(conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with conn:
             while True:
@@ -67,6 +70,10 @@ def _raw_server(nbytes_list_port: list) -> None:
                         break
                     pos += got
                 conn.sendall(b"k")
+
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
 
 
 def _raw_send(kv: torch.Tensor, host: str, port: int, nbytes: int, iters: int) -> list[float]:
@@ -86,6 +93,44 @@ def _raw_send(kv: torch.Tensor, host: str, port: int, nbytes: int, iters: int) -
         times.append(time.perf_counter() - t0)
     sock.close()
     return times
+
+
+def _raw_send_concurrent(kv: torch.Tensor, host: str, port: int, nbytes: int, conns: int,
+                         per_conn: int) -> float:
+    """The concurrent baseline: ``conns`` connections, each a thread sending ``per_conn`` messages of
+    nbytes (as _raw_send) back to back; wall seconds from the first byte to the last ack."""
+    import time
+
+    socks = [socket.create_connection((host, port)) for _ in range(conns)]
+    barrier = threading.Barrier(conns + 1)
+    errors: list[BaseException] = []
+    src = memoryview(kv.view(-1).view(torch.uint8).numpy())[:nbytes]
+
+    def run(sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        barrier.wait()
+        try:
+            for _ in range(per_conn):
+                sock.sendall(nbytes.to_bytes(8, "big"))
+                sock.sendall(src)
+                if sock.recv(1) != b"k":
+                    raise ConnectionError("raw receiver went away")
+        except BaseException as exc:  # reported to the caller below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in socks]
+    for th in threads:
+        th.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    for s in socks:
+        s.close()
+    if errors:
+        raise errors[0]
+    return wall
 
 
 _REPLIES = sys.stdout  # replaced by a private dup of fd 1 when run as a program
@@ -156,6 +201,19 @@ class PeerProcess:
                 result = await handle.wait()
                 times.append(result["seconds"])
             return {"seconds": times, "backend": result["backend"]}
+        if op == "send_concurrent":
+            # Every rid started at once, each into the same dst (a benchmark: the bytes are not checked);
+            # wall seconds from the first start_send to the last acknowledgement, plus each one's own.
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            handles = [t.start_send(rid, cmd["endpoint"], cmd["src"], cmd["dst"], timeout=cmd.get("timeout"))
+                       for rid in cmd["rids"]]
+            results = await asyncio.gather(*(h.wait() for h in handles))
+            return {"seconds": loop.time() - t0, "each": [r["seconds"] for r in results],
+                    "backend": results[0]["backend"]}
+        if op == "raw_send_concurrent":
+            return {"seconds": await asyncio.to_thread(_raw_send_concurrent, kv, cmd["host"], cmd["port"],
+                                                       cmd["nbytes"], cmd["conns"], cmd.get("per_conn", 1))}
         if op == "raw_send":
             return {"seconds": await asyncio.to_thread(_raw_send, kv, cmd["host"], cmd["port"], cmd["nbytes"],
                                                        cmd["iters"])}

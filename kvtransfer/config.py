@@ -30,6 +30,27 @@ class TransportConfig:
     socket_buffer_bytes: int = 0
     # TCP: CRC32 of every DATA frame's payload, verified by the receiver (costs a pass over the bytes).
     checksum: bool = False
+    # TCP: connections a sender opens to one receiver. Each transfer rides one of them (the least loaded
+    # when it starts) from BEGIN to END, so transfers in flight spread over this many sockets and kernel
+    # copies (one TCP stream is bounded by one core's copy rate); on one connection they interleave frame
+    # by frame. A NIXL peer uses one (the side channel carries no bulk data).
+    tcp_connections: int = 4
+    # A TCP transfer past its deadline (receiver: the expect() deadline; sender: start_send's timeout) is
+    # failed only when its connection has moved no byte for this long: one queued behind others' frames
+    # is making progress, and the deadline is for a sender that never came or stalled.
+    stall_timeout_s: float = 10.0
+    # Mutual TLS on every KV connection (side channel and TCP data): PEM paths of the cluster CA, this
+    # process's certificate and its key. All three or none. A peer whose certificate is not signed by the
+    # CA is refused during the handshake, on both sides.
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    # Log each finished transfer's timeline (trace.py); pdserve/settings.py reads PDSERVE_KV_TRACE.
+    trace: bool = False
+    # NIXL: UCX variables set in this process before the agent is created (UCX reads them then), as
+    # (name, value) pairs; pdserve/settings.py derives them (UCX_PROTO_INFO so the log names UCX's
+    # protocol choices, UCX_NET_DEVICES so UCX's TCP listeners bind the KV host's interface only).
+    ucx_env: tuple[tuple[str, str], ...] = ()
     # NIXL backends to instantiate in the agent and how often pending transfers/notifications are polled.
     nixl_backends: tuple[str, ...] = ("UCX",)
     nixl_poll_interval_s: float = 0.0005
@@ -111,9 +132,25 @@ class TransportConfig:
             raise ValueError("TransportConfig.socket_buffer_bytes must be >= 0")
         if self.listen_host in ("0.0.0.0", "::", "") and not self.advertise_host:
             raise ValueError("TransportConfig.advertise_host is required when listening on all interfaces")
+        if not (isinstance(self.tcp_connections, int) and 1 <= self.tcp_connections <= 64):
+            raise ValueError("TransportConfig.tcp_connections must be in [1, 64], "
+                             f"got {self.tcp_connections!r}")
+        if not (isinstance(self.stall_timeout_s, (int, float)) and self.stall_timeout_s > 0):
+            raise ValueError(f"TransportConfig.stall_timeout_s must be > 0, got {self.stall_timeout_s!r}")
+        tls = (self.tls_ca, self.tls_cert, self.tls_key)
+        if any(tls) and not all(tls):
+            raise ValueError("TransportConfig: tls_ca, tls_cert and tls_key go together (all three or none)")
         object.__setattr__(self, "nixl_backends", tuple(self.nixl_backends))
+        env = self.ucx_env.items() if isinstance(self.ucx_env, dict) else self.ucx_env
+        object.__setattr__(self, "ucx_env", tuple((str(k), str(v)) for k, v in env))
+        if any(not k.startswith("UCX_") for k, _ in self.ucx_env):
+            raise ValueError(f"TransportConfig.ucx_env: only UCX_* variables, got {self.ucx_env}")
         if not self.nixl_backends:
             raise ValueError("TransportConfig.nixl_backends must name at least one backend")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_ca is not None
 
     @property
     def host_for_endpoint(self) -> str:

@@ -50,6 +50,12 @@ class KVLink:
         self.transport.release(request_id)
 
     @property
+    def trace(self) -> bool:
+        """Log per-transfer timelines (kvtransfer/trace.py); the prefill worker logs its side too."""
+        config = getattr(self.transport, "config", None)
+        return bool(getattr(config, "trace", False))
+
+    @property
     def num_expected(self) -> int:
         return len(self._expected)
 
@@ -107,10 +113,12 @@ def _parse_endpoint(endpoint: bytes) -> dict:
 
 
 async def make_kv_link(settings: Any, engine: Any, *, sender: bool) -> KVLink:
+    """The worker's transport, configured from its ServeSettings (pdserve/settings.py derives every
+    option, environment included: kv_transport_options)."""
     from kvtransfer.transport import make_transport
+    from pdserve.settings import kv_transport_options
 
     transport = make_transport(settings.transport, engine.kv_layout, engine.kv_cache,
-                               listen_host=settings.host, listen_port=settings.kv_port,
-                               advertise_host=settings.advertise_host)
+                               **kv_transport_options(settings))
     await transport.start()
     return KVLink(transport, lease_s=settings.lease_ms / 1000.0)

@@ -13,7 +13,8 @@ Staging device memory (the TCP fallback between GPUs), per DATA frame (<= max_fr
                                  read -- the sender stages frame i+1 while frame i is on the socket
     recv   recv_views(segments)  one page-locked buffer the socket is read into
            flush(segments, buf)  asynchronous host->device copies on the side stream: the next frame is
-                                 read while they run; drain() waits for all of them (before END completes)
+                                 read while they run; returns the event after them: the receiver completes
+                                 a request (END) once its last frame's event is done, awaited off the loop
 
 Page-locked buffers come from torch's caching host allocator (pin_memory=True): a buffer is reused
 only once the copies recorded on it have finished, so nothing here frees or recycles them by hand.
@@ -57,7 +58,6 @@ class KVMemory:
         self._flat = tensor.view(-1).view(torch.uint8)
         self._host = memoryview(self._flat.numpy()) if self.is_host else None
         self._stream = None  # side stream for staging copies (device memory), made on first use
-        self._flushing = None  # event after the last host->device flush
 
     @property
     def base_address(self) -> int:
@@ -108,7 +108,7 @@ class KVMemory:
 
     @staticmethod
     async def ready(event) -> None:
-        """Wait (off the event loop) for a stage_out event."""
+        """Wait (off the event loop) for a stage_out or flush event."""
         if event is not None and not event.query():
             await asyncio.to_thread(event.synchronize)
 
@@ -127,16 +127,17 @@ class KVMemory:
         staging = self._host_buffer(sum(n for _, n, _ in segments))
         return self._split(memoryview(staging.numpy()), segments), staging
 
-    def flush(self, segments: list[tuple[int, int, int]], staging) -> None:
-        """Copy a staged payload into the tensor: device memory asynchronously (drain() waits), a host
-        tensor (force_staging) at once."""
+    def flush(self, segments: list[tuple[int, int, int]], staging):
+        """Copy a staged payload into the tensor: device memory asynchronously (returns the CUDA event
+        after the copies; stream order: it also follows every earlier flush), a host tensor
+        (force_staging) at once (returns None)."""
         src = staging if isinstance(staging, torch.Tensor) else torch.frombuffer(staging, dtype=torch.uint8)
         if self.is_host:
             pos = 0
             for off, n, _ in segments:
                 self._flat[off:off + n].copy_(src[pos:pos + n])
                 pos += n
-            return
+            return None
         stream = self._side_stream()
         with torch.cuda.stream(stream):
             pos = 0
@@ -145,13 +146,7 @@ class KVMemory:
                 pos += n
             event = torch.cuda.Event()
             event.record(stream)
-        self._flushing = event  # stream order: later copies finish after earlier ones
-
-    def drain(self) -> None:
-        """Block until every flush() so far has landed in device memory (a few ms at most: one frame)."""
-        event, self._flushing = self._flushing, None
-        if event is not None:
-            event.synchronize()
+        return event
 
     def region_bytes(self, offset: int, nbytes: int) -> bytes:
         """A copy of a region (checksums, tests)."""

@@ -55,22 +55,24 @@ def import_nixl():
 
 
 
-def log_ucx_protocols() -> None:
-    """Have UCX print which transport it picks for each operation and memory type (``UCX_PROTO_INFO``),
-    so a worker's log shows e.g. ``remote memory write ... from cuda/GPU0 ... zero-copy cuda_ipc/cuda``
-    or an RDMA lane, or (the thing to notice) ``software emulation tcp``. UCX reads the variable when
-    the agent's context is created and prints each selection once. ``PDSERVE_UCX_PROTO_INFO=0`` turns it
-    off; an ``UCX_PROTO_INFO`` the operator set is left alone."""
-    if os.environ.get("PDSERVE_UCX_PROTO_INFO", "1") != "0":
-        os.environ.setdefault("UCX_PROTO_INFO", "y")
+def apply_ucx_env(ucx_env: tuple[tuple[str, str], ...]) -> None:
+    """Set UCX variables in this process's C environment, where UCX reads them (getenv) when the agent's
+    context is created. pdserve/settings.py decides them (TransportConfig.ucx_env): e.g. UCX_PROTO_INFO=y,
+    so a worker's log shows which transport UCX picks per operation and memory type (``zero-copy
+    cuda_ipc/cuda``, an RDMA lane, or the thing to notice, ``software emulation tcp``), and
+    UCX_NET_DEVICES, so UCX's TCP listeners bind the KV host's interface only."""
+    for name, value in ucx_env:
+        os.putenv(name, value)
+
 
 class NixlAgent:
     def __init__(self, name: str, memory: KVMemory, backends: tuple[str, ...] = ("UCX",),
-                 progress_thread: bool = False, prepped: bool = True) -> None:
+                 progress_thread: bool = False, prepped: bool = True,
+                 ucx_env: tuple[tuple[str, str], ...] = ()) -> None:
         agent_cls, config_cls, self.module = import_nixl()
         self.name = name
         self.memory = memory
-        log_ucx_protocols()
+        apply_ucx_env(ucx_env)
         try:
             conf = config_cls(enable_prog_thread=progress_thread, backends=list(backends))
             self.agent = agent_cls(name, conf)
@@ -106,8 +108,8 @@ class NixlAgent:
         # Cumulative (never reset; not leak counters): WRITEs posted and descriptors they carried.
         self.posted_xfers = 0
         self.posted_descs = 0
-        log.info("NIXL agent %s (%s, UCX_TLS=%s) registered %d bytes of %s", name, self.module,
-                 os.environ.get("UCX_TLS", "<default>"), memory.nbytes, self.mem_type)
+        log.info("NIXL agent %s (%s, UCX settings %s) registered %d bytes of %s", name, self.module,
+                 dict(ucx_env) or "from the environment", memory.nbytes, self.mem_type)
 
     def _prep(self, agent: str, base: int, num_blocks: int, dev: int, mem: str):
         """A prepared list with one descriptor per (layer, block): index = layer * num_blocks + block.

@@ -1,20 +1,22 @@
-"""Sending side: one cached connection per remote endpoint (side channel + TCP data), with its handshake.
+"""Sending side: the cached connections to one remote endpoint (side channel + TCP data), with the handshake.
 
 Lifecycle::
 
-    connect()      TCP connect (connect_timeout_s), TCP_NODELAY, then HELLO -> HELLO_OK / ERROR:
+    connect()      lane 0: TCP connect (connect_timeout_s; TLS handshake when configured), then HELLO ->
+                   HELLO_OK / ERROR:
                    protocol version and KV layout hash must match (mismatch -> LayoutMismatch naming
                    both sides' values). For NIXL the reply carries the receiver's agent metadata and
                    registered region; we load it and prove the path end to end by sending a NIXL
                    notification whose nonce the receiver must report back (PROBE/PROBE_OK). If any of
                    that fails, "auto" falls back to TCP on the same connection and logs why.
-    send_frame()   frames are written whole under a lock (sendmsg scatter-gather straight from the
-                   source blocks); frames of concurrent transfers interleave at frame granularity
                    HELLO / HELLO_OK also carry each side's capabilities ("caps", protocol.CAPS): frame
-                   types newer than version 1's set (WROTE) go only to a receiver that advertised them
-    reader task    routes BEGIN_OK / DONE / ERROR / ABORT for a request id to its SendHandle
-    dead()         EOF, reset or a poisoned stream (a frame cut short): every handle on it fails with
-                   PeerUnavailable, the peer leaves the cache, its NIXL remote agent is forgotten
+                   types newer than version 1's set (WROTE) go only to a receiver that advertised them.
+                   A TCP peer then opens tcp_connections - 1 more lanes (each says HELLO, want tcp)
+    pick_lane()    a transfer rides the least loaded lane from BEGIN to END (the receiver binds it to
+                   the connection its BEGIN came on); frames are written whole per lane (lane.py)
+    reader tasks   one per lane: route BEGIN_OK / DONE / ERROR / ABORT for a request id to its SendHandle
+    dead()         EOF, reset or a poisoned stream on any lane: every handle fails with PeerUnavailable,
+                   every lane closes, the peer leaves the cache, its NIXL remote agent is forgotten
 
 Peers are reused by every transfer to the same endpoint (host, port, instance).
 """
@@ -24,8 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import select
-import socket
 
 from .errors import (
     BackendUnavailable,
@@ -35,64 +35,10 @@ from .errors import (
     TransferError,
     error_from_wire,
 )
-from .protocol import (
-    CAPS,
-    HEADER_SIZE,
-    PROTOCOL_VERSION,
-    Msg,
-    decode_header,
-    decode_meta,
-    encode,
-    meta_caps,
-    notif_message,
-)
+from .lane import Lane
+from .protocol import CAPS, PROTOCOL_VERSION, Msg, meta_caps, notif_message
 
 log = logging.getLogger("kvtransfer.tx")
-_IOV_MAX = 512
-
-
-def _advance(views: list[memoryview], i: int, sent: int) -> int:
-    while sent:
-        head = views[i]
-        if sent >= len(head):
-            sent -= len(head)
-            i += 1
-        else:
-            views[i] = head[sent:]
-            sent = 0
-    return i
-
-
-def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int, stop: list[bool]) -> None:
-    """Finish a frame from a worker thread: sendmsg, and poll() for room when the socket buffer is full.
-    Both release the GIL, so a large payload costs the event loop nothing while it drains."""
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLOUT)
-    while i < len(views):
-        try:
-            sent = sock.sendmsg(views[i:i + _IOV_MAX])
-        except (BlockingIOError, InterruptedError):
-            for _fd, ev in poller.poll(100):
-                if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-                    raise ConnectionResetError("socket closed while sending") from None
-            if stop[0]:
-                raise ConnectionAbortedError("connection closed locally while sending") from None
-            continue
-        i = _advance(views, i, sent)
-
-
-async def sendmsg_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, bufs: list, pool=None,
-                      stop: list[bool] | None = None) -> None:
-    """Write every buffer with scatter-gather sendmsg, never copying them (the loop's own sock_sendall
-    would, for what does not fit in the socket buffer at once). What does not go out at once -- a large
-    payload -- is finished by a worker thread instead of one event-loop wake-up per socket-buffer fill."""
-    views = [memoryview(b).cast("B") for b in bufs if len(b)]
-    try:
-        i = _advance(views, 0, sock.sendmsg(views[:_IOV_MAX]))
-    except (BlockingIOError, InterruptedError):
-        i = 0
-    if i < len(views):
-        await loop.run_in_executor(pool, _sendmsg_blocking, sock, views, i, stop or [False])
 
 
 class Peer:
@@ -102,7 +48,7 @@ class Peer:
         self.key = (endpoint["host"], endpoint["port"], endpoint["instance"])
         self.name = f"{endpoint['host']}:{endpoint['port']}"
         self.loop = transport.loop
-        self.sock: socket.socket | None = None
+        self.lanes: list[Lane] = []
         self.backend = "tcp"
         self.num_blocks = int(endpoint["num_blocks"])
         self.remote: dict | None = None  # receiver's NIXL info from HELLO_OK
@@ -110,32 +56,18 @@ class Peer:
         self.caps: frozenset[str] = frozenset()  # the receiver's (HELLO_OK "caps"; none from older peers)
         self.handles: dict[str, object] = {}
         self.closed = False
-        self._lock = asyncio.Lock()
         self._waiters: dict[tuple, asyncio.Future] = {}
-        self._stop = [False]  # tells a send thread to give up
-        self._reader: asyncio.Task | None = None
 
     # -- setup -------------------------------------------------------------------------------------
     async def connect(self) -> None:
         cfg = self.t.config
-        host, port = self.endpoint["host"], int(self.endpoint["port"])
-        try:
-            infos = await self.loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            family, _, _, _, addr = infos[0]
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            self.sock = sock
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if cfg.socket_buffer_bytes:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.socket_buffer_bytes)
-            await asyncio.wait_for(self.loop.sock_connect(sock, addr), cfg.connect_timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
-            self.close()
-            raise PeerUnavailable(f"cannot connect to KV receiver {self.name}: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-        self._reader = self.loop.create_task(self._read_loop(), name=f"kvtransfer-peer-{self.name}")
+        lane = Lane(self, 0)
+        self.lanes.append(lane)
+        await lane.open()
         try:
             await asyncio.wait_for(self._handshake(), cfg.handshake_timeout_s)
+            if self.backend == "tcp" and cfg.tcp_connections > 1:
+                await asyncio.wait_for(self._more_lanes(cfg.tcp_connections - 1), cfg.handshake_timeout_s)
         except asyncio.TimeoutError:
             self.close()
             raise PeerUnavailable(f"handshake with KV receiver {self.name} timed out "
@@ -143,6 +75,23 @@ class Peer:
         except BaseException:
             self.close()
             raise
+
+    async def _more_lanes(self, n: int) -> None:
+        """TCP data lanes beside lane 0, each greeted like lane 0 (layout hash checked again)."""
+        lanes = [Lane(self, i + 1) for i in range(n)]
+        self.lanes.extend(lanes)
+
+        async def open_one(lane: Lane) -> None:
+            await lane.open()
+            await self._hello("tcp", lane)
+
+        await asyncio.gather(*(open_one(lane) for lane in lanes))
+
+    def pick_lane(self, nbytes: int) -> Lane:
+        """The lane a new transfer rides (the one with the fewest bytes of transfers on it)."""
+        lane = min(self.lanes, key=lambda ln: (ln.load, ln.index))
+        lane.load += nbytes
+        return lane
 
     async def _handshake(self) -> None:
         layout = self.t.layout
@@ -177,10 +126,11 @@ class Peer:
             await self._hello("tcp")
             self.backend = "tcp"
 
-    async def _hello(self, want: str) -> dict:
+    async def _hello(self, want: str, lane: Lane | None = None) -> dict:
         layout = self.t.layout
-        fut = self._waiter(("hello",))
-        await self.send_frame(Msg.HELLO, {"version": PROTOCOL_VERSION, "layout_hash": layout.compat_hash(),
+        lane = lane or self.lanes[0]
+        fut = self._waiter(("hello", lane.index))
+        await lane.send_frame(Msg.HELLO, {"version": PROTOCOL_VERSION, "layout_hash": layout.compat_hash(),
                                           "layout_desc": layout.describe(), "want": want,
                                           "caps": list(CAPS),
                                           "agent": self.t.nixl.name if self.t.nixl else None})
@@ -221,89 +171,19 @@ class Peer:
         fut = self._waiters[key] = self.loop.create_future()
         return fut
 
-    async def send_frame(self, msg: Msg, meta: dict, payload: list | None = None,
-                         payload_len: int = 0) -> None:
-        await self.send_frames([(msg, meta, payload, payload_len)])
-
-    async def send_frames(self, frames: list[tuple[Msg, dict, list | None, int]]) -> None:
-        """Write whole frames, several per sendmsg while their payload stays within max_frame_bytes (a
-        small one-shot transfer is one write: BEGIN + DATA + END). Frames of concurrent transfers
-        interleave between writes. A write interrupted halfway poisons the stream: the peer is closed."""
-        limit = self.t.config.max_frame_bytes
-        batch: list = []
-        size = 0
-        for msg, meta, payload, payload_len in frames:
-            if batch and size + payload_len > limit:
-                await self._write(batch)
-                batch, size = [], 0
-            batch.append(encode(msg, meta, payload_len))
-            batch.extend(payload or ())
-            size += payload_len
-        if batch:
-            await self._write(batch)
-
-    async def _write(self, bufs: list) -> None:
-        if self.closed:
+    async def send_frame(self, msg: Msg, meta: dict) -> None:
+        """A control frame on lane 0 (the side channel: handshake, NIXL transfers)."""
+        if not self.lanes:
             raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
-        async with self._lock:
-            if self.closed:
-                raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
-            # Small frames (BEGIN, WROTE, ...) usually fit in the socket buffer: written here, at once,
-            # without a task and an event-loop turn (nothing to cut short, so no cancellation concern).
-            views = [memoryview(b).cast("B") for b in bufs if len(b)]
-            try:
-                i = _advance(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
-            except (BlockingIOError, InterruptedError):
-                i = 0
-            except OSError as exc:
-                self.dead(PeerUnavailable(f"KV receiver {self.name} connection lost: {exc}"))
-                raise PeerUnavailable(f"KV receiver {self.name} connection lost while sending: "
-                                      f"{exc}") from exc
-            if i == len(views):
-                return
-            write = sendmsg_all(self.loop, self.sock, views[i:], self.t.send_pool, self._stop)
-            task = self.loop.create_task(write)
-            try:
-                await asyncio.shield(task)
-            except asyncio.CancelledError:
-                # Let the write finish (the stream must stay in sync) unless it is stuck.
-                try:
-                    await asyncio.wait_for(task, 2.0)
-                except BaseException:
-                    self.dead(PeerUnavailable(f"frame to {self.name} cut short"))
-                raise
-            except OSError as exc:
-                self.dead(PeerUnavailable(f"KV receiver {self.name} connection lost: {exc}"))
-                raise PeerUnavailable(f"KV receiver {self.name} connection lost while sending: "
-                                      f"{exc}") from exc
+        await self.lanes[0].send_frame(msg, meta)
 
-    async def _recv_exact(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view, pos = memoryview(buf), 0
-        while pos < n:
-            got = await self.loop.sock_recv_into(self.sock, view[pos:])
-            if not got:
-                raise PeerUnavailable(f"KV receiver {self.name} closed the connection")
-            pos += got
-        return buf
-
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                msg, _flags, meta_len, _plen = decode_header(await self._recv_exact(HEADER_SIZE))
-                self._dispatch(msg, decode_meta(await self._recv_exact(meta_len)))
-        except asyncio.CancelledError:
-            raise
-        except (OSError, TransferError) as exc:
-            if not isinstance(exc, TransferError):
-                exc = PeerUnavailable(f"KV receiver {self.name} connection lost: {exc}")
-            self.dead(exc)
-
-    def _dispatch(self, msg: Msg, meta: dict) -> None:
+    def dispatch(self, lane: Lane, msg: Msg, meta: dict) -> None:
+        """A reply read on one of the lanes."""
         rid = meta.get("rid")
         if msg in (Msg.HELLO_OK, Msg.PROBE_OK) or (msg == Msg.ERROR and rid is None):
-            key = ("probe", meta.get("nonce")) if msg == Msg.PROBE_OK else ("hello",)
-            fut = self._waiters.pop(key, None) or self._waiters.pop(("hello",), None)
+            hello = ("hello", lane.index)
+            key = ("probe", meta.get("nonce")) if msg == Msg.PROBE_OK else hello
+            fut = self._waiters.pop(key, None) or self._waiters.pop(hello, None)
             if fut is None:
                 if msg == Msg.ERROR:
                     self.dead(error_from_wire(meta, f"KV receiver {self.name}: "))
@@ -320,7 +200,7 @@ class Peer:
         handle = self.handles.get(rid)
         if msg == Msg.ABORT:
             if handle is None:
-                self.loop.create_task(self._ack_abort(rid))
+                self.loop.create_task(self._ack_abort(lane, rid))
             else:
                 handle._remote_abort(str(meta.get("reason", "")))
         elif handle is None:
@@ -332,9 +212,10 @@ class Peer:
         elif msg == Msg.ERROR:
             handle._on_error(error_from_wire(meta, f"KV receiver {self.name} rejected {rid!r}: "))
 
-    async def _ack_abort(self, rid: str) -> None:
+    async def _ack_abort(self, lane: Lane, rid: str) -> None:
+        """On the connection the ABORT came on: the receiver waits for the ack per connection."""
         try:
-            await self.send_frame(Msg.ABORT_ACK, {"rid": rid})
+            await lane.send_frame(Msg.ABORT_ACK, {"rid": rid})
         except TransferError:
             pass
 
@@ -349,7 +230,6 @@ class Peer:
         if self.closed:
             return
         self.closed = True
-        self._stop[0] = True
         exc = exc or PeerUnavailable(f"connection to KV receiver {self.name} closed")
         for fut in self._waiters.values():
             if not fut.done():
@@ -358,15 +238,8 @@ class Peer:
         self._waiters.clear()
         for handle in list(self.handles.values()):
             handle._on_error(exc)
-        sock, self.sock = self.sock, None
-        reader = self._reader
-        if reader is not None and not reader.done() and reader is not asyncio.current_task():
-            # Close the socket only once the reader has unregistered it: its fd number may be reused.
-            self._reader.cancel()
-            if sock is not None:
-                self._reader.add_done_callback(lambda _t: sock.close())
-        elif sock is not None:
-            sock.close()
+        for lane in self.lanes:
+            lane.close()
         if self.remote_agent is not None and self.t.nixl is not None:
             self.t.nixl.remove_remote(self.remote_agent)
             self.remote_agent = None

@@ -17,6 +17,11 @@ Lifecycle of one request on the decode side::
     abort(rid) / deadline / END early / sender connection lost
                                         -> failed; the sender is told (ABORT) and, for NIXL, abort() waits
                                         for its ABORT_ACK: after that no write of this request can land
+    deadline while receiving over TCP   not a failure while the connection it is bound to keeps moving
+                                        bytes (its frames may queue behind other transfers' on the same
+                                        connection): it fails once that connection moved nothing for
+                                        stall_timeout_s (flow control is TCP's; the deadline catches a
+                                        sender that never came or stalled)
 
 A terminal expectation leaves the table at once (the handle keeps its result), so the table holding
 nothing is the leak check. Everything runs on the transport's event loop.
@@ -76,6 +81,7 @@ class Expectation(FutureResult):
         # Monotonic instants of its steps (expect, begin, notif / end, complete): diagnostics for benches.
         self.timeline = {"expect": self.started}
         self.timer: asyncio.TimerHandle | None = None
+        self.flushing = None  # device memory: the CUDA event after this request's last host->device copy
         self._future = loop.create_future()
         # Nobody awaiting a failed expectation must not produce "exception never retrieved" noise.
         self._future.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -180,7 +186,7 @@ class Receiver:
             exp.timer.cancel()
         exp.state = "done"
         now = exp.timeline["complete"] = time.monotonic()
-        if trace.enabled():
+        if self.config.trace:
             trace.emit("rx", exp.request_id, exp.timeline)
         exp._future.set_result({"request_id": exp.request_id, "bytes": exp.nbytes, "backend": exp.backend,
                                 "seconds": now - exp.started})
@@ -188,10 +194,21 @@ class Receiver:
 
     def _on_deadline(self, rid: str) -> None:
         exp = self.expectations.get(rid)
-        if exp is not None:
-            self._fail(exp, TransferTimeout(f"KV for request {rid!r} incomplete at its deadline "
-                                            f"(state {exp.state}, {exp.received}/{exp.nbytes} bytes seen)"),
-                       notify=True)
+        if exp is None:
+            return
+        conn, stall = exp.conn, self.config.stall_timeout_s
+        if exp.backend == "tcp" and exp.state == "receiving" and conn is not None and not conn.closed:
+            seen = conn.last_progress
+            if time.monotonic() - seen < stall:
+                # Making progress (maybe on other transfers' frames queued ahead of its own): look again
+                # when the connection would have been idle for stall_timeout_s.
+                exp.timer = self.loop.call_later(seen + stall - time.monotonic(), self._on_deadline, rid)
+                return
+        idle = (f", its connection idle for {time.monotonic() - conn.last_progress:.1f}s"
+                if conn is not None and exp.backend == "tcp" else "")
+        self._fail(exp, TransferTimeout(f"KV for request {rid!r} incomplete at its deadline "
+                                        f"(state {exp.state}, {exp.received}/{exp.nbytes} bytes seen{idle})"),
+                   notify=True)
 
     def on_conn_lost(self, conn, exc) -> None:
         why = f": {exc}" if exc else ""
@@ -256,6 +273,12 @@ class Receiver:
         reply = {"version": PROTOCOL_VERSION, "layout_hash": ours, "num_blocks": self.memory.num_blocks,
                  "backend": want, "caps": list(CAPS)}
         if want == "nixl":
+            agent = meta.get("agent")
+            if not isinstance(agent, str) or not agent or len(agent) > 256:
+                raise InvalidTransfer("a NIXL HELLO must name the sender's agent")
+            # The only agent this connection may announce transfers from (BEGIN), and so the only one
+            # whose completions count for them: with TLS, one authenticated by the cluster CA.
+            conn.nixl_agent = agent
             reply["nixl"] = self.nixl.info()
             self.notifs.kick()  # UCX wire-up with the sender follows: progress it promptly
         conn.send(Msg.HELLO_OK, reply)
@@ -289,6 +312,9 @@ class Receiver:
         exp.timeline["begin"] = time.monotonic()
         if backend == "nixl":
             exp.sender_agent = meta_str(meta, "agent")
+            if exp.sender_agent != conn.nixl_agent:
+                raise InvalidTransfer(f"request {rid!r}: NIXL agent {exp.sender_agent!r} was not named in "
+                                      f"this connection's HELLO ({conn.nixl_agent!r})")
             exp.xid = meta_str(meta, "xid", 64) if meta.get("xid") is not None else None
             conn.send(Msg.BEGIN_OK, {"rid": rid})
             self.notifs.kick()  # its WRITE and completion notification are about to arrive
@@ -374,7 +400,7 @@ class Receiver:
                 self._fail(exp, err, notify=True)
                 return
         if ctx.staging is not None:
-            self.memory.flush(ctx.segments, ctx.staging)
+            exp.flushing = self.memory.flush(ctx.segments, ctx.staging)
         exp.received += sum(n for _, n, _ in ctx.segments)
 
     def _on_end(self, conn, meta: dict) -> None:
@@ -384,5 +410,16 @@ class Receiver:
             raise InvalidTransfer(f"END of {exp.request_id!r} before all KV arrived: {missing} "
                                   f"(layer, block) pairs missing, {exp.received}/{exp.nbytes} bytes")
         exp.timeline["end"] = time.monotonic()
-        self.memory.drain()  # staged device memory: the last frames' host->device copies have landed
-        self._complete(exp)
+        event, exp.flushing = exp.flushing, None
+        if event is None or event.query():
+            self._complete(exp)
+            return
+        # Staged device memory: complete once this request's host->device copies have landed (the side
+        # stream runs them in order, so its last one's event covers them all), waited for off the loop.
+        exp.state = "flushing"
+        self.loop.create_task(self._complete_after(exp, event))
+
+    async def _complete_after(self, exp: Expectation, event) -> None:
+        await self.memory.ready(event)
+        if self.expectations.get(exp.request_id) is exp:  # not failed or released meanwhile
+            self._complete(exp)

@@ -16,6 +16,7 @@ import logging
 import os
 import select
 import socket
+import time
 
 from .errors import ProtocolError, TransferError, error_to_wire
 from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
@@ -28,7 +29,7 @@ _THREAD_MIN = 1 << 20
 _IOV_MAX = 512
 
 
-def _readv_all(fd: int, views: list[memoryview], stop: list[bool]) -> None:
+def _readv_all(fd: int, views: list[memoryview], stop: list[bool], progress: list[float]) -> None:
     """Fill views from a (non-blocking) socket fd owned by the caller; raise on EOF/reset/stop."""
     poller = select.poll()
     poller.register(fd, select.POLLIN)
@@ -46,6 +47,7 @@ def _readv_all(fd: int, views: list[memoryview], stop: list[bool]) -> None:
             continue
         if got == 0:
             raise ConnectionResetError("sender closed the connection mid-frame")
+        progress[0] = time.monotonic()
         while got:
             head = views[i]
             if got >= len(head):
@@ -63,6 +65,10 @@ class RxConnection(asyncio.BufferedProtocol):
         self.peer = "?"
         self.closed = False
         self.abort_acks: dict[str, asyncio.Future] = {}
+        self.nixl_agent: str | None = None  # the sender's NIXL agent, as named in its HELLO
+        # Last instant bytes arrived (the readv thread updates it too): a transfer past its deadline is
+        # failed only once its connection stopped moving (Receiver._on_deadline).
+        self.progress = [time.monotonic()]
         self._hdr = bytearray(HEADER_SIZE)
         self._state = "header"
         self._pos = 0
@@ -83,9 +89,12 @@ class RxConnection(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
-        if sock is not None:
+        tls = transport.get_extra_info("ssl_object") is not None
+        if sock is not None and not tls:
             # A private dup, so a worker thread never reads a reused fd number after asyncio closes its own.
+            # (TLS: every byte goes through the SSL transport, decrypted straight into get_buffer()'s view.)
             self._fd = os.dup(sock.fileno())
+        if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.rx.config.socket_buffer_bytes:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rx.config.socket_buffer_bytes)
@@ -114,7 +123,12 @@ class RxConnection(asyncio.BufferedProtocol):
             self._scratch = memoryview(bytearray(_SCRATCH))
         return self._scratch[:min(_SCRATCH, self._discard)]
 
+    @property
+    def last_progress(self) -> float:
+        return self.progress[0]
+
     def buffer_updated(self, nbytes: int) -> None:
+        self.progress[0] = time.monotonic()
         try:
             self._advance(nbytes)
         except ProtocolError as exc:
@@ -178,7 +192,8 @@ class RxConnection(asyncio.BufferedProtocol):
             self._state = "thread"
             self.transport.pause_reading()
             loop = asyncio.get_running_loop()
-            fut = loop.run_in_executor(self.rx.recv_pool, _readv_all, self._fd, self._targets, self._stop)
+            fut = loop.run_in_executor(self.rx.recv_pool, _readv_all, self._fd, self._targets, self._stop,
+                                       self.progress)
             fut.add_done_callback(self._thread_done)
         if not self._targets:
             ctx, self._ctx = self._ctx, None

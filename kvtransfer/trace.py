@@ -1,6 +1,7 @@
 """Per-transfer timelines in the log, for finding where a transfer's time goes in a live cluster.
 
-``PDSERVE_KV_TRACE=1`` in a worker's environment makes the sender log each finished send's steps
+``TransportConfig.trace`` (``PDSERVE_KV_TRACE=1`` in a worker's environment, read by pdserve/settings.py)
+makes the sender log each finished send's steps
 (``SendHandle.timeline``: start, begin_sent, begin_ok, prebuilt, posted, xfers_done, wrote_sent, acked)
 and the receiver each completed expectation's (``Expectation.timeline``: expect, begin, wrote / notif /
 end, complete), as ``time.monotonic()`` instants. Workers on one host share that clock, so the two
@@ -13,13 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 log = logging.getLogger("kvtransfer.trace")
-
-
-def enabled() -> bool:
-    return os.environ.get("PDSERVE_KV_TRACE", "") == "1"
 
 
 def emit(side: str, request_id: str, timeline: dict) -> None:

@@ -44,6 +44,7 @@ from .receiver import Expectation, Receiver
 from .rx_conn import RxConnection
 from .rx_nixl import fine_timer_slack
 from .sender import SendHandle
+from .tls import server_context
 
 log = logging.getLogger("kvtransfer")
 
@@ -80,7 +81,7 @@ class KVTransport:
             name = config.agent_name or f"pdkv-{socket.gethostname()}-{self.instance[:12]}"
             try:
                 self.nixl = NixlAgent(name, self.memory, config.nixl_backends, config.nixl_progress_thread,
-                                      prepped=config.nixl_prepped)
+                                      prepped=config.nixl_prepped, ucx_env=config.ucx_env)
             except BackendUnavailable as exc:
                 if config.kind == "nixl":
                     raise
@@ -103,9 +104,12 @@ class KVTransport:
         self._sends: dict[str, SendHandle] = {}
         self._closed = False
         # Dedicated I/O threads for large payloads (separate pools: a receive never waits on a send of
-        # this process, so they cannot starve each other, nor the application's default executor).
-        self.send_pool = ThreadPoolExecutor(4, thread_name_prefix="kvtransfer-send")
-        self.recv_pool = ThreadPoolExecutor(4, thread_name_prefix="kvtransfer-recv")
+        # this process, so they cannot starve each other, nor the application's default executor). One
+        # per connection of a peer and as many again for a second peer; beyond that a frame waits for a
+        # thread (its connection's reading or writing pauses meanwhile, nothing else does).
+        threads = max(4, 2 * config.tcp_connections)
+        self.send_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtransfer-send")
+        self.recv_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtransfer-recv")
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> KVTransport:
@@ -115,9 +119,11 @@ class KVTransport:
         self.receiver = Receiver(layout=self.layout, memory=self.memory, config=self.config, nixl=self.nixl,
                                  backends=self.backends, loop=self.loop)
         self.receiver.recv_pool = self.recv_pool
-        self._server = await self.loop.create_server(lambda: RxConnection(self.receiver),
-                                                     self.config.listen_host, self.config.listen_port,
-                                                     reuse_address=True)
+        tls = server_context(self.config)  # None: plaintext
+        self._server = await self.loop.create_server(
+            lambda: RxConnection(self.receiver), self.config.listen_host, self.config.listen_port,
+            reuse_address=True, ssl=tls,
+            ssl_handshake_timeout=self.config.handshake_timeout_s if tls else None)
         self._port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -255,6 +261,7 @@ class KVTransport:
                 "sends": len(self._sends),
                 "peers": len(self._peers),
                 "peer_handles": sum(len(p.handles) for p in self._peers.values()),
+                "peer_load": sum(lane.load for p in self._peers.values() for lane in p.lanes),
                 "nixl_xfers": self.nixl.num_xfers if self.nixl else 0,
                 "nixl_remote_agents": self.nixl.num_remotes if self.nixl else 0,
                 "nixl_remote_dlists": self.nixl.num_remote_dlists if self.nixl else 0,

@@ -73,6 +73,10 @@ class ServeSettings:
     tensor_parallel_size: int = 1
     transport: str = "auto"
     kv_port: int = 0
+    # KV listeners (side channel, TCP data, NIXL/UCX's TCP listeners) bind this host; "" = --host
+    kv_host: str = ""
+    # TCP KV plane: connections a prefill worker opens to each decode worker (transfers spread over them)
+    kv_connections: int = 4
     # prefill: push each layer's KV while the next one computes (when the transport supports it)
     kv_stream_layers: str = "on"
     drain_timeout: float = 30.0
@@ -140,6 +144,8 @@ class ServeSettings:
         if self.tensor_parallel_size > 1 and self.role in ("prefill", "decode"):
             raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: the {self.role} role "
                              f"moves KV per rank, which is not built yet; TP > 1 runs the colocated role")
+        if not 1 <= self.kv_connections <= 64:
+            raise ValueError(f"--kv-connections must be in 1..64, got {self.kv_connections}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"--num-blocks must be >= 1, got {self.num_blocks}")
         if self.num_blocks is not None and self.kv_memory_gb is not None:
@@ -203,7 +209,7 @@ class ServeSettings:
 _INT = {"port", "metrics_port", "http_port", "block_size", "num_blocks", "max_num_seqs",
         "max_num_batched_tokens",
         "launch_ahead_layers", "tensor_parallel_size",
-        "kv_port", "lease_ms", "min_uncached_tokens", "max_request_bytes"}
+        "kv_port", "kv_connections", "lease_ms", "min_uncached_tokens", "max_request_bytes"}
 _FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
           "local_prefill_tokens_per_s", "max_prefill_wait_s", "local_prefill_duty", "local_prefill_burst_s"}
 
@@ -253,6 +259,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       "parallel rank each (default 1)")
     a("--transport", choices=TRANSPORTS, help="KV transport (default auto: nixl if usable, else tcp)")
     a("--kv-port", type=int, help="KV side-channel / TCP data port (0 = pick free)")
+    a("--kv-host", help="bind address of every KV listener (side channel, TCP data, NIXL/UCX; default "
+      "--host)")
+    a("--kv-connections", type=int, help="TCP KV transport: connections per decode worker (default 4)")
     a("--kv-stream-layers", choices=ON_OFF, help="prefill: push each layer's KV while the next layer "
       "computes (default on; off = one send after the prefill)")
     a("--drain-timeout", type=float, help="seconds to finish in-flight requests on SIGTERM (default 30)")
@@ -320,3 +329,75 @@ def stall_watch_ms() -> float:
 def ucx_tls_for_tests() -> str:
     """UCX transports for NIXL in local test clusters (``PDSERVE_TEST_UCX_TLS``, default ``tcp``)."""
     return os.environ.get("PDSERVE_TEST_UCX_TLS", "tcp")
+
+
+# ---- the KV transport (kvtransfer.TransportConfig) ------------------------------------------------------
+
+
+def kv_transport_options(settings: ServeSettings, env: Mapping[str, str] | None = None) -> dict:
+    """TransportConfig keyword arguments for a worker: the KV host, connections, tracing, mutual TLS (the
+    cluster's certificates, ``<tls_dir>/ca.crt`` and ``<tls_dir>/<role>.crt|.key``, when a TLS directory
+    is configured) and the UCX variables the NIXL agent sets in its process (``ucx_env``)."""
+    env = os.environ if env is None else env
+    host = settings.kv_host or settings.host
+    opts: dict = {"listen_host": host, "listen_port": settings.kv_port,
+                  "tcp_connections": settings.kv_connections, "trace": env_switch("PDSERVE_KV_TRACE", False)}
+    if host in ("0.0.0.0", "::", ""):
+        opts["advertise_host"] = settings.advertise_host
+    tls_dir = getattr(settings, "tls_dir", None)
+    if tls_dir:
+        role = settings.role
+        opts.update(tls_ca=os.path.join(tls_dir, "ca.crt"), tls_cert=os.path.join(tls_dir, f"{role}.crt"),
+                    tls_key=os.path.join(tls_dir, f"{role}.key"))
+    ucx: dict[str, str] = {}
+    if env_switch("PDSERVE_UCX_PROTO_INFO", True) and "UCX_PROTO_INFO" not in env:
+        ucx["UCX_PROTO_INFO"] = "y"
+    if "UCX_NET_DEVICES" not in env:
+        devices = ucx_net_devices(host)
+        if devices:
+            ucx["UCX_NET_DEVICES"] = devices
+    opts["ucx_env"] = tuple(ucx.items())
+    return opts
+
+
+def ucx_net_devices(host: str) -> str:
+    """UCX_NET_DEVICES for a KV host, so UCX's TCP listeners bind its interface only: the interface that
+    holds the address (``lo`` for loopback) plus every RDMA port (``mlx5_0:1``: not a TCP listener, and
+    the one to keep for bandwidth); "" (UCX's default, every device) for all interfaces or an address no
+    interface holds."""
+    import ipaddress  # noqa: PLC0415
+    import socket as sock  # noqa: PLC0415
+
+    if host in ("0.0.0.0", "::", ""):
+        return ""
+    try:
+        addr = sock.gethostbyname(host)
+    except OSError:
+        return ""
+    name = "lo" if ipaddress.ip_address(addr).is_loopback else _interface_of(addr)
+    if not name:
+        return ""
+    rdma = []
+    ib = "/sys/class/infiniband"
+    if os.path.isdir(ib):
+        for dev in sorted(os.listdir(ib)):
+            ports = os.path.join(ib, dev, "ports")
+            rdma += [f"{dev}:{p}" for p in sorted(os.listdir(ports))] if os.path.isdir(ports) else []
+    return ",".join([name, *rdma])
+
+
+def _interface_of(addr: str) -> str:
+    """The network interface holding an IPv4 address (Linux SIOCGIFADDR), "" if none."""
+    import fcntl  # noqa: PLC0415
+    import socket as sock  # noqa: PLC0415
+    import struct  # noqa: PLC0415
+
+    with sock.socket(sock.AF_INET, sock.SOCK_DGRAM) as s:
+        for _index, name in sock.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if sock.inet_ntoa(raw[20:24]) == addr:
+                return name
+    return ""

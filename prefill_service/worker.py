@@ -133,7 +133,7 @@ class PrefillWorker:
             elif src:
                 nbytes, backend = await self.kv.send(target.kv_endpoint, request_id, src, dst)
             t_ack = time.perf_counter()
-            if kvtrace.enabled():  # the prefill's side of the send's timeline (kvtransfer/trace.py)
+            if self.kv.trace:  # the prefill's side of the send's timeline (kvtransfer/trace.py)
                 kvtrace.emit("prefill", request_id, {"called": mono_in, "first_step": started,
                                                      "prefill_done": mono_out,
                                                      "acked": mono_out + (t_ack - t_out)})

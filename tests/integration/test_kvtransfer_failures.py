@@ -87,7 +87,7 @@ def test_receiver_killed_mid_transfer_sender_fails_fast_and_holds_nothing():
                                                timeout=90)
             await until(lambda: all(h.state == "sending" for h in handles.values()),
                         "both transfers to begin")
-            await until(lambda: handles["nixl"]._begin_ok.done(), "the NIXL receiver to accept BEGIN")
+            await until(lambda: handles["nixl"].begin_ok.done(), "the NIXL receiver to accept BEGIN")
             await asyncio.sleep(0.05)  # the first layers' frames / WRITE are out
             eps = {k: handles[k].endpoint for k in KINDS}
             victim.kill()

@@ -241,14 +241,11 @@ def test_no_completion_at_all_times_out_without_leaks(monkeypatch):
 def test_fast_wait_budget_and_config():
     """The fast wait is bounded by the expected duration (bytes / assumed rate + 2 ms), capped, VRAM only by
     default, 0 = off; bad values are refused up front."""
-    from types import SimpleNamespace
-
     from kvtransfer.config import TransportConfig
-    from kvtransfer.sender import SendHandle
+    from kvtransfer.sender_nixl import fast_wait_s
 
     def budget(nbytes, mem, **cfg):
-        t = SimpleNamespace(config=TransportConfig(**cfg), memory=SimpleNamespace(nixl_mem_type=mem))
-        return SendHandle._fast_wait_s(SimpleNamespace(t=t, nbytes=nbytes))
+        return fast_wait_s(TransportConfig(**cfg), mem, nbytes)
 
     assert budget(2 << 20, "DRAM") == 0.0
     assert budget(2 << 20, "VRAM") == pytest.approx(0.002 + (2 << 20) / 20e9)
@@ -275,14 +272,15 @@ def test_prebuilt_writes_one_per_layer_and_released_on_abort(pushed):
         h = a.start_send("x", b.endpoint(), [0, 1], [1, 2], layers=())
         await h.begun()
         assert "prebuilt" in h.timeline and h.timeline["prebuilt"] <= h.timeline["begin_ok"]
-        assert sorted(h._ready) == list(range(LAYOUT.num_layers))
+        path = h.path  # the NIXL path of the send (sender_nixl.NixlPath)
+        assert sorted(path.ready) == list(range(LAYOUT.num_layers))
         if pushed:
             h.push_layers(range(pushed))
-            await until(lambda: len(h._ready) == LAYOUT.num_layers - pushed, "the pushed layers posted")
+            await until(lambda: len(path.ready) == LAYOUT.num_layers - pushed, "the pushed layers posted")
         # every WRITE is tracked until released: unposted ones, and posted ones until reaped when DONE
-        assert a.nixl.num_xfers == LAYOUT.num_layers - pushed + len(h._xfers)
+        assert a.nixl.num_xfers == LAYOUT.num_layers - pushed + len(path.xfers)
         await h.abort()
-        assert not h._ready and a.nixl.num_xfers == 0
+        assert not path.ready and a.nixl.num_xfers == 0
         with pytest.raises(TransferAborted):
             await exp.wait()
         posted = a.nixl.posted_xfers

@@ -1,4 +1,5 @@
-"""kvtransfer/trace.py: with PDSERVE_KV_TRACE=1 each side logs one line per transfer with its timeline."""
+"""kvtransfer/trace.py: with TransportConfig.trace (PDSERVE_KV_TRACE=1, read by pdserve/settings.py) each
+side logs one line per transfer with its timeline."""
 
 import asyncio
 import json
@@ -9,6 +10,7 @@ import torch
 from bench.kv_peer_proc import fill_random
 from engine.kv_layout import KVLayout
 from kvtransfer import make_transport
+from pdserve.settings import ServeSettings, kv_transport_options
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype="float32")
 
@@ -18,12 +20,15 @@ def run_one(monkeypatch, caplog, on: bool) -> list[str]:
         monkeypatch.setenv("PDSERVE_KV_TRACE", "1")
     else:
         monkeypatch.delenv("PDSERVE_KV_TRACE", raising=False)
+    settings = ServeSettings(role="decode", model="m", host="127.0.0.1")
+    opts = kv_transport_options(settings)
+    assert opts["trace"] is on
 
     async def main():
         src, dst = LAYOUT.allocate(4), LAYOUT.allocate(4)
         fill_random(src, 3)
-        a = await make_transport("tcp", LAYOUT, src).start()
-        b = await make_transport("tcp", LAYOUT, dst).start()
+        a = await make_transport("tcp", LAYOUT, src, trace=opts["trace"]).start()
+        b = await make_transport("tcp", LAYOUT, dst, trace=opts["trace"]).start()
         exp = b.expect("r1", [2], timeout=10)
         await a.start_send("r1", b.endpoint(), [1], [2]).wait()
         await exp.wait()

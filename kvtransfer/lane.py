@@ -1,0 +1,227 @@
+"""One sender-side connection to a receiver (a ``Peer`` holds one or more): whole frames out, replies in.
+
+Plaintext: frames go out with scatter-gather ``sendmsg`` straight from the source blocks; what does not
+fit in the socket buffer at once is finished by a worker thread (GIL released), so a large payload costs
+the event loop nothing while it drains. TLS: an asyncio SSL stream (TransportConfig.tls_*), written in
+``_TLS_CHUNK`` pieces so encrypting a large frame never holds the loop for long.
+
+A frame is written whole under the lane's lock (FIFO), so frames of transfers sharing a lane interleave
+frame by frame. A write interrupted halfway poisons the stream: the peer is closed. ``progress`` is the
+last instant bytes moved either way (worker threads update it too): a transfer past its deadline is
+failed only when its lane stopped moving (TransportConfig.stall_timeout_s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import socket
+import time
+
+from .errors import PeerUnavailable, TransferError
+from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
+from .tls import client_context
+
+_IOV_MAX = 512
+_TLS_CHUNK = 1 << 20
+
+
+def _advance(views: list[memoryview], i: int, sent: int) -> int:
+    while sent:
+        head = views[i]
+        if sent >= len(head):
+            sent -= len(head)
+            i += 1
+        else:
+            views[i] = head[sent:]
+            sent = 0
+    return i
+
+
+def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int, stop: list[bool],
+                      progress: list[float]) -> None:
+    """Finish a frame from a worker thread: sendmsg, and poll() for room when the socket buffer is full."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
+    while i < len(views):
+        try:
+            sent = sock.sendmsg(views[i:i + _IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            for _fd, ev in poller.poll(100):
+                if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                    raise ConnectionResetError("socket closed while sending") from None
+            if stop[0]:
+                raise ConnectionAbortedError("connection closed locally while sending") from None
+            continue
+        progress[0] = time.monotonic()
+        i = _advance(views, i, sent)
+
+
+class Lane:
+    def __init__(self, peer, index: int) -> None:
+        self.peer = peer
+        self.t = peer.t
+        self.loop = peer.loop
+        self.index = index
+        self.name = peer.name if index == 0 else f"{peer.name}#{index}"
+        self.sock: socket.socket | None = None
+        self._rstream: asyncio.StreamReader | None = None
+        self._wstream: asyncio.StreamWriter | None = None
+        self.closed = False
+        self.progress = [time.monotonic()]
+        self.load = 0  # bytes of the transfers riding this lane now (the least loaded takes the next)
+        self._lock = asyncio.Lock()
+        self._stop = [False]
+        self.reader: asyncio.Task | None = None
+
+    @property
+    def last_progress(self) -> float:
+        return self.progress[0]
+
+    # -- setup -------------------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Connect (and, with TLS, complete the handshake), then start reading replies."""
+        cfg = self.t.config
+        host, port = self.peer.endpoint["host"], int(self.peer.endpoint["port"])
+        try:
+            if cfg.tls:
+                self._rstream, self._wstream = await asyncio.wait_for(
+                    asyncio.open_connection(host, port, ssl=client_context(cfg), limit=1 << 20,
+                                            ssl_handshake_timeout=cfg.handshake_timeout_s),
+                    cfg.connect_timeout_s + cfg.handshake_timeout_s)
+                sock = self._wstream.get_extra_info("socket")
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                infos = await self.loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                family, _, _, _, addr = infos[0]
+                sock = self.sock = socket.socket(family, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if cfg.socket_buffer_bytes:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.socket_buffer_bytes)
+                await asyncio.wait_for(self.loop.sock_connect(sock, addr), cfg.connect_timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            self.close()
+            what = "TLS connection to" if cfg.tls else "connect to"
+            raise PeerUnavailable(f"cannot {what} KV receiver {self.name}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        self.progress[0] = time.monotonic()
+        self.reader = self.loop.create_task(self._read_loop(), name=f"kvtransfer-peer-{self.name}")
+
+    # -- writing -----------------------------------------------------------------------------------
+    async def send_frame(self, msg: Msg, meta: dict, payload: list | None = None,
+                         payload_len: int = 0) -> None:
+        await self.send_frames([(msg, meta, payload, payload_len)])
+
+    async def send_frames(self, frames: list[tuple[Msg, dict, list | None, int]]) -> None:
+        """Write whole frames, several per write while their payload stays within max_frame_bytes (a
+        small one-shot transfer is one write: BEGIN + DATA + END)."""
+        limit = self.t.config.max_frame_bytes
+        batch: list = []
+        size = 0
+        for msg, meta, payload, payload_len in frames:
+            if batch and size + payload_len > limit:
+                await self._write(batch)
+                batch, size = [], 0
+            batch.append(encode(msg, meta, payload_len))
+            batch.extend(payload or ())
+            size += payload_len
+        if batch:
+            await self._write(batch)
+
+    def _lost(self, exc: BaseException) -> PeerUnavailable:
+        self.peer.dead(PeerUnavailable(f"KV receiver {self.name} connection lost: {exc}"))
+        return PeerUnavailable(f"KV receiver {self.name} connection lost while sending: {exc}")
+
+    async def _write(self, bufs: list) -> None:
+        if self.closed:
+            raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
+        async with self._lock:
+            if self.closed:
+                raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
+            views = [memoryview(b).cast("B") for b in bufs if len(b)]
+            if self._wstream is None:
+                # Small frames (BEGIN, WROTE, ...) usually fit in the socket buffer: written here, at once,
+                # without a task and an event-loop turn (nothing to cut short, so no cancellation concern).
+                try:
+                    i = _advance(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
+                    self.progress[0] = time.monotonic()
+                except (BlockingIOError, InterruptedError):
+                    i = 0
+                except OSError as exc:
+                    raise self._lost(exc) from exc
+                if i == len(views):
+                    return
+                write = self.loop.run_in_executor(self.t.send_pool, _sendmsg_blocking, self.sock, views[i:],
+                                                  0, self._stop, self.progress)
+            else:
+                write = self.loop.create_task(self._write_tls(views))
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                # Let the write finish (the stream must stay in sync) unless it is stuck.
+                try:
+                    await asyncio.wait_for(write, 2.0)
+                except BaseException:
+                    self.peer.dead(PeerUnavailable(f"frame to {self.name} cut short"))
+                raise
+            except OSError as exc:
+                raise self._lost(exc) from exc
+
+    async def _write_tls(self, views: list[memoryview]) -> None:
+        w = self._wstream
+        for view in views:
+            for pos in range(0, len(view), _TLS_CHUNK):
+                w.write(view[pos:pos + _TLS_CHUNK])
+                await w.drain()
+                self.progress[0] = time.monotonic()
+
+    # -- reading -----------------------------------------------------------------------------------
+    async def _recv_exact(self, n: int) -> bytes | bytearray:
+        if self._rstream is not None:
+            try:
+                data = await self._rstream.readexactly(n)
+            except asyncio.IncompleteReadError:
+                raise PeerUnavailable(f"KV receiver {self.name} closed the connection") from None
+            self.progress[0] = time.monotonic()
+            return data
+        buf = bytearray(n)
+        view, pos = memoryview(buf), 0
+        while pos < n:
+            got = await self.loop.sock_recv_into(self.sock, view[pos:])
+            if not got:
+                raise PeerUnavailable(f"KV receiver {self.name} closed the connection")
+            pos += got
+        self.progress[0] = time.monotonic()
+        return buf
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg, _flags, meta_len, _plen = decode_header(await self._recv_exact(HEADER_SIZE))
+                self.peer.dispatch(self, msg, decode_meta(await self._recv_exact(meta_len)))
+        except asyncio.CancelledError:
+            raise
+        except (OSError, TransferError) as exc:
+            if not isinstance(exc, TransferError):
+                exc = PeerUnavailable(f"KV receiver {self.name} connection lost: {exc}")
+            self.peer.dead(exc)
+
+    # -- teardown ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._stop[0] = True
+        sock, self.sock = self.sock, None
+        writer, self._wstream = self._wstream, None
+        reader = self.reader
+        if reader is not None and not reader.done() and reader is not asyncio.current_task():
+            # Close the socket only once the reader has unregistered it: its fd number may be reused.
+            reader.cancel()
+            if sock is not None:
+                reader.add_done_callback(lambda _t: sock.close())
+        elif sock is not None:
+            sock.close()
+        if writer is not None:
+            writer.transport.abort()

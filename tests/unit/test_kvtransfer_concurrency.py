@@ -1,0 +1,122 @@
+"""Many TCP transfers in flight over loopback (one process, two transports): spread over the peer's
+connections, byte-exact, none aborted because others were queued ahead of it -- a deadline that passes
+while a transfer's connection keeps moving bytes is not a failure, on either side -- and a sender that
+stalls mid-frame is failed once its connection has been idle for stall_timeout_s. Leak checks after
+each."""
+
+import asyncio
+import random
+import socket
+
+import pytest
+import torch
+
+from bench.kv_peer_proc import fill_random
+from engine.kv_layout import KVLayout
+from kvtransfer import TransferTimeout, make_transport
+from kvtransfer.protocol import HEADER, Msg, decode_header, decode_meta, encode
+
+pytestmark = pytest.mark.timeout(120)
+
+# 16 KiB per (layer, block); frames of one block each, so every transfer is many frames and they interleave.
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+N, BLOCKS = 32, 4
+
+
+async def settled(*transports) -> None:
+    for _ in range(300):
+        if all(t.stats()["expectations"] == t.stats()["sends"] == 0 for t in transports):
+            break
+        await asyncio.sleep(0.01)
+    for t in transports:
+        s = t.stats()
+        assert (s["expectations"], s["sends"], s["peer_handles"], s["peer_load"]) == (0, 0, 0, 0), s
+        await t.close()
+        s = t.stats()
+        assert s == {k: 0 for k in s}, s
+
+
+def test_32_transfers_in_flight_byte_exact_none_aborted_past_their_deadlines():
+    async def main():
+        src, dst = LAYOUT.allocate(N * BLOCKS), LAYOUT.allocate(N * BLOCKS + 8)
+        fill_random(src, 11)
+        cfg = {"max_frame_bytes": LAYOUT.block_bytes * LAYOUT.num_layers, "tcp_connections": 4}
+        a = await make_transport("tcp", LAYOUT, src, **cfg).start()
+        b = await make_transport("tcp", LAYOUT, dst, **cfg).start()
+        rng = random.Random(5)
+        dst_ids = rng.sample(range(N * BLOCKS + 8), N * BLOCKS)
+        plans = {f"r{i}": (list(range(i * BLOCKS, (i + 1) * BLOCKS)), dst_ids[i * BLOCKS:(i + 1) * BLOCKS])
+                 for i in range(N)}
+        rx = b.receiver
+        forced: list[str] = []
+        on_data = rx.on_data
+
+        def data_then_deadline(conn, meta, payload_len):
+            # The expectation's deadline "passes" right as its first frame arrives: bound, its connection
+            # just moved bytes. It must carry on (the deadline is re-armed, nothing fails).
+            out = on_data(conn, meta, payload_len)
+            rid = meta["rid"]
+            if rid not in forced:
+                forced.append(rid)
+                rx._on_deadline(rid)
+                assert rid in rx.expectations and rx.expectations[rid].state == "receiving"
+            return out
+
+        rx.on_data = data_then_deadline
+        exps = {rid: b.expect(rid, d, timeout=60) for rid, (_s, d) in plans.items()}
+        ep = b.endpoint()
+        handles = {rid: a.start_send(rid, ep, s, d) for rid, (s, d) in plans.items()}
+        # The sender's deadline "passes" too while each send is on its connection: not a failure either.
+        while not all(h.path is not None or h.done() for h in handles.values()):
+            await asyncio.sleep(0)
+        for h in handles.values():
+            if not h.done():
+                h._on_deadline()
+        results = await asyncio.gather(*(h.wait() for h in handles.values()),
+                                       *(e.wait() for e in exps.values()))
+        assert all(r["bytes"] == LAYOUT.num_layers * BLOCKS * LAYOUT.block_bytes for r in results)
+        assert sorted(forced) == sorted(plans)
+        for s_ids, d_ids in plans.values():
+            for s, d in zip(s_ids, d_ids, strict=True):
+                assert torch.equal(dst[:, d].view(torch.uint8), src[:, s].view(torch.uint8)), (s, d)
+        # One peer with four connections; the receiver saw all of them.
+        assert a.stats()["peers"] == 1 and b.stats()["rx_connections"] == 4
+        await settled(a, b)
+    asyncio.run(asyncio.wait_for(main(), 100))
+
+
+def test_a_stalled_sender_fails_at_its_deadline_once_idle_for_the_stall_timeout():
+    """BEGIN and half a DATA frame, then silence on an open connection: the expectation fails with
+    TransferTimeout naming the idle connection (its deadline passed while receiving, and the connection
+    then moved nothing for stall_timeout_s)."""
+    async def main():
+        dst = LAYOUT.allocate(8)
+        b = await make_transport("tcp", LAYOUT, dst, stall_timeout_s=0.2).start()
+        port, bb = b.endpoint()["port"], LAYOUT.block_bytes
+        exp = b.expect("s", [1, 2], timeout=0.1)
+        sock = socket.create_connection(("127.0.0.1", port))
+        loop = asyncio.get_running_loop()
+
+        def send(msg, meta, payload=b"", plen=None):
+            sock.sendall(encode(msg, meta, len(payload) if plen is None else plen) + payload)
+
+        def start():
+            send(Msg.HELLO, {"version": 1, "layout_hash": LAYOUT.compat_hash(), "want": "tcp"})
+            head = sock.recv(HEADER.size, socket.MSG_WAITALL)
+            assert decode_header(head)[0] == Msg.HELLO_OK
+            sock.recv(decode_header(head)[2], socket.MSG_WAITALL)
+            nbytes = 2 * LAYOUT.num_layers * bb
+            send(Msg.BEGIN, {"rid": "s", "dst": [1, 2], "nbytes": nbytes, "backend": "tcp"})
+            send(Msg.DATA, {"rid": "s", "segs": [[0, 1, 2]]}, b"\x07" * bb, plen=2 * bb)
+
+        await loop.run_in_executor(None, start)
+        with pytest.raises(TransferTimeout, match="state receiving.*idle"):
+            await exp.wait()
+        # The receiver told the sender (ABORT) before giving up on it.
+        head = await loop.run_in_executor(None, lambda: sock.recv(HEADER.size, socket.MSG_WAITALL))
+        msg, _f, meta_len, _p = decode_header(head)
+        meta = decode_meta(await loop.run_in_executor(None, lambda: sock.recv(meta_len, socket.MSG_WAITALL)))
+        assert msg == Msg.ABORT and meta["rid"] == "s"
+        sock.close()
+        await settled(b)
+    asyncio.run(asyncio.wait_for(main(), 60))
