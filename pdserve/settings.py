@@ -113,6 +113,13 @@ class ServeSettings:
     max_prefill_wait_s: float = 0.5
     local_prefill_duty: float = 0.25
     local_prefill_burst_s: float = 0.25
+    # router, admission control (router/shedding.py): refuse (RESOURCE_EXHAUSTED, retry-after-ms) a
+    # request whose estimated wait to start exceeds this many seconds (0: only its deadline); a decode
+    # Allocate without free blocks waits in a queue of at most allocate_queue_size per decode worker,
+    # at most allocate_queue_wait_s
+    max_queue_wait_s: float = 0.0
+    allocate_queue_size: int = 64
+    allocate_queue_wait_s: float = 10.0
     # router / colocated: the largest GenerateRequest accepted on the public port, in bytes; gRPC
     # refuses a larger one (RESOURCE_EXHAUSTED) before it is read into memory or tokenized
     max_request_bytes: int = 16 * 1024 * 1024
@@ -154,6 +161,9 @@ class ServeSettings:
             raise ValueError(f"--kv-memory-gb must be > 0, got {self.kv_memory_gb}")
         if not 1024 <= self.max_request_bytes <= 1 << 30:
             raise ValueError(f"--max-request-bytes must be in 1024..{1 << 30}, got {self.max_request_bytes}")
+        if self.max_queue_wait_s < 0 or self.allocate_queue_size < 0 or self.allocate_queue_wait_s < 0:
+            raise ValueError("--max-queue-wait-s, --allocate-queue-size and --allocate-queue-wait-s must be "
+                             ">= 0")
         if self.store_timeout <= 0:
             raise ValueError(f"--store-timeout must be > 0, got {self.store_timeout}")
         if self.drain_timeout < 0 or self.session_ttl <= 0 or self.stats_interval <= 0:
@@ -209,9 +219,11 @@ class ServeSettings:
 _INT = {"port", "metrics_port", "http_port", "block_size", "num_blocks", "max_num_seqs",
         "max_num_batched_tokens",
         "launch_ahead_layers", "tensor_parallel_size",
-        "kv_port", "kv_connections", "lease_ms", "min_uncached_tokens", "max_request_bytes"}
+        "kv_port", "kv_connections", "lease_ms", "min_uncached_tokens",
+        "allocate_queue_size", "max_request_bytes"}
 _FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
-          "local_prefill_tokens_per_s", "max_prefill_wait_s", "local_prefill_duty", "local_prefill_burst_s"}
+          "local_prefill_tokens_per_s", "max_prefill_wait_s", "local_prefill_duty", "local_prefill_burst_s",
+          "max_queue_wait_s", "allocate_queue_wait_s"}
 
 
 def _parse(name: str, raw: str) -> object:
@@ -294,6 +306,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       "prefill back to back on one decode worker (default 0.25)")
     a("--store-timeout", type=float, help="router: seconds one Redis call may take on the placement path "
       "before the local view decides (default 0.05)")
+    a("--max-queue-wait-s", type=float, help="router: refuse at once (RESOURCE_EXHAUSTED with a "
+      "retry-after-ms hint) a request that would wait longer than this to start (default 0: only its "
+      "deadline)")
+    a("--allocate-queue-size", type=int, help="router: decode Allocates that may wait for free KV blocks, "
+      "per decode worker (default 64; 0 = refuse at once)")
+    a("--allocate-queue-wait-s", type=float, help="router: the longest a decode Allocate waits for free "
+      "blocks (default 10; 0 = the worker's answer stands)")
     a("--max-request-bytes", type=int, help="router / colocated: largest request accepted on the public port "
       "(bytes, default 16 MiB); a larger one is refused with RESOURCE_EXHAUSTED before any work")
 

@@ -29,6 +29,7 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
     from router.pipeline import Pipeline
     from router.placement import Placer, PlacerConfig
     from router.service import RouterServicer
+    from router.shedding import Admission, AdmissionConfig
     from router.state import make_store
 
     if not settings.model:
@@ -85,6 +86,10 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
                                         local_burst_s=settings.local_prefill_burst_s)
     pipeline = Pipeline(directory, placer, block_size=settings.block_size, lease_ms=settings.lease_ms,
                         conditional=conditional, colocated=colocated)
+    pipeline.admission = Admission(AdmissionConfig(max_queue_wait_s=settings.max_queue_wait_s,
+                                                   allocate_queue_size=settings.allocate_queue_size,
+                                                   allocate_queue_wait_s=settings.allocate_queue_wait_s),
+                                   placer, registry=metrics.registry)
     servicer = RouterServicer(pipeline=pipeline, directory=directory, limits=limits)
 
     async def stop() -> None:

@@ -40,6 +40,7 @@ from router.admission import Admitted
 from router.conditional import ConditionalConfig, Decision, PrefillModePolicy
 from router.directory import WorkerDirectory
 from router.placement import NoWorkersAvailable, Outcome, Placement, PlacementRequest
+from router.shedding import Admission, AdmissionConfig, Refused
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
@@ -110,6 +111,8 @@ class Pipeline:
         self.placer = placer
         self.block_size = block_size
         self.lease_ms = lease_ms
+        # admission control (router/shedding.py); bootstrap installs the configured one
+        self.admission = Admission(AdmissionConfig(), placer)
         # colocated: the decode pool is colocated workers and there is no prefill pool (the placer's
         # prefill side is the directory's stand-in), so every request prefills on its decode worker.
         self.colocated = colocated
@@ -137,6 +140,7 @@ class Pipeline:
                         pairs = ((placement.prefill, p), (placement.decode, d))
                         exclude.update(w.worker_id for w, h in pairs if h is None)
                         continue
+                    self.admission.check(req.request_id, placement, timeout)  # raises Refused
                     attempt = self._attempt(req, preq, placement, sampling, p, d, timeout)
                     try:
                         async for event in attempt:
@@ -150,10 +154,16 @@ class Pipeline:
                     finally:
                         await attempt.aclose()  # its cleanup RPCs run now, while the handles are held
                 finally:
+                    if d is not None:
+                        self.admission.freed(d.worker_id)  # its blocks are back: queued Allocates retry
                     for h in (p, d):
                         if h is not None:
                             self.directory.release(h)
             raise last or RequestFailed(grpc.StatusCode.UNAVAILABLE, "no worker could serve the request")
+        except Refused as exc:  # full now: RESOURCE_EXHAUSTED, and when to come back
+            failed = RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message)
+            failed.trailing_metadata = exc.trailing_metadata()  # type: ignore[attr-defined]
+            raise failed from None
         finally:
             # Every placement is closed: on_result where the outcome is known, this on every other
             # path (client gone, deadline, unexpected error), so no in-flight count leaks.
@@ -232,10 +242,12 @@ class Pipeline:
         """Allocate on D, then Prefill on P (token 1), or None: D prefills locally (conditional)."""
         t0 = time.monotonic()
         try:
-            alloc = await d.stub.Allocate(decode_pb2.AllocateRequest(
+            allocate = lambda: d.stub.Allocate(decode_pb2.AllocateRequest(
                 request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
                 max_tokens=req.params.max_tokens, lease_ms=self.lease_ms, session_id=req.session_id or ""),
                 timeout=timeout)
+            # waits in the router's queue (bounded) while D has no free blocks
+            alloc = await self.admission.allocate(d.worker_id, allocate, timeout)
         except grpc.aio.AioRpcError as exc:
             raise _failed(exc, d.worker_id, "decode Allocate") from None
         t1 = time.monotonic()

@@ -114,7 +114,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                                context.time_remaining()):
                 yield msg
         except RequestFailed as exc:
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, exc.message, getattr(exc, "trailing_metadata", ()))
         except Exception as exc:
             await abort_from(context, exc)
 
