@@ -95,7 +95,10 @@ class DecodeGraphRunner:
                 self._forward(ids, state)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            # thread_local: a CUDA call another thread of this process makes meanwhile (an engine of a
+            # worker's other role, NIXL's progress, a test's leftover engine thread) must not
+            # invalidate this capture; the default "global" mode fails the capture on any of them.
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 hidden = self._forward(ids, state)
             torch.cuda.synchronize(self.backend.device)
             self.graphs[b] = _Graph(
