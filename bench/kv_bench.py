@@ -1,6 +1,18 @@
 """KV transfer benchmark: GB/s and per-transfer latency per backend, next to raw baselines.
 
     python -m bench.kv_bench [--json OUT] [--quick] [--backends tcp,nixl,nixl_ucx_tcp]
+                             [--concurrency 1,4,16] [--conc-tokens 2048] [--tls-concurrency 1,16]
+                             [--device cpu|cuda] [--connections 4]
+
+Concurrency rows (``concurrency`` in the JSON; ``--concurrency ""`` skips them): that many TCP transfers
+of ``--conc-tokens`` tokens started at once, timed from the first start_send to the last acknowledgement
+(aggregate GB/s), beside a raw-socket baseline moving the same bytes over the same number of connections
+(min(concurrency, --connections): what the transport opens), the same run, rounds interleaved. With
+``--tls-concurrency`` the same transfers also run over mutual TLS (throwaway certificates,
+bench/kv_certs.py): ``tcp_tls`` rows, whose ``plain_gbps`` / ``tls_ratio`` compare with the plaintext
+transport of the same rounds. ``--device cuda``: the receiver's KV on GPU 1 and the sender's on GPU 0
+(CUDA_VISIBLE_DEVICES per process), GPU->GPU over TCP through page-locked host buffers; the raw socket
+moves host memory.
 
 Layout: Llama-3.1-8B-shaped (32 layers, 8 KV heads, head_dim 128, bf16, block 16): one 16-token
 block is 2 MiB over all layers, a 4096-token prompt 512 MiB. For every backend a receiver and a sender
@@ -165,7 +177,116 @@ def _fmt(r: dict) -> str:
             f"{f(r.get('socket_cpu_s_per_gb'), '>11.3f')}")
 
 
+async def bench_concurrency(args) -> list[dict]:
+    from bench.kv_certs import tls_config, write_certs  # noqa: PLC0415
+
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    tls_levels = [int(c) for c in args.tls_concurrency.split(",") if c]
+    ntok = args.conc_tokens or (512 if args.quick else 2048)
+    nblocks = ntok // LLAMA8B.block_size
+    nbytes = nblocks * LLAMA8B.block_bytes * LLAMA8B.num_layers
+    reps = 2 if args.quick else 3
+    cuda = args.device == "cuda"
+    env_rx = {"UCX_TLS": None, **({"CUDA_VISIBLE_DEVICES": "1"} if cuda else {})}
+    env_tx = {"UCX_TLS": None, **({"CUDA_VISIBLE_DEVICES": "0"} if cuda else {})}
+    device = "cuda" if cuda else "cpu"
+    rx, tx = await PeerClient.spawn(env=env_rx), await PeerClient.spawn(env=env_tx)
+    cfg = {"tcp_connections": args.connections, "send_timeout_s": 900, "stall_timeout_s": 120}
+    layout = LLAMA8B.to_dict()
+    rows = []
+    try:
+        sides = {}
+        for name in ["tcp"] + (["tcp_tls"] if tls_levels else []):
+            extra_rx = extra_tx = {}
+            if name == "tcp_tls":
+                certs = write_certs(Path(args.certs_dir), ["prefill", "decode"])
+                extra_rx, extra_tx = tls_config(certs, "decode"), tls_config(certs, "prefill")
+            r = await rx.call("init", kind="tcp", layout=layout, num_blocks=nblocks, device=device,
+                              config={**cfg, **extra_rx})
+            t = await tx.call("init", kind="tcp", layout=layout, num_blocks=nblocks, device=device,
+                              config={**cfg, **extra_tx})
+            await tx.call("fill", tid=t["tid"], seed=1)
+            sides[name] = (r["tid"], t["tid"], r["endpoint"])
+            await _concurrent(rx, tx, sides[name], nblocks, 1, f"{name}-warm")
+        raw = await rx.call("raw_listen", max_bytes=nbytes)
+        plain_tid = sides["tcp"][1]
+        for c in levels:
+            conns = min(c, args.connections)
+            got: dict[str, list] = {"tcp": [], "tcp_tls": [], "raw": []}
+            each: dict[str, list] = {"tcp": [], "tcp_tls": []}
+            for rep in range(reps):
+                for name in sides:
+                    if name == "tcp_tls" and c not in tls_levels:
+                        continue
+                    wall, per = await _concurrent(rx, tx, sides[name], nblocks, c, f"{name}-c{c}-{rep}")
+                    got[name].append(wall)
+                    each[name] += per
+                got["raw"].append((await tx.call("raw_send_concurrent", tid=plain_tid, host="127.0.0.1",
+                                                 port=raw["port"], nbytes=nbytes, conns=conns, messages=c,
+                                                 wait_s=1800))["seconds"])
+            for name in sides:
+                if not got[name]:
+                    continue
+                row = _conc_row(name, c, conns, ntok, nbytes, got[name], each[name], got["raw"], args.device)
+                if name == "tcp_tls":
+                    row["plain_gbps"] = _gbps(nbytes * c, got["tcp"])
+                    row["tls_ratio"] = round(row["gbps"] / row["plain_gbps"], 3)
+                rows.append(row)
+                print(_fmt_conc(row), flush=True)
+    finally:
+        await tx.close()
+        await rx.close()
+    return rows
+
+
+async def _concurrent(rx, tx, side, nblocks, c, tag) -> tuple[float, list[float]]:
+    """c transfers of nblocks started at once; (wall seconds, each one's seconds)."""
+    rtid, ttid, endpoint = side
+    rids = [f"{tag}-{i}" for i in range(c)]
+    blocks = list(range(nblocks))
+    for rid in rids:
+        await rx.call("expect", tid=rtid, rid=rid, dst=blocks, timeout=900)
+    reply = await tx.call("send_concurrent", tid=ttid, rids=rids, endpoint=endpoint, src=blocks, dst=blocks,
+                          timeout=900, wait_s=1800)
+    for rid in rids:
+        await rx.call("wait", tid=rtid, rid=rid)
+    return reply["seconds"], reply["each"]
+
+
+def _conc_row(name, c, conns, ntok, nbytes, secs, each, raw, device) -> dict:
+    gbps, raw_gbps = _gbps(nbytes * c, secs), _gbps(nbytes * c, raw)
+    return {"backend": name, "concurrency": c, "connections": conns, "device": device, "tokens": ntok,
+            "bytes": nbytes, "rounds": len(secs), "gbps": gbps,
+            "gbps_best": round(nbytes * c / min(secs) / 1e9, 3),
+            "baseline": "socket", "baseline_gbps": raw_gbps, "ratio": round(gbps / raw_gbps, 3),
+            "transfer_ms_p50": round(statistics.median(each) * 1e3, 2),
+            "transfer_ms_max": round(max(each) * 1e3, 2)}
+
+
+_HEAD_CONC = (f"{'backend':<8} {'conc':>4} {'conns':>5} {'tokens':>6} {'MiB each':>8} {'GB/s':>7} "
+              f"{'socket GB/s':>11} {'ratio':>6} {'p50 ms':>9} {'max ms':>9} {'vs plain':>8}")
+
+
+def _fmt_conc(r: dict) -> str:
+    vs = f"{r['tls_ratio']:>8.2f}" if "tls_ratio" in r else f"{'-':>8}"
+    return (f"{r['backend']:<8} {r['concurrency']:>4} {r['connections']:>5} {r['tokens']:>6} "
+            f"{r['bytes'] / 2**20:>8.1f} {r['gbps']:>7.3f} {r['baseline_gbps']:>11.3f} {r['ratio']:>6.2f} "
+            f"{r['transfer_ms_p50']:>9.1f} {r['transfer_ms_max']:>9.1f} {vs}")
+
+
 async def main_async(args) -> list[dict]:
+    rows = []
+    if args.backends:
+        rows += await bench_sizes(args)
+    if args.concurrency:
+        print(f"\nconcurrent TCP transfers ({args.device}), aggregate GB/s beside a raw socket over the same "
+              "number of connections", flush=True)
+        print(_HEAD_CONC, flush=True)
+        rows += await bench_concurrency(args)
+    return rows
+
+
+async def bench_sizes(args) -> list[dict]:
     tokens = [16, 256, 1024] if args.quick else [16, 64, 256, 1024, 4096]
     print(f"layout: {LLAMA8B.describe()}  ({LLAMA8B.block_bytes * LLAMA8B.num_layers / 2**20:.0f} MiB per "
           f"16-token block over all layers)")
@@ -187,7 +308,15 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="write rows as a JSON list here")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     ap.add_argument("--backends", default=",".join(BACKENDS),
-                    help="comma-separated subset of " + ",".join(BACKENDS))
+                    help="comma-separated subset of " + ",".join(BACKENDS) + " ('' skips the size rows)")
+    ap.add_argument("--concurrency", default="1,4,16", help="TCP transfers in flight per row ('' = none)")
+    ap.add_argument("--conc-tokens", type=int, default=0,
+                    help="tokens per concurrent transfer (default 2048, --quick 512)")
+    ap.add_argument("--tls-concurrency", default="1,16", help="concurrency levels also run over mutual TLS")
+    ap.add_argument("--connections", type=int, default=4, help="TransportConfig.tcp_connections")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="concurrency rows: KV on GPUs 0 (sender) and 1 (receiver)")
+    ap.add_argument("--certs-dir", default="/tmp/pdserve-kv-bench-certs", help="throwaway TLS certificates")
     args = ap.parse_args(argv)
     rows = asyncio.run(main_async(args))
     if args.json:

@@ -8,7 +8,7 @@ does not block a later ``send``. Only JSON crosses the pipe.
 
 ops: init (new transport; returns tid + endpoint), fill (seeded random KV), expect, wait, send, push,
 finish, send_wait, send_many, send_concurrent, digest, stats, close, raw_listen (plain-socket baseline
-receiver), raw_send, raw_send_concurrent, exit.
+receiver), raw_send, raw_send_concurrent, listening (this process's listening TCP sockets), exit.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _raw_send(kv: torch.Tensor, host: str, port: int, nbytes: int, iters: int) -
     """Plain blocking sendall of nbytes straight from the KV tensor's memory, one ack per message."""
     import time
 
-    src = memoryview(kv.view(-1).view(torch.uint8).numpy())[:nbytes]
+    src = host_bytes(kv, nbytes)
     sock = socket.create_connection((host, port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     times = []
@@ -95,22 +95,65 @@ def _raw_send(kv: torch.Tensor, host: str, port: int, nbytes: int, iters: int) -
     return times
 
 
+def listening_sockets() -> list[list]:
+    """[host, port] of every TCP socket of this process in LISTEN state (/proc/net/tcp and tcp6, matched
+    to this process's file descriptors by inode): what the KV plane's listeners (ours, UCX's) bound."""
+    import ipaddress
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:
+                    continue
+                hexaddr, hexport = cols[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                # the kernel prints each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                out.append([str(ipaddress.ip_address(raw)), int(hexport, 16)])
+    return out
+
+
+_HOST_COPY: dict[int, torch.Tensor] = {}
+
+
+def host_bytes(kv: torch.Tensor, nbytes: int) -> memoryview:
+    """The first nbytes of the KV tensor as host memory: the tensor itself on CPU; for device memory a
+    page-locked copy made once (the raw-socket baseline moves bytes over the socket only)."""
+    if kv.device.type == "cpu":
+        return memoryview(kv.view(-1).view(torch.uint8).numpy())[:nbytes]
+    if nbytes not in _HOST_COPY:
+        _HOST_COPY.clear()
+        _HOST_COPY[nbytes] = kv.view(-1).view(torch.uint8)[:nbytes].cpu().pin_memory()
+    return memoryview(_HOST_COPY[nbytes].numpy())
+
+
 def _raw_send_concurrent(kv: torch.Tensor, host: str, port: int, nbytes: int, conns: int,
-                         per_conn: int) -> float:
-    """The concurrent baseline: ``conns`` connections, each a thread sending ``per_conn`` messages of
-    nbytes (as _raw_send) back to back; wall seconds from the first byte to the last ack."""
+                         messages: int) -> float:
+    """The concurrent baseline: ``conns`` connections, each a thread sending its share of ``messages``
+    messages of nbytes (as _raw_send) back to back; wall seconds from the first byte to the last ack."""
     import time
 
     socks = [socket.create_connection((host, port)) for _ in range(conns)]
     barrier = threading.Barrier(conns + 1)
     errors: list[BaseException] = []
-    src = memoryview(kv.view(-1).view(torch.uint8).numpy())[:nbytes]
+    src = host_bytes(kv, nbytes)
+    shares = [messages // conns + (1 if i < messages % conns else 0) for i in range(conns)]
 
-    def run(sock: socket.socket) -> None:
+    def run(sock: socket.socket, count: int) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         barrier.wait()
         try:
-            for _ in range(per_conn):
+            for _ in range(count):
                 sock.sendall(nbytes.to_bytes(8, "big"))
                 sock.sendall(src)
                 if sock.recv(1) != b"k":
@@ -118,7 +161,7 @@ def _raw_send_concurrent(kv: torch.Tensor, host: str, port: int, nbytes: int, co
         except BaseException as exc:  # reported to the caller below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(s,)) for s in socks]
+    threads = [threading.Thread(target=run, args=(s, n)) for s, n in zip(socks, shares, strict=True)]
     for th in threads:
         th.start()
     barrier.wait()
@@ -148,7 +191,7 @@ class PeerProcess:
         op = cmd["op"]
         if op == "init":
             layout = KVLayout.from_dict(cmd["layout"])
-            kv = layout.allocate(cmd["num_blocks"])
+            kv = layout.allocate(cmd["num_blocks"], device=cmd.get("device"))
             t = make_transport(cmd.get("kind", "auto"), layout, kv, **cmd.get("config", {}))
             await t.start()
             tid = len(self.transports) + 1
@@ -160,6 +203,8 @@ class PeerProcess:
             while len(box) < 3:
                 await asyncio.sleep(0.005)
             return {"port": box[2]}
+        if op == "listening":
+            return {"sockets": listening_sockets()}
         if op == "cpu":
             times = os.times()
             return {"cpu_s": times.user + times.system}
@@ -213,7 +258,7 @@ class PeerProcess:
                     "backend": results[0]["backend"]}
         if op == "raw_send_concurrent":
             return {"seconds": await asyncio.to_thread(_raw_send_concurrent, kv, cmd["host"], cmd["port"],
-                                                       cmd["nbytes"], cmd["conns"], cmd.get("per_conn", 1))}
+                                                       cmd["nbytes"], cmd["conns"], cmd["messages"])}
         if op == "raw_send":
             return {"seconds": await asyncio.to_thread(_raw_send, kv, cmd["host"], cmd["port"], cmd["nbytes"],
                                                        cmd["iters"])}

@@ -1,0 +1,190 @@
+"""The KV plane's admission: mutual TLS with the cluster CA on every KV connection (TCP data and NIXL
+side channel), NIXL transfers only from the agent a connection named in its HELLO, and listeners on the
+configured host only (ours and UCX's). Leak checks after each."""
+
+import asyncio
+import socket
+import ssl
+
+import pytest
+import torch
+
+from bench.kv_certs import tls_config, write_certs
+from bench.kv_peer_proc import fill_random
+from bench.kv_peers import PeerClient
+from engine.kv_layout import KVLayout
+from kvtransfer import InvalidTransfer, PeerUnavailable, make_transport
+from kvtransfer.protocol import HEADER, Msg, decode_header, decode_meta, encode
+from pdserve.settings import ServeSettings, kv_transport_options
+from tests.unit.kvtransfer_testkit import NIXL_ERROR, leak_free
+
+pytestmark = pytest.mark.timeout(120)
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    good = write_certs(tmp_path_factory.mktemp("cluster"), ["prefill", "decode"])
+    other = write_certs(tmp_path_factory.mktemp("stranger"), ["prefill"], ca_name="another-ca")
+    return good, other
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 100))
+
+
+async def tls_pair(certs, kind="tcp", **cfg):
+    src, dst = LAYOUT.allocate(16), LAYOUT.allocate(16)
+    fill_random(src, 3)
+    a = await make_transport(kind, LAYOUT, src, **tls_config(certs[0], "prefill"), **cfg).start()
+    b = await make_transport(kind, LAYOUT, dst, **tls_config(certs[0], "decode"), **cfg).start()
+    return a, b, src, dst
+
+
+@pytest.mark.parametrize("kind", ["tcp", "nixl"])
+def test_transfers_over_mutual_tls_are_byte_exact(certs, kind):
+    if kind == "nixl" and NIXL_ERROR:
+        pytest.fail(f"NIXL must import here: {NIXL_ERROR}")
+
+    async def main():
+        a, b, src, dst = await tls_pair(certs, kind)
+        plans = {f"r{i}": ([i * 2, i * 2 + 1], [15 - i * 2, 14 - i * 2]) for i in range(6)}
+        exps = {rid: b.expect(rid, d, timeout=30) for rid, (_s, d) in plans.items()}
+        handles = [a.start_send(rid, b.endpoint(), s, d) for rid, (s, d) in plans.items()]
+        results = await asyncio.gather(*(h.wait() for h in handles))
+        await asyncio.gather(*(e.wait() for e in exps.values()))
+        assert {r["backend"] for r in results} == {kind}
+        for s_ids, d_ids in plans.values():
+            for s, d in zip(s_ids, d_ids, strict=True):
+                assert torch.equal(dst[:, d].view(torch.uint8), src[:, s].view(torch.uint8))
+        await leak_free(a, b)
+    run(main())
+
+
+def _recv(sock, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            break
+        buf += got
+    return buf
+
+
+def _raw_hello(port: int, wrap=None) -> str:
+    """Speak the pdkv HELLO to a KV port (optionally through a TLS context); what came back."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        if wrap is not None:
+            sock = wrap.wrap_socket(sock)
+        sock.sendall(encode(Msg.HELLO, {"version": 1, "layout_hash": LAYOUT.compat_hash(), "want": "tcp"}))
+        # (TLS 1.3: the client's handshake ends before the server has checked the client's certificate;
+        # a refusal arrives on the first read.)
+        head = _recv(sock, HEADER.size)
+        if len(head) < HEADER.size:
+            return "closed"
+        msg, _f, meta_len, _p = decode_header(head)
+        decode_meta(_recv(sock, meta_len))
+        return msg.name
+    except (ssl.SSLError, ConnectionError, OSError) as exc:
+        return f"refused: {type(exc).__name__}"
+    finally:
+        sock.close()
+
+
+def test_plaintext_and_wrong_ca_peers_are_refused(certs):
+    good, other = certs
+
+    async def main():
+        a, b, _src, dst = await tls_pair(certs)
+        port = b.endpoint()["port"]
+        loop = asyncio.get_running_loop()
+        # A plaintext client speaking the protocol: the TLS listener never answers it.
+        assert (await loop.run_in_executor(None, _raw_hello, port)).startswith(("closed", "refused"))
+        # A TLS client with no certificate, and one whose certificate another CA signed.
+        no_cert = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        no_cert.check_hostname = False
+        no_cert.load_verify_locations(good / "ca.crt")
+        stranger = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        stranger.check_hostname = False
+        stranger.load_verify_locations(good / "ca.crt")
+        stranger.load_cert_chain(other / "prefill.crt", other / "prefill.key")
+        for ctx in (no_cert, stranger):
+            assert (await loop.run_in_executor(None, _raw_hello, port, ctx)).startswith(("closed", "refused"))
+        member = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # the control: a cluster certificate is answered
+        member.check_hostname = False
+        member.load_verify_locations(good / "ca.crt")
+        member.load_cert_chain(good / "prefill.crt", good / "prefill.key")
+        assert await loop.run_in_executor(None, _raw_hello, port, member) == "HELLO_OK"
+        # The same with kvtransfer senders: plaintext, and the stranger's CA (both directions of the check).
+        exp = b.expect("x", [1], timeout=30)
+        for cfg in ({}, tls_config(other, "prefill")):
+            async with make_transport("tcp", LAYOUT, LAYOUT.allocate(4), **cfg) as c:
+                with pytest.raises(PeerUnavailable):
+                    await c.start_send("x", b.endpoint(), [0], [1]).wait()
+        assert exp.state == "waiting" and not dst.view(torch.uint8).any(), "a refused peer wrote KV"
+        # ... and the legitimate sender still gets through.
+        await a.start_send("x", b.endpoint(), [0], [1]).wait()
+        await exp.wait()
+        for _ in range(200):  # the refused handshakes' connections are gone
+            if b.stats()["rx_connections"] <= a.stats()["peers"] * 4:
+                break
+            await asyncio.sleep(0.01)
+        await leak_free(a, b)
+    run(main())
+
+
+def test_nixl_begin_only_from_the_agent_named_in_hello(certs):
+    """A connection that said HELLO as agent A cannot announce a transfer from agent B: B's WRITE
+    completions would otherwise count for it."""
+    if NIXL_ERROR:
+        pytest.fail(f"NIXL must import here: {NIXL_ERROR}")
+
+    async def main():
+        a, b, _src, _dst = await tls_pair(certs, "nixl")
+        exp = b.expect("n", [1], timeout=30)
+        rx = b.receiver
+
+        class Conn:
+            nixl_agent = a.nixl.name
+            closed = False
+            sent: list = []
+
+            def send(self, msg, meta):
+                self.sent.append((msg, meta))
+
+        conn = Conn()
+        nbytes = LAYOUT.num_layers * LAYOUT.block_bytes
+        rx.on_control(conn, Msg.BEGIN, {"rid": "n", "dst": [1], "nbytes": nbytes, "backend": "nixl",
+                                        "agent": "someone-else", "xid": "x1"})
+        msg, meta = conn.sent[-1]
+        assert msg == Msg.ERROR and "was not named" in meta["message"]
+        with pytest.raises(InvalidTransfer, match="was not named"):
+            await exp.wait()
+        await leak_free(a, b)
+    run(main())
+
+
+@pytest.mark.parametrize("kind", ["tcp", "nixl"])
+def test_with_host_127_0_0_1_no_kv_socket_listens_elsewhere(kind):
+    """Options as a worker derives them (pdserve/settings.py: the KV listener on --kv-host, UCX's
+    devices from it), in a process of its own: every listening socket it has is on 127.0.0.1."""
+    opts = kv_transport_options(ServeSettings(role="decode", model="m", host="127.0.0.1"), env={})
+    assert opts["listen_host"] == "127.0.0.1" and ("UCX_NET_DEVICES", "lo") in opts["ucx_env"]
+
+    async def main():
+        peer = await PeerClient.spawn(env={"UCX_TLS": None, "UCX_NET_DEVICES": None})
+        try:
+            before = (await peer.call("listening"))["sockets"]
+            config = {k: v for k, v in opts.items() if k != "listen_port"}
+            config["ucx_env"] = [list(kv) for kv in config["ucx_env"]]
+            await peer.call("init", kind=kind, layout=LAYOUT.to_dict(), num_blocks=4, config=config)
+            after = (await peer.call("listening"))["sockets"]
+        finally:
+            await peer.close()
+        new = [s for s in after if s not in before]
+        assert new, "the transport listens somewhere"
+        assert all(host == "127.0.0.1" for host, _port in new), new
+        if kind == "nixl":
+            assert len(new) >= 2, f"UCX's listeners are counted too: {new}"
+    run(main())
