@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 
 from bench.placement_fakes import SimCluster, chat_tokens, request, workers
+from router.costs import CostConfig
 from router.placement.config import PlacerConfig
 from router.placement.placer import Placer
 
@@ -84,7 +85,8 @@ def shared_prompt_workload(policy: str = "prefix", *, requests: int = 600, concu
 
     rng = random.Random(seed)
     bs = 16
-    pl = Placer(PlacerConfig(policy=policy, block_size=bs, epsilon=epsilon, queue_cost_s=queue_cost_s))
+    pl = Placer(PlacerConfig(policy=policy, block_size=bs, epsilon=epsilon,
+                             costs=CostConfig(queue_cost_s=queue_cost_s)))
     infos = workers(n_prefill, n_decode)
     pl.update_workers(infos)
     sim = SimCluster(infos, capacity_blocks=1 << 16, block_size=bs)
@@ -95,7 +97,7 @@ def shared_prompt_workload(policy: str = "prefix", *, requests: int = 600, concu
         req = request(f"r{i}", system + chat_tokens(rng, suffix_len), bs)
         inflight.append((req, pl.place(req)))
         if len(inflight) >= concurrency:
-            loads = [pl.view.inflight.get(w.worker_id, 0) for w in infos if w.role == "decode"]
+            loads = [pl.view.inflight(w.worker_id) for w in infos if w.role == "decode"]
             peak = max(peak, max(loads) / (sum(loads) / len(loads)))
             # Requests finish in random order (their lengths differ).
             r, p = inflight.pop(rng.randrange(len(inflight)))
@@ -116,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    chats = [chat_workload(p) for p in ("session+prefix", "prefix", "least_loaded", "round_robin")]
-    bal = [shared_prompt_workload(p) for p in ("prefix", "session+prefix", "least_loaded", "round_robin")]
+    chats = [chat_workload(p) for p in ("prefix", "prefix_only", "least_loaded", "round_robin")]
+    bal = [shared_prompt_workload(p) for p in ("prefix", "prefix_only", "least_loaded", "round_robin")]
     # Cache affinity alone (no queue cost, no bound) piles everything onto the first holder.
     unbounded = shared_prompt_workload("prefix", epsilon=1000.0, queue_cost_s=0.0)
     bound_only = shared_prompt_workload("prefix", queue_cost_s=0.0)

@@ -24,6 +24,7 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
     """(RouterServicer, async stop) for ``settings``."""
     from router.admission import limits_from_model_dir
     from router.conditional import ConditionalConfig
+    from router.costs import CostConfig
     from router.directory import WorkerDirectory
     from router.metrics import RouterMetrics, serve_metrics
     from router.pipeline import Pipeline
@@ -39,18 +40,21 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
     if settings.metrics_port:
         serve_metrics(metrics.registry, settings.metrics_port, addr=settings.host)
     store = make_store(settings.redis, metrics=metrics)
+    # --mode colocated: the router fronts colocated workers, there is no prefill pool.
+    prefill_pool = settings.mode != "colocated"
+    costs = CostConfig(prefill_tokens_per_s=settings.local_prefill_tokens_per_s)
     placer = Placer(PlacerConfig(policy=settings.policy, session_ttl_s=settings.session_ttl,
-                                 block_size=settings.block_size, store_timeout_s=settings.store_timeout),
+                                 block_size=settings.block_size, store_timeout_s=settings.store_timeout,
+                                 prefill_pool=prefill_pool, costs=costs),
                     store, metrics=metrics)
     metrics.inflight.set_function(lambda: placer.inflight_total)
     await placer.start()
-    colocated = settings.mode == "colocated"
     directory = WorkerDirectory(placer, interval=settings.stats_interval,
-                                drain_timeout_s=max(settings.drain_timeout, 1.0) * 4, local_prefill=colocated)
+                                drain_timeout_s=max(settings.drain_timeout, 1.0) * 4)
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(directory.poll_forever())]
     if settings.discovery == "static":
-        await directory.set_addresses("prefill", () if colocated else settings.prefill)
+        await directory.set_addresses("prefill", settings.prefill if prefill_pool else ())
         await directory.set_addresses("decode", settings.decode)
     elif settings.discovery == "file":
         from router.file_discovery import watch_workers_file
@@ -80,12 +84,11 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
     conditional = None
     if settings.conditional_disagg == "auto":
         conditional = ConditionalConfig(min_uncached_tokens=settings.min_uncached_tokens,
-                                        local_prefill_tokens_per_s=settings.local_prefill_tokens_per_s,
                                         max_prefill_wait_s=settings.max_prefill_wait_s,
                                         local_duty=settings.local_prefill_duty,
                                         local_burst_s=settings.local_prefill_burst_s)
     pipeline = Pipeline(directory, placer, block_size=settings.block_size, lease_ms=settings.lease_ms,
-                        conditional=conditional, colocated=colocated)
+                        conditional=conditional)
     pipeline.admission = Admission(AdmissionConfig(max_queue_wait_s=settings.max_queue_wait_s,
                                                    allocate_queue_size=settings.allocate_queue_size,
                                                    allocate_queue_wait_s=settings.allocate_queue_wait_s),

@@ -2,10 +2,13 @@
 
 Lifecycle: ``set_addresses(role, addrs)`` (from static flags, or from a discovery source on every
 change) opens channels for new addresses and retires removed ones. ``poll_forever()`` calls
-``GetStats`` on every worker each ``interval`` seconds; a worker that answers is *healthy* and its
-``WorkerInfo`` + ``WorkerLoad`` go to the Placer; one that fails (dead process, deadline) is marked
-unhealthy and dropped from the Placer's view at once, so no new request is placed on it. A
-restarted worker comes back with a new ``incarnation``.
+``GetStats`` on every worker each ``interval`` seconds; a worker that answers is a member and its
+``WorkerInfo`` + ``WorkerLoad`` go to the Placer's worker view (``router/state/workers.py``, the one
+owner of liveness, load and pending work); one that fails (dead process, deadline) is dropped from
+that view at once, so no new request is placed on it. A restarted worker comes back with a new
+``incarnation``. What this module keeps per worker is transport plumbing only: the channel, the
+stub, the last raw stats (transports, KV endpoint; ``ListWorkers``) and the count of requests bound
+to the handle, for draining.
 
 Removal drains, it does not cut: a request holds its two handles from placement to its last
 cleanup RPC (``acquire`` / ``release``, an in-flight count). A removed handle leaves the placer's
@@ -28,13 +31,10 @@ import grpc
 
 from pdserve.server import CHANNEL_OPTIONS
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from router.placement import WorkerInfo, WorkerLoad
+from router.lifecycle import WorkerLifecycle
+from router.placement import Placer, WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
-# Router in front of colocated workers: the placer pairs every decode worker with this stand-in
-# prefill worker (it is never dialed; the pipeline prefills on the decode worker), so placement,
-# session affinity, the prefix index and the metrics work unchanged without a prefill pool.
-LOCAL_PREFILL_ID = "local-prefill"
 STATS_TIMEOUT_S = 2.0
 REMOVED_GRACE_S = 120.0  # a removed worker's channel closes at the latest this long after removal
 
@@ -46,7 +46,7 @@ class WorkerHandle:
     channel: grpc.aio.Channel
     stub: object
     stats: common_pb2.WorkerStats | None = None
-    healthy: bool = False
+    answering: bool = False  # answered its last poll: a member of the placer's view
     last_ok: float = 0.0
     failures: int = 0
     inflight: int = 0      # requests bound to this handle (acquire .. release)
@@ -60,20 +60,23 @@ class WorkerHandle:
 
     def info(self) -> WorkerInfo:
         assert self.stats is not None
-        return WorkerInfo(worker_id=self.stats.worker_id, role=self.role, address=self.address,
-                          incarnation=self.stats.incarnation, layout_hash=self.stats.layout_hash)
+        s = self.stats
+        return WorkerInfo(worker_id=s.worker_id, role=self.role, address=self.address,
+                          incarnation=s.incarnation, layout_hash=s.layout_hash,
+                          kv_bytes_per_block=s.kv_bytes_per_block, block_size=s.block_size,
+                          max_num_seqs=s.max_num_seqs)
 
 
 class WorkerDirectory:
-    def __init__(self, placer: object, *, interval: float = 0.5,
-                 drain_timeout_s: float = REMOVED_GRACE_S, local_prefill: bool = False) -> None:
+    def __init__(self, placer: Placer, *, interval: float = 0.5,
+                 drain_timeout_s: float = REMOVED_GRACE_S) -> None:
         self.placer = placer
-        self.local_prefill = local_prefill
         self.interval = interval
         self.drain_timeout_s = drain_timeout_s
         self._by_addr: dict[str, WorkerHandle] = {}
         self._draining: set[WorkerHandle] = set()  # removed, still serving requests bound to them
         self._tasks: set[asyncio.Task] = set()
+        self.lifecycle = WorkerLifecycle()  # deaths and restarts: logs, counters (bootstrap's registry)
 
     # ---- membership -------------------------------------------------------------------------------
     async def set_addresses(self, role: str, addresses: Iterable[str]) -> None:
@@ -95,7 +98,8 @@ class WorkerDirectory:
         await self.poll_once()
 
     def _retire(self, h: WorkerHandle) -> None:
-        h.removed, h.healthy = True, False
+        self.lifecycle.forget(h.address)
+        h.removed, h.answering = True, False
         if h.inflight == 0:
             self._close_later(h, grace=None)
             return
@@ -150,8 +154,12 @@ class WorkerDirectory:
                 return h
         return None
 
+    def is_healthy(self, h: WorkerHandle) -> bool:
+        """Placeable: answering and, in the placer's view, not cooling down after a failure."""
+        return h.answering and not h.removed and self.placer.view.healthy(h.worker_id)
+
     def healthy(self, role: str) -> list[WorkerHandle]:
-        return [h for h in self.handles(role) if h.healthy]
+        return [h for h in self.handles(role) if self.is_healthy(h)]
 
     # ---- polling ----------------------------------------------------------------------------------
     async def poll_once(self) -> None:
@@ -163,24 +171,26 @@ class WorkerDirectory:
         try:
             stats = await h.stub.GetStats(common_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
-            if h.healthy:
+            if h.answering:
                 log.warning("worker %s (%s) stopped answering: %s", h.worker_id or "?", h.address,
                             exc.code() if isinstance(exc, grpc.aio.AioRpcError) else "timeout")
+            self.lifecycle.lost(h, exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "timeout")
             self.mark_failed(h)
             return
         if stats.role != h.role and not (h.role == "decode" and stats.role == "colocated"):
             log.error("worker at %s says role %r, expected %r; ignoring it", h.address, stats.role, h.role)
             self.mark_failed(h)
             return
-        h.stats, h.healthy, h.last_ok, h.failures = stats, True, time.monotonic(), 0
+        h.stats, h.answering, h.last_ok, h.failures = stats, True, time.monotonic(), 0
+        self.lifecycle.answered(h, stats)
         with contextlib.suppress(ValueError):
             self.placer.update_load(stats.worker_id, WorkerLoad(
                 queue_depth=stats.queue_depth, num_running=stats.num_running, free_blocks=stats.free_blocks,
                 total_blocks=stats.total_blocks, incarnation=stats.incarnation, reported_at=time.time()))
 
     def mark_failed(self, h: WorkerHandle) -> None:
-        was_healthy = h.healthy
-        h.healthy = False
+        was_healthy = h.answering
+        h.answering = False
         h.failures += 1
         if h.stats is not None:
             self.placer.mark_unhealthy(h.stats.worker_id)
@@ -193,10 +203,7 @@ class WorkerDirectory:
             self.mark_failed(h)
 
     def _publish(self) -> None:
-        infos = [h.info() for h in self._by_addr.values() if h.healthy]
-        if self.local_prefill:
-            infos.append(WorkerInfo(worker_id=LOCAL_PREFILL_ID, role="prefill", address="",
-                                    incarnation="local"))
+        infos = [h.info() for h in self._by_addr.values() if h.answering]
         self.placer.update_workers(infos)
 
     async def poll_forever(self) -> None:

@@ -40,6 +40,10 @@ class RouterMetrics:
         self.workers = Gauge("pdserve_router_workers", "Known workers", ["pool"], registry=r)
         self.inflight = Gauge("pdserve_router_inflight_requests",
                               "Placements not yet closed by an outcome (0 when idle: no leak)", registry=r)
+        self.prefill_decisions = Counter(
+            "pdserve_router_prefill_decisions", "Where prompts were prefilled: mode remote (prefill pool) | "
+            "local (decode worker), with the conditional-disaggregation reason", ["mode", "reason"],
+            registry=r)
         self.discovery_errors = Counter("pdserve_router_discovery_errors", "Discovery list/watch errors",
                                         ["source"], registry=r)
 

@@ -9,17 +9,17 @@ Lifecycle of one request (yielded as events to the servicer)::
       │ ──▶ FirstToken      streamed to the client at once (TTFT = queue + prefill + transfer)
     D.Decode (stream)       D waits for KV-complete, joins its batch ──▶ Tokens ... ──▶ Done(meta)
 
-Local prefill (``router/conditional.py``): right after Allocate, ``decide`` weighs D's cached prefix,
-the measured (P, D) link and D's load; when it says local (or the router fronts colocated workers and
-has no prefill pool), Prefill is skipped and ``Decode(prefill_locally=True)`` makes D compute the
-prompt itself: D's stream then carries token 1 too (TTFT = D's prefill), and the final message says
-``prefill_mode="local"`` with the reason. Token 1 comes from D's engine, so greedy and seeded output
-equal one engine's either way.
+Local prefill (``router/conditional.py``): right after Allocate, ``decide`` weighs both paths with
+the router's cost model (D's cached prefix, both queues, the (P, D) link, D's load); when it says
+local (always, when the router fronts colocated workers and has no prefill pool), Prefill is skipped
+and ``Decode(prefill_locally=True)`` makes D compute the prompt itself: D's stream then carries
+token 1 too (TTFT = D's prefill), and the final message says ``prefill_mode="local"`` with the
+reason. Token 1 comes from D's engine, so greedy and seeded output equal one engine's either way.
 
 Cleanup is the point of this module: whatever stage fails or is cancelled (client went away,
 deadline, dead worker), the ``finally`` releases D's reservation / aborts P's request, so both
-pools' free block counts return. A dead decode worker mid-stream ends the request with
-UNAVAILABLE and is taken out of placement.
+pools' free block counts return. A dead decode worker mid-stream ends the request with UNAVAILABLE
+and is taken out of placement.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pdserve.wire import sampling_to_proto
 from router.admission import Admitted
 from router.conditional import ConditionalConfig, Decision, PrefillModePolicy
 from router.directory import WorkerDirectory
-from router.placement import NoWorkersAvailable, Outcome, Placement, PlacementRequest
+from router.placement import NoWorkersAvailable, Outcome, Placement, PlacementRequest, Placer
 from router.shedding import Admission, AdmissionConfig, Refused
 
 log = logging.getLogger(__name__)
@@ -105,18 +105,15 @@ class Done:
 
 
 class Pipeline:
-    def __init__(self, directory: WorkerDirectory, placer: object, *, block_size: int, lease_ms: int,
-                 conditional: ConditionalConfig | None = None, colocated: bool = False) -> None:
+    def __init__(self, directory: WorkerDirectory, placer: Placer, *, block_size: int, lease_ms: int,
+                 conditional: ConditionalConfig | None = None) -> None:
         self.directory = directory
         self.placer = placer
         self.block_size = block_size
         self.lease_ms = lease_ms
         # admission control (router/shedding.py); bootstrap installs the configured one
         self.admission = Admission(AdmissionConfig(), placer)
-        # colocated: the decode pool is colocated workers and there is no prefill pool (the placer's
-        # prefill side is the directory's stand-in), so every request prefills on its decode worker.
-        self.colocated = colocated
-        self.local = PrefillModePolicy(conditional, placer, colocated=colocated)
+        self.local = PrefillModePolicy(conditional, placer)
 
     async def run(self, req: Admitted, timeout: float | None) -> AsyncIterator[object]:
         preq = PlacementRequest(request_id=req.request_id, session_id=req.session_id,
@@ -133,12 +130,13 @@ class Pipeline:
                     raise last or RequestFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
                 # Both handles stay usable until this attempt's last cleanup RPC, even if discovery
                 # removes the worker meanwhile (directory.py: drain, not cut).
-                p = None if self.colocated else self.directory.acquire(placement.prefill.worker_id)
+                remote = placement.prefill is not None  # else no prefill pool: D prefills
+                p = self.directory.acquire(placement.prefill.worker_id) if remote else None
                 d = self.directory.acquire(placement.decode.worker_id)
                 try:
-                    if (p is None and not self.colocated) or d is None:
+                    if (remote and p is None) or d is None:
                         pairs = ((placement.prefill, p), (placement.decode, d))
-                        exclude.update(w.worker_id for w, h in pairs if h is None)
+                        exclude.update(w.worker_id for w, h in pairs if w is not None and h is None)
                         continue
                     self.admission.check(req.request_id, placement, timeout)  # raises Refused
                     attempt = self._attempt(req, preq, placement, sampling, p, d, timeout)
@@ -178,7 +176,7 @@ class Pipeline:
         started = time.monotonic()
         state = _Cleanup(p, d, req.request_id)
         try:
-            first = await self._prefill_phase(req, sampling, p, d, meta, timeout)
+            first = await self._prefill_phase(req, placement, sampling, p, d, meta, timeout)
         except RequestFailed as exc:
             await state.run(decode_reserved=True, prefill_running=True)
             failed = getattr(exc, "extra_worker", "")
@@ -202,6 +200,7 @@ class Pipeline:
             async for event in self._decode_phase(req, d, 0 if local else first.token_id, timeout, local):
                 if isinstance(event, Tokens):
                     if local and not generated:  # token 1 of a local prefill: this is the TTFT
+                        self.placer.prefill_done(req.request_id)
                         lps = event.logprobs
                         yield FirstToken(event.token_ids[0], lps[0] if lps else None)
                         if len(event.token_ids) > 1:
@@ -237,7 +236,7 @@ class Pipeline:
             await state.run(decode_reserved=True, prefill_running=False)
         raise RequestFailed(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
 
-    async def _prefill_phase(self, req: Admitted, sampling, p, d, meta: ServingMeta,
+    async def _prefill_phase(self, req: Admitted, placement: Placement, sampling, p, d, meta: ServingMeta,
                              timeout: float | None) -> FirstToken | None:
         """Allocate on D, then Prefill on P (token 1), or None: D prefills locally (conditional)."""
         t0 = time.monotonic()
@@ -253,7 +252,8 @@ class Pipeline:
         t1 = time.monotonic()
         meta.allocate_ms = (t1 - t0) * 1e3
         meta.kv_blocks_reused = alloc.num_cached_tokens // self.block_size
-        decision: Decision = self.local.decide(req, alloc.num_cached_tokens, p, d)
+        decision: Decision = self.local.decide(req.request_id, len(req.prompt_ids), alloc.num_cached_tokens,
+                                               placement)
         meta.prefill_mode_reason = decision.reason
         if decision.local:
             meta.prefill_mode, meta.transport = "local", "local"
@@ -269,7 +269,6 @@ class Pipeline:
                                 f"decode {list(alloc.transports)}")
             raise err
         meta.transport, meta.fallback, meta.fallback_reason = transport, bool(fallback), fallback
-        ticket = self.local.prefill_sent(p.worker_id, decision.uncached_tokens)
         try:
             res = await p.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
@@ -279,13 +278,13 @@ class Pipeline:
                                             num_cached_tokens=alloc.num_cached_tokens, transport=transport)),
                 timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            self.local.prefill_answered(ticket)  # no sample: the call failed
+            self.placer.prefill_done(req.request_id)  # no sample: the call failed
             raise _failed(exc, p.worker_id, "prefill") from None
         except BaseException:  # cancelled (client gone, deadline): out of the queue estimate all the same
-            self.local.prefill_answered(ticket)
+            self.placer.prefill_done(req.request_id)
             raise
-        self.local.prefill_answered(ticket, compute_s=res.compute_s,
-                                    computed_tokens=len(req.prompt_ids) - res.num_cached_tokens)
+        self.placer.prefill_done(req.request_id, worker_id=p.worker_id, compute_s=res.compute_s,
+                                 computed_tokens=len(req.prompt_ids) - res.num_cached_tokens)
         meta.prefill_rpc_ms = (time.monotonic() - t1) * 1e3
         meta.prefill_queue_ms, meta.prefill_compute_ms = res.queue_s * 1e3, res.compute_s * 1e3
         meta.kv_wait_ms = res.kv_wait_s * 1e3

@@ -122,7 +122,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         entries = []
         for h in self.directory.handles():
             entry = router_pb2.WorkerEntry(worker_id=h.worker_id, role=h.role, address=h.address,
-                                           healthy=h.healthy)
+                                           healthy=self.directory.is_healthy(h))
             if h.stats is not None:
                 entry.stats.CopyFrom(h.stats)
             entries.append(entry)

@@ -1,32 +1,34 @@
-"""PlacerConfig: every placement knob in one frozen, validated dataclass (see docs/router.md)."""
+"""PlacerConfig: every placement knob in one frozen, validated dataclass (see docs/router.md).
+
+The seconds a path costs are not placement knobs: they come from the router's one cost model
+(``router/costs.py``, configured by ``costs``), which the conditional decision shares.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from router.costs import CostConfig
 from router.placement.types import POLICIES
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlacerConfig:
     policy: str = "prefix"
+    # False: the router fronts colocated workers (no prefill pool): placement picks a decode worker
+    # only and every prompt is prefilled where it decodes.
+    prefill_pool: bool = True
     # Bounded load: no worker takes more than ceil((1 + epsilon) * average) in-flight when others have room.
     epsilon: float = 0.25
-    # A session's bound pair counts as overloaded (and the session moves) above (1 + session_epsilon) x avg.
+    # A session's bound worker is over the session load bound (and the session moves) above
+    # (1 + session_epsilon) x (the other workers' average + 1)...
     session_epsilon: float = 1.0
     # ...and only when it has at least this many requests: at low load, affinity always wins.
     session_min_load: int = 4
     session_ttl_s: float = 600.0
     max_sessions: int = 200_000
     block_size: int = 16
-    # Cost model, in seconds (see docs/router.md "Scoring").
-    prefill_tokens_per_s: float = 8000.0
-    queue_cost_s: float = 0.05  # expected wait per request already queued/running on a worker
-    kv_pressure_cost_s: float = 0.05  # penalty scale for a decode worker with little free KV
-    kv_bytes_per_block: int = 256 * 1024  # until learnt from outcomes (bytes_sent / blocks_sent)
-    default_bandwidth_Bps: float = 1.0e9  # per (prefill, decode) link until measured
-    bandwidth_ewma_alpha: float = 0.3
-    min_bandwidth_sample_bytes: int = 64 * 1024  # smaller transfers are latency, not bandwidth
+    costs: CostConfig = field(default_factory=CostConfig)
     # Router-side approximate prefix index: blocks remembered per worker (LRU beyond that).
     index_blocks_per_worker: int = 32_768
     # Blocks beyond the matched prefix added to the index at placement time (the rest on the outcome).
@@ -50,17 +52,22 @@ class PlacerConfig:
             raise ValueError("block_size must be positive")
         if self.session_ttl_s <= 0 or self.max_sessions <= 0:
             raise ValueError("session_ttl_s and max_sessions must be positive")
-        for name in ("prefill_tokens_per_s", "default_bandwidth_Bps", "sync_interval_s", "store_timeout_s"):
+        for name in ("sync_interval_s", "store_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        for name in ("queue_cost_s", "kv_pressure_cost_s", "unhealthy_cooldown_s", "load_stale_s"):
+        for name in ("unhealthy_cooldown_s", "load_stale_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if not 0 < self.bandwidth_ewma_alpha <= 1:
-            raise ValueError("bandwidth_ewma_alpha must be in (0, 1]")
-        if self.kv_bytes_per_block <= 0 or self.index_blocks_per_worker <= 0 or self.top_k <= 0:
-            raise ValueError("kv_bytes_per_block, index_blocks_per_worker and top_k must be positive")
+        if self.index_blocks_per_worker <= 0 or self.top_k <= 0:
+            raise ValueError("index_blocks_per_worker and top_k must be positive")
 
     @property
     def session_aware(self) -> bool:
-        return self.policy == "session+prefix"
+        """A request's session id binds it to a pair (every policy but the explicit single-pool ones
+        and ``prefix_only``)."""
+        return self.policy in ("prefix", "session+prefix")
+
+    @property
+    def scored(self) -> bool:
+        """Pairs are chosen by the cost model (the prefix policies)."""
+        return self.policy in ("prefix", "session+prefix", "prefix_only")

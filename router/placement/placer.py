@@ -4,20 +4,25 @@ Lifecycle of one request:
 
 1. ``place(req)`` (sync, no I/O) or ``await aplace(req)`` (reads the session binding from the
    shared store first, so router replicas agree). Decision by policy:
+   - ``prefix`` (default; ``session+prefix`` is the same): a request with a session id goes to its
+     session's bound pair while both workers are current (same incarnation), healthy, not excluded
+     and within the session load bound; otherwise, and for requests without a session id, the best
+     (prefill, decode) *pair* by the cost model under the bounded-load rule (scoring.py), and the
+     binding moves, reporting ``session_moved``, ``moved_from`` and ``move_reason``.
+   - ``prefix_only``: the pair score alone, session ids ignored.
    - ``round_robin`` / ``least_loaded``: each pool on its own.
-   - ``prefix``: the best (prefill, decode) *pair* by estimated time-to-first-token, under the
-     bounded-load rule (scoring.py).
-   - ``session+prefix``: a session's bound pair while both are current (same incarnation),
-     healthy, not excluded and not overloaded; otherwise score as ``prefix`` and move the binding,
-     reporting ``session_moved`` and ``moved_from``.
-   The decision is then *committed*: in-flight counts go up, the request's reusable blocks are
-   optimistically added to both workers' entries in the prefix index, the binding is refreshed.
-2. The servicer runs the request and calls ``on_result(req, placement, outcome)``: in-flight
-   counts go down, the index learns what the workers really hold, link bandwidth and KV block
-   size are measured, a failed worker is marked unhealthy for a cooldown.
-3. Membership comes from discovery through ``update_workers``: a worker that left or came back
-   under a new incarnation loses everything learnt about it; bindings naming an old incarnation
-   are dead (the session moves on its next turn). ``update_load`` feeds queue/KV reports.
+   Without a prefill pool (``prefill_pool=False``: the router fronts colocated workers) the same
+   rules pick a decode worker alone. The decision is then *committed*: the worker view opens the
+   placement (load on both workers, the prompt's uncached tokens in the prefill worker's queue), the
+   request's reusable blocks are optimistically added to both workers' entries in the prefix index,
+   the binding is refreshed.
+2. The pipeline runs the request, tells the view when the prompt has left the prefill queue
+   (``prefill_done``), and calls ``on_result(req, placement, outcome)``: the placement closes, the
+   index learns what the workers really hold, the cost model learns rates and link bandwidth, a
+   failed worker is marked unhealthy for a cooldown.
+3. Membership comes from the worker directory through ``update_workers``: a worker that left or
+   came back under a new incarnation loses everything learnt about it; bindings naming an old
+   incarnation are dead (the session moves on its next turn). ``update_load`` feeds queue/KV reports.
 
 With a shared store (Redis) ``start()`` runs a background task that publishes this replica's
 load reports and pulls everyone's; if the store is down the Placer keeps deciding from its last
@@ -29,9 +34,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from router.costs import CostModel
 from router.metrics import RouterMetrics
 from router.placement.config import PlacerConfig
-from router.placement.scoring import Candidate, choose_pair, overloaded
+from router.placement.scoring import Candidate, PairChoice, choose_pair, overloaded, session_bound
 from router.placement.session_sync import SessionSync
 from router.placement.types import (
     NoWorkersAvailable,
@@ -41,7 +47,6 @@ from router.placement.types import (
     WorkerInfo,
     WorkerLoad,
 )
-from router.state.bandwidth import LinkStats
 from router.state.prefix_index import PrefixIndex
 from router.state.sessions import SessionBinding, SessionTable
 from router.state.store import InMemoryStore, StateStore
@@ -61,19 +66,18 @@ class Placer:
         self.config = cfg = config or PlacerConfig()
         self.store: StateStore = store if store is not None else InMemoryStore()
         self.metrics = metrics or RouterMetrics()
-        if hasattr(self.store, "_on_error") and self.store._on_error is None:
-            self.store._on_error = lambda op: self.metrics.redis_errors.labels(op=op).inc()
+        store_counts = self.store.on_error is not None or not self.store.shared
+        if not store_counts:
+            self.store.on_error = lambda op: self.metrics.redis_errors.labels(op=op).inc()
         self._wall = wall
         self.view = WorkerView(unhealthy_cooldown_s=cfg.unhealthy_cooldown_s, load_stale_s=cfg.load_stale_s,
                                clock=clock, wall=wall)
+        self.costs = CostModel(cfg.costs, block_size=cfg.block_size, clock=clock)
         self.index = PrefixIndex(cfg.index_blocks_per_worker)
         self.sessions = SessionTable(cfg.max_sessions, clock=wall)
-        self.links = LinkStats(default_Bps=cfg.default_bandwidth_Bps, alpha=cfg.bandwidth_ewma_alpha,
-                               min_sample_bytes=cfg.min_bandwidth_sample_bytes,
-                               bytes_per_block=cfg.kv_bytes_per_block)
         self._rr = {"prefill": 0, "decode": 0}
-        self._pending: dict[str, tuple[str, str]] = {}  # request_id -> (prefill_id, decode_id)
-        self._sync = SessionSync(self)
+        self._sync = SessionSync(store=self.store, config=cfg, view=self.view, sessions=self.sessions,
+                                 metrics=self.metrics, store_counts_errors=self.store.shared, wall=wall)
 
     # ---------------------------------------------------------------- lifecycle (shared store)
     async def start(self) -> None:
@@ -87,7 +91,10 @@ class Placer:
         change = self.view.update(list(workers))
         for wid in change.removed | change.reincarnated:
             self.index.drop(wid)
-            self.links.forget(wid)
+            self.costs.forget(wid)
+        for w in workers:
+            self.costs.set_layout(w.worker_id, kv_bytes_per_block=w.kv_bytes_per_block,
+                                  block_size=w.block_size)
         for role in ("prefill", "decode"):
             self.metrics.workers.labels(pool=role).set(sum(1 for w in self.view.workers.values()
                                                            if w.role == role))
@@ -149,79 +156,107 @@ class Placer:
     def _decide(self, req: PlacementRequest, exclude: Exclude,
                 binding: SessionBinding | None) -> tuple[Placement, SessionBinding | None]:
         cfg = self.config
-        pp = self.view.pool("prefill", exclude)
+        pp = self.view.pool("prefill", exclude) if cfg.prefill_pool else None
         dp = self.view.pool("decode", exclude)
         for role, pool in (("prefill", pp), ("decode", dp)):
-            if not pool:
+            if pool is not None and not pool:
                 self.metrics.no_workers.labels(pool=role).inc()
                 raise NoWorkersAvailable(f"no healthy {role} worker (known: {len(self.view.workers)}, "
                                          f"excluded: {len(exclude)})")
         if cfg.policy == "round_robin":
-            return self._simple(req, pp, dp, "round_robin", self._round_robin)
+            return self._simple(req, pp, dp, self._round_robin)
         if cfg.policy == "least_loaded":
-            return self._simple(req, pp, dp, "least_loaded", self._least_loaded)
+            return self._simple(req, pp, dp, self._least_loaded)
         matches = self.index.match(req.block_hashes)
         moved_from = None
-        move_reason = ""
+        kind = text = ""
         if binding is not None:
-            keep, move_reason = self._binding_usable(binding, exclude)
-            if keep:
-                p = self.view.workers[binding.prefill_id]
+            kind, text = self._binding_usable(binding, exclude)
+            if not kind:
+                p = self.view.workers[binding.prefill_id] if binding.prefill_id else None
                 d = self.view.workers[binding.decode_id]
                 return self._placement(req, p, d, "session affinity", matches, session_hit=True), \
                     self._bind(req, p, d)
             moved_from = (binding.prefill_id, binding.decode_id)
-        choice = choose_pair(
-            self._candidates(pp, matches), self._candidates(dp, matches),
-            n_blocks=len(req.block_hashes), prompt_len=req.prompt_len, block_size=cfg.block_size,
-            epsilon=cfg.epsilon, prefill_tokens_per_s=cfg.prefill_tokens_per_s,
-            queue_cost_s=cfg.queue_cost_s, kv_pressure_cost_s=cfg.kv_pressure_cost_s,
-            bytes_per_block=self.links.bytes_per_block, default_bw=cfg.default_bandwidth_Bps,
-            bandwidth_rows=self.links.rows, top_k=cfg.top_k,
-            salt=req.block_hashes[0] & 0xFFFFFFFF if req.block_hashes else 0)
-        p = self.view.workers[choice.prefill_id]
+        choice = self._choose(req, pp, dp, matches)
+        p = self.view.workers[choice.prefill_id] if choice.prefill_id else None
         d = self.view.workers[choice.decode_id]
         reason = f"score {choice.cost * 1000:.2f}ms" + (" (load bound lifted: pool saturated)"
                                                         if choice.bounded else "")
         if moved_from is not None:
             # Even back onto the same ids (a restarted worker) this is a move: the KV it held is gone.
-            reason = f"moved ({move_reason}); " + reason
-        placement = self._placement(req, p, d, reason, matches, moved_from=moved_from,
-                                    move_reason=move_reason, score=choice.cost)
-        return placement, self._bind(req, p, d) if cfg.session_aware and req.session_id else None
+            reason = f"moved ({text}); " + reason
+        placement = self._placement(req, p, d, reason, matches, moved_from=moved_from, move_reason=text,
+                                    move_kind=kind, score=choice.cost)
+        return placement, self._bind(req, p, d)
 
-    def _binding_usable(self, b: SessionBinding, exclude: Exclude) -> tuple[bool, str]:
+    def _choose(self, req: PlacementRequest, pp: list[WorkerInfo] | None, dp: list[WorkerInfo],
+                matches: dict[str, int]) -> PairChoice:
+        """The cost model's best pair (see scoring.py for the terms)."""
+        costs, view, bs, n = self.costs, self.view, self.config.block_size, req.prompt_len
+        cc = costs.config
+        local = pp is None
+
+        def prefill_cost(c: Candidate) -> float:
+            cached = min(c[2] * bs, n)
+            return (costs.queue_s(c[0], view.outstanding_tokens(c[0])) + cc.queue_cost_s * view.others(c[0])
+                    + costs.prefill_s(c[0], n - cached, cached))
+
+        def decode_cost(c: Candidate) -> float:
+            used = 1.0 - c[3] / c[4] if c[4] > 0 and c[3] >= 0 else 0.0
+            own = cc.queue_cost_s * c[1] + cc.kv_pressure_cost_s * used * used
+            if local:  # it prefills what it does not hold itself
+                cached = min(c[2] * bs, n)
+                own += costs.prefill_s(c[0], n - cached, cached)
+            return own
+
+        return choose_pair(
+            None if local else self._candidates(pp, matches), self._candidates(dp, matches),
+            n_blocks=len(req.block_hashes), epsilon=self.config.epsilon, prefill_cost=prefill_cost,
+            decode_cost=decode_cost, transfer_s=lambda p, d, blocks: costs.transfer_s(p, d, blocks * bs),
+            measured_from=costs.links.measured_from, top_k=self.config.top_k,
+            salt=req.block_hashes[0] & 0xFFFFFFFF if req.block_hashes else 0)
+
+    def _binding_usable(self, b: SessionBinding, exclude: Exclude) -> tuple[str, str]:
+        """``("", "")`` if the bound pair may serve the turn, else (kind, the sentence saying why)."""
         for wid, inc in ((b.prefill_id, b.prefill_incarnation), (b.decode_id, b.decode_incarnation)):
+            if not wid:  # no prefill pool: the binding names a decode worker only
+                if self.config.prefill_pool:
+                    return "gone", "the session's prefill side is gone"
+                continue
             if wid in exclude:
-                return False, f"{wid} excluded"
+                return "excluded", f"{wid} excluded"
             w = self.view.workers.get(wid)
             if w is None:
-                return False, f"{wid} gone"
+                return "gone", f"{wid} gone"
             if w.incarnation != inc:
-                return False, f"{wid} restarted"
+                return "restarted", f"{wid} restarted"
             if not self.view.healthy(wid):
-                return False, f"{wid} unhealthy"
-            pool = self.view.pool(w.role, exclude)
+                return "unhealthy", f"{wid} unhealthy"
             load = self.view.load_of(wid)
-            if overloaded(load, [self.view.load_of(x.worker_id) for x in pool], self.config.session_epsilon,
-                          self.config.session_min_load):
-                return False, f"{wid} overloaded"
-        return True, ""
+            others = [self.view.load_of(x.worker_id) for x in self.view.pool(w.role, exclude)
+                      if x.worker_id != wid]
+            if overloaded(load, others, self.config.session_epsilon, self.config.session_min_load):
+                bound = session_bound(others, self.config.session_epsilon)
+                return "overloaded", f"{wid} overloaded ({load} requests, bound {bound:.1f})"
+        return "", ""
 
     def _candidates(self, pool: list[WorkerInfo], matches: dict[str, int]) -> list[Candidate]:
         return self.view.snapshot(pool, matches)
 
-    def _bind(self, req: PlacementRequest, p: WorkerInfo, d: WorkerInfo) -> SessionBinding | None:
+    def _bind(self, req: PlacementRequest, p: WorkerInfo | None, d: WorkerInfo) -> SessionBinding | None:
         if not (self.config.session_aware and req.session_id):
             return None
-        return SessionBinding(prefill_id=p.worker_id, prefill_incarnation=p.incarnation,
-                              decode_id=d.worker_id, decode_incarnation=d.incarnation,
+        return SessionBinding(prefill_id=p.worker_id if p else "",
+                              prefill_incarnation=p.incarnation if p else "", decode_id=d.worker_id,
+                              decode_incarnation=d.incarnation,
                               expires_at=self._wall() + self.config.session_ttl_s)
 
-    def _simple(self, req, pp, dp, policy, pick) -> tuple[Placement, SessionBinding | None]:
-        p, d = pick(pp, "prefill"), pick(dp, "decode")
+    def _simple(self, req, pp, dp, pick) -> tuple[Placement, SessionBinding | None]:
+        p = pick(pp, "prefill") if pp is not None else None
+        d = pick(dp, "decode")
         matches = self.index.match(req.block_hashes) if req.block_hashes else {}
-        return self._placement(req, p, d, policy, matches), None
+        return self._placement(req, p, d, self.config.policy, matches), None
 
     def _round_robin(self, pool: list[WorkerInfo], role: str) -> WorkerInfo:
         w = pool[self._rr[role] % len(pool)]
@@ -239,36 +274,34 @@ class Placer:
         return pool[best]
 
     def _placement(self, req, p, d, reason, matches, *, session_hit=False, moved_from=None,
-                   move_reason="", score=0.0) -> Placement:
+                   move_reason="", move_kind="", score=0.0) -> Placement:
+        moved = moved_from is not None
         return Placement(prefill=p, decode=d, policy=self.config.policy, reason=reason,
-                         session_hit=session_hit, session_moved=moved_from is not None,
-                         moved_from=moved_from, predicted_prefill_cached_blocks=matches.get(p.worker_id, 0),
+                         session_hit=session_hit, session_moved=moved, moved_from=moved_from,
+                         predicted_prefill_cached_blocks=matches.get(p.worker_id, 0) if p else 0,
                          predicted_decode_cached_blocks=matches.get(d.worker_id, 0), score=score,
-                         move_reason=move_reason if moved_from is not None else "")
+                         move_reason=move_reason if moved else "", move_kind=move_kind if moved else "")
 
     def _commit(self, req: PlacementRequest, pl: Placement, binding: SessionBinding | None) -> None:
-        p_id, d_id = pl.prefill.worker_id, pl.decode.worker_id
-        old = self._pending.pop(req.request_id, None)
-        if old is not None:  # a retry of a request whose first placement never reported back
-            self.view.add_inflight(old[0], -1)
-            self.view.add_inflight(old[1], -1)
-        self._pending[req.request_id] = (p_id, d_id)
-        self.view.add_inflight(p_id, 1)
-        self.view.add_inflight(d_id, 1)
+        p_id, d_id = pl.prefill_id, pl.decode.worker_id
+        cached = min(pl.predicted_prefill_cached_blocks * self.config.block_size, req.prompt_len)
+        self.view.begin(req.request_id, p_id or None, d_id, req.prompt_len - cached)
         limit = self._limit(req)
-        if self.config.policy in ("prefix", "session+prefix") and limit:
+        if self.config.scored and limit:
             # Optimistic: a follower sharing this prompt's prefix should see it before the outcome
             # arrives. Only the next few blocks beyond what each side already holds, to bound the
             # cost of a decision; on_result adds the rest.
             hs, k = req.block_hashes, self.config.optimistic_blocks
-            start = pl.predicted_prefill_cached_blocks
-            self.index.add(p_id, hs[start:min(limit, start + k)])
+            if p_id:
+                start = pl.predicted_prefill_cached_blocks
+                self.index.add(p_id, hs[start:min(limit, start + k)])
             start = pl.predicted_decode_cached_blocks
             self.index.add(d_id, hs[start:min(limit, start + k)])
         if binding is not None and req.session_id:
             self.sessions.put(req.session_id, binding)
         m = self.metrics
-        m.placed(pl.policy, "prefill", p_id).inc()
+        if p_id:
+            m.placed(pl.policy, "prefill", p_id).inc()
         m.placed(pl.policy, "decode", d_id).inc()
         m.prompt_tokens.inc(req.prompt_len)
         m.predicted_prefill.inc(pl.predicted_prefill_cached_blocks)
@@ -276,14 +309,20 @@ class Placer:
         if pl.session_hit:
             m.affinity_hits.inc()
         if pl.session_moved:
-            m.session_moves.labels(reason=pl.move_reason.rsplit(" ", 1)[-1] or "unknown").inc()
+            m.session_moves.labels(reason=pl.move_kind or "unknown").inc()
 
     # ---------------------------------------------------------------- outcomes
+    def prefill_done(self, request_id: str, *, worker_id: str = "", computed_tokens: int = 0,
+                     compute_s: float = 0.0) -> None:
+        """The prompt left its prefill worker's queue (answered, failed, or prefilled locally). With
+        a sample (``worker_id`` computed ``computed_tokens`` in ``compute_s``) the cost model learns
+        that worker's rate; a failed call brings none. Idempotent."""
+        self.view.prefill_done(request_id)
+        if worker_id in self.view.workers:
+            self.costs.observe_prefill(worker_id, tokens=computed_tokens, compute_s=compute_s)
+
     def on_result(self, req: PlacementRequest, placement: Placement, outcome: Outcome) -> None:
-        pend = self._pending.pop(req.request_id, None)
-        if pend is not None:
-            self.view.add_inflight(pend[0], -1)
-            self.view.add_inflight(pend[1], -1)
+        self.view.end(req.request_id)
         p, d = placement.prefill, placement.decode
         m = self.metrics
         if outcome.fallback:
@@ -294,7 +333,8 @@ class Placer:
                 self.view.mark_unhealthy(outcome.failed_worker_id)
                 # What the failed side never produced must not attract the next request.
                 limit = self._limit(req)
-                start = (placement.predicted_prefill_cached_blocks if outcome.failed_worker_id == p.worker_id
+                start = (placement.predicted_prefill_cached_blocks
+                         if p is not None and outcome.failed_worker_id == p.worker_id
                          else placement.predicted_decode_cached_blocks)
                 self.index.remove(outcome.failed_worker_id, req.block_hashes[start:limit])
             return
@@ -302,25 +342,22 @@ class Placer:
         m.cache_hit_tokens.labels(pool="decode").inc(outcome.decode_cached_blocks * self.config.block_size)
         m.kv_bytes_sent.inc(outcome.bytes_sent)
         # Fencing: learn only about the incarnations that actually served the request.
-        p_cur = self.view.workers.get(p.worker_id)
+        p_cur = self.view.workers.get(p.worker_id) if p is not None else None
         d_cur = self.view.workers.get(d.worker_id)
-        if p_cur is not None and p_cur.incarnation == p.incarnation:
-            if outcome.prefill_block_hashes is not None:
-                self.index.add(p.worker_id, outcome.prefill_block_hashes)
-        if d_cur is not None and d_cur.incarnation == d.incarnation:
-            if outcome.decode_block_hashes is not None:
-                self.index.add(d.worker_id, outcome.decode_block_hashes)
-        if p_cur is not None and d_cur is not None:
-            self.links.observe(p.worker_id, d.worker_id, bytes_sent=outcome.bytes_sent,
-                               seconds=outcome.transfer_s, blocks_sent=outcome.blocks_sent)
+        p_ok = p_cur is not None and p_cur.incarnation == p.incarnation
+        d_ok = d_cur is not None and d_cur.incarnation == d.incarnation
+        if p_ok and outcome.prefill_block_hashes is not None:
+            self.index.add(p.worker_id, outcome.prefill_block_hashes)
+        if d_ok and outcome.decode_block_hashes is not None:
+            self.index.add(d.worker_id, outcome.decode_block_hashes)
+        if p_ok and d_ok:
+            self.costs.observe_transfer(p.worker_id, d.worker_id, bytes_sent=outcome.bytes_sent,
+                                        seconds=outcome.transfer_s, blocks_sent=outcome.blocks_sent)
 
     @property
     def inflight_total(self) -> int:
-        return len(self._pending)
+        return self.view.open_total
 
     def forget_request(self, request_id: str) -> None:
-        """Drop a placement that will never report back (e.g. the client went away before start)."""
-        pend = self._pending.pop(request_id, None)
-        if pend is not None:
-            self.view.add_inflight(pend[0], -1)
-            self.view.add_inflight(pend[1], -1)
+        """Close a placement that will never report back (e.g. the client went away before start)."""
+        self.view.end(request_id)

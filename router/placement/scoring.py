@@ -1,25 +1,27 @@
-"""Pair scoring with bounded load: the ``prefix`` policy's decision, as pure functions.
+"""Pair scoring with bounded load: the prefix policies' decision, as pure functions.
 
-Estimated seconds until the request's first token, for a (prefill p, decode d) pair:
+Estimated seconds until the request's first token for a (prefill p, decode d) pair, every term from
+the router's one cost model (``router/costs.py``), which the Placer turns into two per-candidate
+costs and one per-pair term:
 
-    cost(p, d) = uncached_tokens(p) / prefill_tokens_per_s          # prefill compute left
-               + queue_cost_s * load(p)                              # waiting behind p's queue
-               + queue_cost_s * load(d) + kv_pressure_cost_s * used(d)^2
-               + missing_blocks(d) * bytes_per_block / bandwidth(p, d)   # KV transfer
+    cost(p, d) = prefill_cost(p)          queue behind p + computing what p does not cache
+               + decode_cost(d)           d's batch and KV pressure (no prefill pool: d's own prefill
+                                          of what *d* does not cache)
+               + transfer(p, d, missing(d))   the KV blocks d lacks over the measured (p, d) link
 
-``uncached_tokens(p)`` = prompt tokens beyond the prefix p is believed to hold; ``missing_blocks(d)``
-= full blocks d is believed to lack; ``used(d)`` = fraction of d's KV blocks in use.
+A decode worker's cached blocks count twice over: they are not shipped again, and (no prefill pool)
+not recomputed; so at equal load the pair holding a warm prefix costs strictly less and wins.
 
 Bounded load (consistent hashing with bounded loads): in each pool a worker is eligible only if
 ``load + 1 <= ceil((1 + epsilon) * (total_load + 1) / n)``; the least-loaded worker always
 qualifies, so the bound can only be lifted when the whole pool is saturated alike. Decode workers
 without room for the blocks they would receive are skipped while another has room.
 
-The search is pruned: the best ``top_k`` prefill workers by their own cost and the best
-``top_k`` decode workers by their own cost plus transfer at the default bandwidth are paired, so
-a decision stays O(P + D + k^2) rather than O(P x D). Ties break by a per-request rotation of
-worker ids (hash of the first block), so equal workers share identical prefixes deterministically
-on every router replica.
+The search is pruned: the best ``top_k`` prefill workers by their own cost and the best ``top_k``
+decode workers by their own cost plus transfer at the default bandwidth are paired, so a decision
+stays O(P + D + k^2) rather than O(P x D). Only exactly equal costs fall to the tie key, a
+per-request rotation of worker ids (hash of the first block), so equal workers share identical
+prefixes deterministically on every router replica.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # A candidate is a plain tuple on the hot path (dataclass construction costs more than the scoring):
@@ -76,51 +78,41 @@ def eligible(cands: list[Candidate], epsilon: float) -> tuple[list[Candidate], b
 
 
 def choose_pair(
-    prefill: list[Candidate],
+    prefill: list[Candidate] | None,
     decode: list[Candidate],
     *,
     n_blocks: int,
-    prompt_len: int,
-    block_size: int,
     epsilon: float,
-    prefill_tokens_per_s: float,
-    queue_cost_s: float,
-    kv_pressure_cost_s: float,
-    bytes_per_block: float,
-    default_bw: float,
-    bandwidth_rows: dict[str, dict[str, float]],
+    prefill_cost: Callable[[Candidate], float],
+    decode_cost: Callable[[Candidate], float],
+    transfer_s: Callable[[str, str, int], float],
+    measured_from: Callable[[str], bool],
     top_k: int,
     salt: int,
 ) -> PairChoice:
-    """Best pair; ``bandwidth_rows[prefill_id][decode_id]`` = measured link bandwidth (else default)."""
-    ps, p_lifted = eligible(prefill, epsilon)
+    """Best pair (``prefill`` None: no prefill pool, the best decode worker alone).
+
+    ``transfer_s(prefill_id, decode_id, missing_blocks)``: seconds to ship them over that link
+    (``prefill_id=""``: the default link); ``measured_from(prefill_id)``: whether any link from that
+    worker was measured (if none was, the cost separates and each pool's best is the answer)."""
     ds, d_lifted = eligible(decode, epsilon)
     roomy = [c for c in ds if c[3] < 0 or c[3] >= n_blocks - c[2]]
     if roomy:
         ds = roomy
-    ties = _TIE_CACHE
     mix = 0x9E3779B1
-
-    pk = []
-    for c in ps:
-        uncached = prompt_len - c[2] * block_size
-        h = ties.get(c[0])
-        if h is None:
-            h = _worker_hash(c[0])
-        pk.append(((uncached if uncached > 0 else 0) / prefill_tokens_per_s + queue_cost_s * c[1],
-                   ((h ^ salt) * mix) & 0xFFFFFFFF, c))
     dk = []
     for c in ds:
-        used = 1.0 - c[3] / c[4] if c[4] > 0 and c[3] >= 0 else 0.0
-        own = queue_cost_s * c[1] + kv_pressure_cost_s * used * used
-        miss = n_blocks - c[2]
-        miss_bytes = miss * bytes_per_block if miss > 0 else 0.0
-        h = ties.get(c[0])
-        if h is None:
-            h = _worker_hash(c[0])
-        dk.append((own + miss_bytes / default_bw, ((h ^ salt) * mix) & 0xFFFFFFFF, c, own, miss_bytes))
-    if not any(p[2][0] in bandwidth_rows for p in pk):
-        # No measured link from any candidate: the cost separates, each pool's best is the answer.
+        own = decode_cost(c)
+        miss = n_blocks - c[2] if prefill is not None else 0
+        tie = ((_worker_hash(c[0]) ^ salt) * mix) & 0xFFFFFFFF
+        dk.append((own + (transfer_s("", c[0], miss) if miss > 0 else 0.0), tie, c, own, miss))
+    if prefill is None:
+        dc, _, d, _, _ = min(dk)
+        return PairChoice(prefill_id="", decode_id=d[0], cost=dc, prefill_cached=0, decode_cached=d[2],
+                          bounded=d_lifted)
+    ps, p_lifted = eligible(prefill, epsilon)
+    pk = [(prefill_cost(c), ((_worker_hash(c[0]) ^ salt) * mix) & 0xFFFFFFFF, c) for c in ps]
+    if not any(measured_from(p[2][0]) for p in pk):
         pc, _, p = min(pk)
         dc, _, d, _, _ = min(dk)
         return PairChoice(prefill_id=p[0], decode_id=d[0], cost=pc + dc, prefill_cached=p[2],
@@ -132,9 +124,8 @@ def choose_pair(
     best = None
     best_key = None
     for pc, pt, p in pk:
-        row = bandwidth_rows.get(p[0], _EMPTY)
-        for _, dt, d, own, miss_bytes in dk:
-            total = pc + own + (miss_bytes / row.get(d[0], default_bw) if miss_bytes else 0.0)
+        for _, dt, d, own, miss in dk:
+            total = pc + own + (transfer_s(p[0], d[0], miss) if miss > 0 else 0.0)
             key = (total, pt, dt)
             if best_key is None or key < best_key:
                 best_key, best = key, (p, d)
@@ -144,10 +135,18 @@ def choose_pair(
                       decode_cached=d[2], bounded=p_lifted or d_lifted)
 
 
-_EMPTY: dict[str, float] = {}
 
 
-def overloaded(load: int, loads: Sequence[int], epsilon: float, min_load: int = 0) -> bool:
-    """Whether a worker at ``load`` would exceed the (1 + epsilon) bound by taking one more request
-    (never below ``min_load``, where small absolute numbers make ratios meaningless)."""
-    return len(loads) > 1 and load >= min_load and load + 1 > load_cap(loads, epsilon)
+def session_bound(others: Sequence[int], epsilon: float) -> float:
+    """Most requests a session's bound worker may hold before its session moves: (1 + epsilon) x
+    (the other workers' average + 1). Against the *others*, so that with two workers a bound one
+    can exceed it (a bound over all workers' average never trips when the other worker is idle)."""
+    if not others:
+        return math.inf
+    return (1.0 + epsilon) * (sum(others) / len(others) + 1.0)
+
+
+def overloaded(load: int, others: Sequence[int], epsilon: float, min_load: int = 0) -> bool:
+    """Whether a session's bound worker at ``load`` is past the session load bound (never below
+    ``min_load``, where small absolute numbers make ratios meaningless)."""
+    return load >= min_load and load > session_bound(others, epsilon)

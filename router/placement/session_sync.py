@@ -13,49 +13,58 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable
 
+from router.metrics import RouterMetrics
+from router.placement.config import PlacerConfig
 from router.placement.types import WorkerLoad
-from router.state.sessions import SessionBinding
-from router.state.store import StoreUnavailable
-
-if TYPE_CHECKING:
-    from router.placement.placer import Placer
+from router.state.sessions import SessionBinding, SessionTable
+from router.state.store import StateStore, StoreUnavailable
+from router.state.workers import WorkerView
 
 _STORE_ERRORS = (StoreUnavailable, asyncio.TimeoutError, OSError)
 
 
 class SessionSync:
-    def __init__(self, placer: Placer) -> None:
-        self._p = placer
+    """``store_counts_errors``: the store reports its own failures to the metrics (a RedisStore built
+    with ``on_error``), so only what it cannot see is counted here."""
+
+    def __init__(self, *, store: StateStore, config: PlacerConfig, view: WorkerView, sessions: SessionTable,
+                 metrics: RouterMetrics, store_counts_errors: bool = False,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.store, self.config, self.view, self.sessions = store, config, view, sessions
+        self.metrics = metrics
+        self.store_counts_errors = store_counts_errors
+        self._wall = wall
         self._task: asyncio.Task | None = None
         self._bg: set[asyncio.Task] = set()
         self._loads_out: dict[str, WorkerLoad] = {}
 
     def _err(self, op: str, exc: BaseException | None = None) -> None:
-        # A store with its own error hook (RedisStore wired by the Placer) counts its failures
-        # itself; here only what it cannot see: our timeouts, and stores without a hook.
-        if isinstance(exc, StoreUnavailable) and getattr(self._p.store, "_on_error", None) is not None:
+        # A store with its own error hook counts its failures itself; here only what it cannot see:
+        # our timeouts, and stores without a hook.
+        if isinstance(exc, StoreUnavailable) and self.store_counts_errors:
             return
-        self._p.metrics.redis_errors.labels(op=op).inc()
+        self.metrics.redis_errors.labels(op=op).inc()
 
     async def fetch(self, session_id: str) -> SessionBinding | None | bool:
         """The store's binding, None if it has none, False if the store could not answer."""
         try:
-            b = await asyncio.wait_for(self._p.store.get_session(session_id), self._p.config.store_timeout_s)
+            b = await asyncio.wait_for(self.store.get_session(session_id), self.config.store_timeout_s)
         except _STORE_ERRORS as e:
             self._err("get_session", e)
             return False
-        if b is not None and b.expires_at <= self._p.sessions._clock():
+        if b is not None and b.expires_at <= self._wall():
             return None
         return b
 
     async def write(self, session_id: str, binding: SessionBinding, *, only_if_absent: bool) -> bool | None:
         try:
             return await asyncio.wait_for(
-                self._p.store.put_session(session_id, binding, self._p.config.session_ttl_s,
+                self.store.put_session(session_id, binding, self.config.session_ttl_s,
                                           only_if_absent=only_if_absent),
-                self._p.config.store_timeout_s)
+                self.config.store_timeout_s)
         except _STORE_ERRORS as e:
             self._err("put_session", e)
             return None
@@ -73,34 +82,34 @@ class SessionSync:
         self._loads_out[worker_id] = load
 
     async def sync_once(self) -> None:
-        cfg = self._p.config
+        cfg = self.config
         out, self._loads_out = self._loads_out, {}
         for wid, load in out.items():
             try:
-                await asyncio.wait_for(self._p.store.put_load(wid, load, cfg.load_stale_s), 1.0)
+                await asyncio.wait_for(self.store.put_load(wid, load, cfg.load_stale_s), 1.0)
             except _STORE_ERRORS as e:
                 self._err("put_load", e)
                 # Keep the newest unsent report for the next round unless a newer one arrived.
                 self._loads_out.setdefault(wid, load)
         try:
-            loads = await asyncio.wait_for(self._p.store.get_loads(), 1.0)
+            loads = await asyncio.wait_for(self.store.get_loads(), 1.0)
         except _STORE_ERRORS as e:
             self._err("get_loads", e)
             return
-        view = self._p.view
+        view = self.view
         for wid, load in loads.items():
             mine = view.loads.get(wid)
             if mine is None or load.reported_at > mine.reported_at:
                 view.set_load(wid, load)
-        self._p.sessions.purge_expired()
+        self.sessions.purge_expired()
 
     async def _loop(self) -> None:
         while True:
             await self.sync_once()
-            await asyncio.sleep(self._p.config.sync_interval_s)
+            await asyncio.sleep(self.config.sync_interval_s)
 
     async def start(self) -> None:
-        if self._p.store.shared and self._task is None:
+        if self.store.shared and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def close(self) -> None:
@@ -115,4 +124,4 @@ class SessionSync:
             with contextlib.suppress(asyncio.CancelledError, *_STORE_ERRORS):
                 await t
         with contextlib.suppress(Exception):
-            await self._p.store.close()
+            await self.store.close()

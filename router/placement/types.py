@@ -10,7 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 ROLES = ("prefill", "decode")
-POLICIES = ("round_robin", "least_loaded", "prefix", "session+prefix")
+# prefix (default): a request with a session id goes to its session's pair while that pair is usable,
+# any other by the cost model (prefix overlap on both sides, load, links); session+prefix: the same;
+# prefix_only: the cost model alone, session ids ignored; round_robin / least_loaded: each pool alone.
+POLICIES = ("prefix", "session+prefix", "prefix_only", "round_robin", "least_loaded")
 
 
 class NoWorkersAvailable(RuntimeError):
@@ -26,6 +29,11 @@ class WorkerInfo:
     address: str
     incarnation: str = ""
     layout_hash: str = ""
+    # From its GetStats (0 = not reported): the cost model's KV size per token, the batch capacity
+    # the conditional decision weighs a decode worker's running requests by.
+    kv_bytes_per_block: int = 0
+    block_size: int = 0
+    max_num_seqs: int = 0
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -72,9 +80,12 @@ class PlacementRequest:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a request runs and why. ``moved_from`` is ``(old_prefill_id, old_decode_id)`` on a move."""
+    """Where a request runs and why. ``prefill`` is None when the router has no prefill pool (it fronts
+    colocated workers: the decode worker prefills). ``moved_from`` is ``(old_prefill_id,
+    old_decode_id)`` on a session move, ``move_kind`` its bounded label (metrics), ``move_reason`` the
+    sentence the path report carries."""
 
-    prefill: WorkerInfo
+    prefill: WorkerInfo | None
     decode: WorkerInfo
     policy: str
     reason: str
@@ -84,7 +95,12 @@ class Placement:
     predicted_prefill_cached_blocks: int = 0
     predicted_decode_cached_blocks: int = 0
     score: float = 0.0
-    move_reason: str = ""  # e.g. "d1 unhealthy", "p0 restarted", "d2 overloaded", "d0 gone"
+    move_reason: str = ""  # e.g. "d1 unhealthy", "p0 restarted", "d2 overloaded (load 7 > bound 6)"
+    move_kind: str = ""  # gone | restarted | unhealthy | excluded | overloaded
+
+    @property
+    def prefill_id(self) -> str:
+        return self.prefill.worker_id if self.prefill is not None else ""
 
     @property
     def moved_from_str(self) -> str:

@@ -79,7 +79,7 @@ class RedisStore:
         self._down_until = 0.0
         self.errors = 0
         self.reconnects = 0
-        self._on_error = on_error  # callback(op: str) for metrics
+        self.on_error = on_error  # callback(op: str) for metrics
 
     # --- availability gate -------------------------------------------------------------------
     @property
@@ -101,8 +101,8 @@ class RedisStore:
         self.errors += 1
         delay = min(self.backoff_max_s, self.backoff_base_s * 2 ** (self._failures - 1))
         self._down_until = time.monotonic() + delay * random.uniform(0.5, 1.0)
-        if self._on_error is not None:
-            self._on_error(op)
+        if self.on_error is not None:
+            self.on_error(op)
         return StoreUnavailable(f"redis {op} failed: {exc}")
 
     async def _call(self, op: str, coro_fn, *args, **kwargs):

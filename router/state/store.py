@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Protocol
 
@@ -52,6 +53,8 @@ def load_from_json(raw: str | bytes) -> WorkerLoad:
 
 class StateStore(Protocol):
     shared: bool
+    # called with the operation's name whenever the store fails one (metrics); None = nobody counts
+    on_error: Callable[[str], None] | None
 
     async def get_session(self, session_id: str) -> SessionBinding | None: ...
     async def put_session(self, session_id: str, binding: SessionBinding, ttl_s: float, *,
@@ -70,6 +73,7 @@ class InMemoryStore:
     """Process-local store with the same semantics (TTL, fencing) as RedisStore."""
 
     shared = False
+    on_error = None  # it never fails
 
     def __init__(self, clock=time.monotonic) -> None:
         self._clock = clock

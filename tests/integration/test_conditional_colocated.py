@@ -3,7 +3,7 @@
 No prefill pool: the router places each request on a colocated worker through the same Placer
 (``session+prefix``), Allocates there and Decodes with ``prefill_locally``. Covers: concurrent greedy
 output token-identical to one engine, both workers used, every request reported as
-``prefill_mode=local`` / ``colocated``, a session's turns staying on one worker and reusing its KV,
+``prefill_mode=local`` / ``no_prefill_pool``, a session's turns staying on one worker and reusing its KV,
 the workers still serving the Router API themselves (the old baseline), and the leak checks
 (free blocks back, nothing leased or running, the router's in-flight gauge at 0).
 """
@@ -45,13 +45,13 @@ def test_router_fronts_colocated_workers_token_identical(cluster, clean) -> None
     assert [r.token_ids for r in got] == want
     for r in got:
         f = r.final
-        assert (f["prefill_mode"], f["prefill_mode_reason"]) == ("local", "colocated")
+        assert (f["prefill_mode"], f["prefill_mode_reason"]) == ("local", "no_prefill_pool")
         assert f["transport"] == "local"
         assert f["prefill_worker"] == f["decode_worker"] and f["decode_worker"].startswith("colocated")
         assert f["kv_blocks_sent"] == 0 and f["usage"]["completion_tokens"] == len(r.token_ids)
     assert len({r.final["decode_worker"] for r in got}) == 2  # the load bound spreads 6 requests
     m = scrape(cluster.metrics_port)
-    assert m['pdserve_router_prefill_decisions_total{mode="local",reason="colocated"}'] >= 6
+    assert m['pdserve_router_prefill_decisions_total{mode="local",reason="no_prefill_pool"}'] >= 6
 
 
 def test_session_stays_on_one_colocated_worker_and_reuses_its_kv(cluster, clean) -> None:

