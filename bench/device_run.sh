@@ -10,6 +10,9 @@
 #   tests  pytest -m gpu tests/gpu (for real: CUDA is there)
 #   bench  python3 bench/gpu.py (writes bench/results/gpu-<device>-<date>.json)
 #   stream-8b  layer-wise KV push on vs off, llama3-8b shape, NIXL and TCP (bench.prefill_stream)
+#   frontier   goodput frontier, 2 GPUs, llama3-8b, log-normal mix: 1P1D NIXL / TCP, conditional, 2 colocated,
+#              then each at 1.5x its SLO-goodput rate (bench/gpu_frontier.py; args after -- go to it,
+#              e.g. `frontier -- --size small`, ~8 minutes)
 # Everything worth keeping goes to $OUT (logs, JSON, the compiled JIT kernels as one .tar.xz).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -81,6 +84,8 @@ for step in "${steps[@]}"; do
         tests) python3 -m pytest -q -m gpu ${PDSERVE_GPU_TESTS:-tests/gpu} -p no:cacheprovider -o addopts="" -rs --timeout 900 2>&1 \
                    | tee "$OUT/tests.log"; rc=$(( rc | $? )) ;;
         bench) python3 bench/gpu.py --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/bench.log"; rc=$(( rc | $? )) ;;
+        frontier) python3 bench/gpu_frontier.py --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/frontier.log"
+                  rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         disagg-small) python3 bench/gpu_disagg.py "$OUT" small 2>&1 | tee "$OUT/disagg.log"; rc=$(( rc | $? ))
                       tail -n 30 "$OUT"/disagg-logs/*.log ;;
         stream-8b)  # layer-wise KV push on vs off on the llama3-8b shape (bench/prefill_stream.py)

@@ -194,3 +194,33 @@ def test_modes_catalogue_cpu_and_two_gpus() -> None:
     assert [w["CUDA_VISIBLE_DEVICES"] for w in plan["colocated-chunk512"]["workers"]] == ["0", "1"]
     with pytest.raises(ValueError, match="unknown modes"):
         cluster_spec("disagg", cpu)
+
+
+def test_gpu_frontier_plan_and_report_without_a_gpu(monkeypatch) -> None:
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from pdserve.app.loadgen.compare import frontier_summary
+
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
+    monkeypatch.syspath_prepend(bench)
+    gf = __import__("gpu_frontier")
+    try:
+        args = argparse.Namespace(size="small", modes="1p1d-nixl,1p1d-tcp,conditional,colocated",
+                                  max_queue_wait_s=1.5, overload_factor=1.5)
+        modes, opts, cfg = gf.plan(args, "M", 2, 30.0)
+        assert modes == ["1p1d-nixl", "1p1d-tcp", "conditional", "colocated"]
+        assert opts.router_args == ("--max-queue-wait-s", "1.5") and opts.prefill_args[-1] == "8192"
+        assert cfg.rates == gf.SIZES["small"][0] and cfg.tpot_slo_ms == 25.0 and cfg.overload_factor == 1.5
+        slo = {"ttft_ms": 2000.0, "tpot_ms": 25.0}
+        results = {"colocated": {"points": [_point(6, 1.0)], "slo_goodput_rps": 6.0, "peak_goodput_rps": 6.0,
+                                 "target": 0.95, "stopped": "x", "slo": slo,
+                                 "blocks_back": {"all_back": True}},
+                   "1p1d-tcp": {"error": "StartFailed: boom"}}
+        res = {"device": {"name": "GPU", "count": 2}, "command": "c", "date": "d", "size": "small",
+               "results": results, "frontier": frontier_summary(results)}
+        text = "\n".join(gf.markdown(res))
+        assert "| colocated | 6 | 1.00x |" in text and "1p1d-tcp: StartFailed: boom" in text
+    finally:
+        sys.modules.pop("gpu_frontier", None)

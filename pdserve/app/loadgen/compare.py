@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -44,14 +45,17 @@ def router_metrics(port: int) -> dict[str, float]:
 
 def run_modes(modes: list[str], opts: ModeOptions, base: RunConfig, cfg: SweepConfig, *, run_dir: str | Path,
               env: dict[str, str] | None = None, progress: bool | None = None,
-              warm_input_lens: tuple[int, ...] = (8,),
+              warm_input_lens: tuple[int, ...] = (8,), budget_s: float = math.inf,
               on_mode: Callable[[str, dict], None] | None = None) -> dict[str, dict]:
     """mode -> its sweep result (``sweep.sweep``'s dict plus ``cluster``, ``startup_s``,
-    ``blocks_back``), or ``{"error": ...}`` when the mode could not be started or swept."""
+    ``blocks_back``), or ``{"error": ...}`` when the mode could not be started or swept. ``budget_s``
+    is split evenly between the modes: a mode past its share sweeps no further point."""
     import time
 
     results: dict[str, dict] = {}
-    for mode in modes:
+    start = time.monotonic()
+    for i, mode in enumerate(modes):
+        deadline = start + budget_s * (i + 1) / len(modes)
         port = free_port()
         spec = cluster_spec(mode, dataclasses.replace(
             opts, router_args=(*opts.router_args, "--metrics-port", str(port))))
@@ -69,7 +73,7 @@ def run_modes(modes: list[str], opts: ModeOptions, base: RunConfig, cfg: SweepCo
                     point["router_metrics"] = router_metrics(port)
 
                 res.update(sweep(dataclasses.replace(base, router=c.router), cfg, desc=mode,
-                                 progress=progress, after_point=scrape))
+                                 progress=progress, after_point=scrape, deadline=deadline))
                 res["blocks_back"] = c.blocks_back({w: r["free"] for w, r in free0.items()})
         except Exception as exc:  # one mode failing must not cost the others' numbers
             res["error"] = f"{type(exc).__name__}: {exc}"

@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import math
 import sys
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,9 +95,10 @@ def frontier(points: list[dict], target: float) -> float:
 
 
 def sweep(base: RunConfig, cfg: SweepConfig, *, desc: str = "", progress: bool | None = None,
-          after_point: Callable[[dict], None] | None = None) -> dict:
+          after_point: Callable[[dict], None] | None = None, deadline: float = math.inf) -> dict:
     """Sweep ``cfg.rates`` against ``base.router``; see the module doc. ``after_point(summary)`` may add
-    to each point's summary (router metrics); ``progress`` None shows the bar on a terminal only."""
+    to each point's summary (router metrics); ``progress`` None shows the bar on a terminal only; past
+    ``deadline`` (``time.monotonic``) no further point starts."""
     from tqdm import tqdm
 
     planned = sum(cfg.requests_at(r) for r in cfg.rates)
@@ -105,6 +107,9 @@ def sweep(base: RunConfig, cfg: SweepConfig, *, desc: str = "", progress: bool |
     with tqdm(total=planned, desc=desc or base.router, unit="req", file=sys.stderr, leave=False,
               disable=None if progress is None else not progress, dynamic_ncols=True) as bar:
         for rate in cfg.rates:
+            if time.monotonic() > deadline:
+                stopped = f"time budget spent before {rate:g} req/s"
+                break
             bar.set_postfix_str(f"{rate:g} req/s")
             point = run_point(base, cfg, rate, lambda _s: bar.update(1))
             if after_point is not None:
@@ -119,7 +124,7 @@ def sweep(base: RunConfig, cfg: SweepConfig, *, desc: str = "", progress: bool |
            "slo_goodput_rps": frontier(points, cfg.target),
            "peak_goodput_rps": max((p["goodput"] for p in points), default=0.0)}
     rate = out["slo_goodput_rps"]
-    if cfg.overload_factor and rate:
+    if cfg.overload_factor and rate and time.monotonic() <= deadline:
         over = run_point(base, cfg, round(rate * cfg.overload_factor, 3))
         if after_point is not None:
             after_point(over)
