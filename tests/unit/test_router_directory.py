@@ -89,7 +89,11 @@ def test_drain_timeout_closes_a_handle_that_is_never_released() -> None:
         await d.poll_once()
         h = d.acquire("d0")
         await d.set_addresses("decode", [])
-        await asyncio.sleep(0.2)
+        # The timeout's close runs as its own task: wait for it (a loaded machine can run both
+        # timers in one loop iteration, so a fixed sleep longer than the timeout proves nothing).
+        deadline = asyncio.get_running_loop().time() + 30
+        while ch["d0"].closed == 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
         assert ch["d0"].closed == 1 and h.closed and d.draining == []
         d.release(h)  # a late release is harmless
         await asyncio.sleep(0)
