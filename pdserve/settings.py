@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 ROLES = ("prefill", "decode", "router", "colocated")
 TRANSPORTS = ("auto", "nixl", "tcp")
 DISCOVERY = ("static", "redis", "k8s", "file")
-POLICIES = ("round_robin", "least_loaded", "prefix", "session+prefix")
+POLICIES = ("prefix", "session+prefix", "prefix_only", "round_robin", "least_loaded")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ROUTER_MODES = ("disagg", "colocated")
@@ -285,7 +285,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--k8s-namespace")
     a("--prefill-selector", help="router, k8s discovery: label selector of prefill pods")
     a("--decode-selector", help="router, k8s discovery: label selector of decode pods")
-    a("--policy", choices=POLICIES, help="router placement policy (default prefix)")
+    a("--policy", choices=POLICIES, help="router placement policy (default prefix: a request with a session "
+      "id goes to its session's pair while that pair is usable, any other by prefix overlap and load; "
+      "prefix_only ignores session ids)")
     a("--workers-file", help="router, discovery file: JSON {\"prefill\": [..], \"decode\": [..]}, watched")
     a("--session-ttl", type=float, help="router: seconds a session's affinity is kept (default 600)")
     a("--stats-interval", type=float, help="router: seconds between worker GetStats polls (default 0.5)")
@@ -295,9 +297,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       "when the uncached suffix is short or the KV transfer would be slower than recomputing (default off)")
     a("--min-uncached-tokens", type=int, help="router, conditional: at or below this many uncached prompt "
       "tokens prefill locally (default 256)")
-    a("--local-prefill-tokens-per-s", type=float, help="router, conditional: the decode worker's prefill "
-      "rate used to estimate recompute time, and the prefill pool's until measured (default 30000, a GPU "
-      "figure)")
+    a("--local-prefill-tokens-per-s", type=float, help="router: every worker's prefill rate in the "
+      "router's cost model until that worker's own is measured (placement and conditional "
+      "disaggregation; default 30000, a GPU figure)")
     a("--max-prefill-wait-s", type=float, help="router, conditional: prefill locally when the prefill "
       "worker's estimated queue is longer than this many seconds (default 0.5; 0 = never for that reason)")
     a("--local-prefill-duty", type=float, help="router, conditional: at most this share of a decode "
