@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
 from router.api_keys import ApiKeys, bearer_token
 from router.http.errors import OpenAIError
@@ -37,21 +38,36 @@ OPEN_PATHS = frozenset({"/health"})
 _DONE = format_sse_event(data_str="[DONE]")
 
 
-class RequireApiKey:
-    """ASGI middleware: every path but OPEN_PATHS needs ``Authorization: Bearer KEY`` (401 otherwise)."""
+class Gate:
+    """ASGI middleware in front of everything: with keys, every path but OPEN_PATHS needs
+    ``Authorization: Bearer KEY`` (401); a declared Content-Length over the limit is refused (413) in
+    OpenAI's shape before a byte of the body is read. (A chunked body without a length is cut by
+    Starlette's limiter, also 413, as plain text.)"""
 
-    def __init__(self, app, keys: ApiKeys) -> None:
+    def __init__(self, app, keys: ApiKeys | None, max_body_bytes: int) -> None:
         self.app = app
-        self.keys = keys
+        self.keys = keys if keys is not None and keys.enabled else None
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            key = bearer_token(Headers(scope=scope).get("authorization"))
-            if not self.keys.allows(key):
-                err = OpenAIError(401, self.keys.refusal(key), code="invalid_api_key")
+        if scope["type"] == "http":
+            err = self._refusal(scope)
+            if err is not None:
                 await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> OpenAIError | None:
+        headers = Headers(scope=scope)
+        if self.keys is not None and scope["path"] not in OPEN_PATHS:
+            key = bearer_token(headers.get("authorization"))
+            if not self.keys.allows(key):
+                return OpenAIError(401, self.keys.refusal(key), code="invalid_api_key")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return OpenAIError(413, f"request body too large: {length} bytes, at most {self.max_body_bytes}",
+                               code="request_too_large")
+        return None
 
 
 def _sse(obj: dict) -> bytes:
@@ -72,10 +88,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def build_app(frontend: OpenAIFrontend, *, keys: ApiKeys | None = None,
               healthy: Callable[[], bool] = lambda: True, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None,
-                  max_body_size=max_body_bytes, strict_content_type=False)
-    if keys is not None and keys.enabled:
-        app.add_middleware(RequireApiKey, keys=keys)
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None, strict_content_type=False)
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_bytes)  # bodies without a length
+    app.add_middleware(Gate, keys=keys, max_body_bytes=max_body_bytes)  # added last: runs first
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:

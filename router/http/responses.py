@@ -13,14 +13,17 @@ from __future__ import annotations
 import time
 
 from pdserve.v1 import router_pb2
+from pdserve.wire import report
 
 # FinalInfo fields also sent as x-pdserve-<name> headers on a non-streamed answer
 HEADER_FIELDS = ("prefill_worker", "decode_worker", "transport", "kv_bytes_sent", "prefill_mode")
 
 
 def path_report(final: router_pb2.FinalInfo) -> dict:
-    """FinalInfo as plain JSON (int64 stays a number; usage is reported in OpenAI's own field)."""
-    return {f.name: getattr(final, f.name) for f in final.DESCRIPTOR.fields if f.name != "usage"}
+    """FinalInfo as plain JSON (usage is reported in OpenAI's own field)."""
+    out = report(final)
+    del out["usage"]
+    return out
 
 
 def report_headers(report: dict, usage: dict) -> dict[str, str]:

@@ -1,0 +1,117 @@
+"""The HTTP door's refusals that a live CPU cluster does not produce on demand, over a real uvicorn
+server on loopback with a stand-in pipeline: a full cluster (RESOURCE_EXHAUSTED with the router's
+retry hint → 429 + Retry-After), no worker (UNAVAILABLE → 503), a deadline (504), a model without a
+chat template, a failure after the first token (an error event, then [DONE]), and the mapping table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+
+import grpc
+import pytest
+
+from pdserve.v1 import router_pb2
+from router.admission import ModelLimits
+from router.http.app import build_app
+from router.http.errors import HTTP_STATUS, OpenAIError
+from router.http.frontend import OpenAIFrontend
+from router.http.server import HttpServer
+from router.pipeline import FirstToken, RequestFailed
+
+
+class FakePipeline:
+    """Fails with ``exc`` before the first token, or after ``tokens_first`` tokens."""
+
+    def __init__(self, exc: BaseException, tokens_first: int = 0) -> None:
+        self.exc = exc
+        self.tokens_first = tokens_first
+
+    async def run(self, req, timeout):
+        for i in range(self.tokens_first):
+            yield FirstToken(10 + i, None)
+        raise self.exc
+
+
+def refused(code: grpc.StatusCode, message: str, retry_ms: int | None = None) -> RequestFailed:
+    exc = RequestFailed(code, message)
+    if retry_ms is not None:
+        exc.trailing_metadata = (("retry-after-ms", str(retry_ms)),)
+    return exc
+
+
+def call(port: int, path: str, body: dict) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def serve_and_call(pipeline, path: str, body: dict, *, template=None, tokenizer=None):
+    async def main():
+        limits = ModelLimits(vocab_size=1024, max_model_len=256, tokenizer=tokenizer)
+        front = OpenAIFrontend(pipeline=pipeline, limits=limits, model_name="m", chat_template=template)
+        server = HttpServer(build_app(front), host="127.0.0.1", port=0, drain_timeout=1)
+        await server.start()
+        try:
+            return await asyncio.to_thread(call, server.port, path, body)
+        finally:
+            await server.stop()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("code,status", [(grpc.StatusCode.UNAVAILABLE, 503),
+                                         (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+                                         (grpc.StatusCode.INTERNAL, 500)])
+def test_refusals_map_to_http_status(code, status) -> None:
+    got, _, body = serve_and_call(FakePipeline(refused(code, "why")), "/v1/completions",
+                                  {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2})
+    err = json.loads(body)["error"]
+    assert got == status and err["message"] == "why" and err["code"] == code.name.lower()
+
+
+def test_full_cluster_is_429_with_retry_after_from_the_routers_hint() -> None:
+    exc = refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "every decode worker is full", retry_ms=2500)
+    status, headers, body = serve_and_call(FakePipeline(exc), "/v1/completions",
+                                           {"model": "m", "prompt": [1, 2, 3], "stream": True})
+    assert status == 429 and headers["retry-after"] == "3"  # seconds, rounded up
+    assert json.loads(body)["error"]["type"] == "rate_limit_error"
+    status, headers, _ = serve_and_call(FakePipeline(refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")),
+                                        "/v1/completions", {"model": "m", "prompt": [1]})
+    assert status == 429 and headers["retry-after"] == "1"  # no hint: the default
+
+
+def test_failure_after_the_first_token_is_an_error_event_then_done() -> None:
+    exc = refused(grpc.StatusCode.UNAVAILABLE, "decode worker died")
+    status, _, body = serve_and_call(FakePipeline(exc, tokens_first=1), "/v1/completions",
+                                     {"model": "m", "prompt": [1, 2], "stream": True, "max_tokens": 5})
+    events = [line[len("data: "):] for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"] == "decode worker died"
+
+
+def test_chat_without_template_is_refused_clearly(tiny_llama_dir) -> None:
+    from engine.tokenizer import Tokenizer
+
+    status, _, body = serve_and_call(FakePipeline(AssertionError("not reached")), "/v1/chat/completions",
+                                     {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                                     tokenizer=Tokenizer.from_dir(tiny_llama_dir))
+    err = json.loads(body)["error"]
+    assert status == 400 and "no chat template" in err["message"] and err["code"] == "chat_template_missing"
+
+
+def test_every_grpc_code_has_a_status() -> None:
+    for code in grpc.StatusCode:
+        e = OpenAIError.from_grpc(code, "x")
+        assert e.status == HTTP_STATUS.get(code, 500)
+        assert e.body()["error"]["message"] == "x"
+    assert HTTP_STATUS[grpc.StatusCode.INVALID_ARGUMENT] == 400
+    assert HTTP_STATUS[grpc.StatusCode.UNAUTHENTICATED] == 401
+    assert HTTP_STATUS[grpc.StatusCode.NOT_FOUND] == 404
+    assert router_pb2.GenerateRequest  # the wire types the door translates into are importable
