@@ -13,6 +13,8 @@
 #   frontier   goodput frontier, 2 GPUs, llama3-8b, log-normal mix: 1P1D NIXL / TCP, conditional, 2 colocated,
 #              then each at 1.5x its SLO-goodput rate (bench/gpu_frontier.py; args after -- go to it,
 #              e.g. `frontier -- --size small`, ~8 minutes)
+#   kv-concurrency  TCP KV transfers GPU0 -> GPU1, 1/4/16 in flight (2k tokens, llama3-8b layout), each
+#              beside a raw socket over the same connections; mutual TLS vs plaintext at 1 and 16 (bench.kv_bench)
 # Everything worth keeping goes to $OUT (logs, JSON, the compiled JIT kernels as one .tar.xz).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -96,6 +98,10 @@ from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve
                     --transport $tr --lengths 1024,4096 --iters 6 --threads 1 \
                     --json "$OUT/kv-stream-layers-8b-$tr.json" 2>&1 | tee -a "$OUT/stream.log"; rc=$(( rc | $? ))
             done ;;
+        kv-concurrency)
+            python3 -m bench.kv_bench --device cuda --backends "" --concurrency 1,4,16 --conc-tokens 2048 \
+                --tls-concurrency 1,16 --json "$OUT/kvtransfer-concurrency-gpu.json" 2>&1 | tee "$OUT/kv-concurrency.log"
+            rc=$(( rc | $? )) ;;
         *) echo "unknown step $step"; rc=2 ;;
     esac
     log "step $step done (rc so far $rc)"

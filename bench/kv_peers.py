@@ -35,7 +35,9 @@ class PeerClient:
                     stderr=None, root: str | None = None) -> PeerClient:
         """root: the source tree the child imports kvtransfer from (another checkout, for A/B runs)."""
         root = root or _ROOT
-        full_env = {**os.environ, "PYTHONPATH": root, **(env or {})}
+        # root first, then whatever the parent had (a device run installs packages under /tmp/site)
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
         for key, value in list(full_env.items()):
             if value is None:
                 del full_env[key]
