@@ -50,17 +50,23 @@ $(MODEL)/config.json: | setup
 # 1 prefill + 1 decode + router as plain processes (`pdserve up --launcher process`: no Ray start-up
 # cost), one prompt through the router, then a clean `pdserve down` (also on failure or Ctrl-C).
 RUN_DIR := .run/make-run
+HTTP_PORT ?= 8000
 run: setup $(MODEL)/config.json
 	@mkdir -p $(RUN_DIR) && rm -f $(RUN_DIR)/up.log
 	@$(VENV)/bin/pdserve up --model $(MODEL) --prefill 1 --decode 1 --launcher process --num-blocks 512 \
+	    --http-port $(HTTP_PORT) --served-model-name tiny \
 	    --run-dir $(RUN_DIR) >$(RUN_DIR)/up.log 2>&1 & up=$$!; \
 	trap '$(VENV)/bin/pdserve down --run-dir $(RUN_DIR) >/dev/null 2>&1; wait $$up' EXIT; \
-	for i in $$(seq 1 600); do grep -q '^router:' $(RUN_DIR)/up.log && break; \
+	for i in $$(seq 1 600); do grep -q '^http:' $(RUN_DIR)/up.log && break; \
 	    kill -0 $$up 2>/dev/null || { cat $(RUN_DIR)/up.log; exit 1; }; sleep 0.5; done; \
 	router=$$(awk '/^router:/{print $$2}' $(RUN_DIR)/up.log); \
 	test -n "$$router" || { cat $(RUN_DIR)/up.log; exit 1; }; \
 	echo "cluster up: 1 prefill + 1 decode, router at $$router"; \
-	$(VENV)/bin/pdserve client --router $$router --prompt "The quick brown fox" --max-tokens 24
+	$(VENV)/bin/pdserve client --router $$router --prompt "The quick brown fox" --max-tokens 24; \
+	echo "OpenAI-compatible HTTP at http://127.0.0.1:$(HTTP_PORT)/v1:"; \
+	curl -sf http://127.0.0.1:$(HTTP_PORT)/v1/chat/completions -H 'Content-Type: application/json' \
+	    -d '{"model": "tiny", "messages": [{"role": "user", "content": "The quick brown fox"}], "max_tokens": 24}'; \
+	echo
 
 proto: setup
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/pdserve/v1/*.proto

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "max_tokens")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -24,7 +25,8 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -83,3 +85,51 @@ class WorkerStats(_message.Message):
     kv_bytes_per_block: int
     max_num_seqs: int
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., incarnation: _Optional[str] = ..., layout_hash: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., queue_depth: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., kv_endpoint: _Optional[bytes] = ..., address: _Optional[str] = ..., num_leased: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+
+class RequestFacts(_message.Message):
+    __slots__ = ("prefill_worker", "decode_worker", "transport", "fallback", "fallback_reason", "placement_policy", "session_hit", "session_moved", "moved_from", "move_reason", "prefill_mode", "prefill_mode_reason", "kv_blocks_sent", "kv_bytes_sent", "kv_blocks_reused", "prefill_cached_tokens", "allocate_ms", "prefill_rpc_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "kv_wait_ms")
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_POLICY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_HIT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_MOVED_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FROM_FIELD_NUMBER: _ClassVar[int]
+    MOVE_REASON_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MODE_REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_REUSED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RPC_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker: str
+    decode_worker: str
+    transport: str
+    fallback: bool
+    fallback_reason: str
+    placement_policy: str
+    session_hit: bool
+    session_moved: bool
+    moved_from: str
+    move_reason: str
+    prefill_mode: str
+    prefill_mode_reason: str
+    kv_blocks_sent: int
+    kv_bytes_sent: int
+    kv_blocks_reused: int
+    prefill_cached_tokens: int
+    allocate_ms: float
+    prefill_rpc_ms: float
+    prefill_queue_ms: float
+    prefill_compute_ms: float
+    kv_transfer_ms: float
+    kv_wait_ms: float
+    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transport: _Optional[str] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., placement_policy: _Optional[str] = ..., session_hit: _Optional[bool] = ..., session_moved: _Optional[bool] = ..., moved_from: _Optional[str] = ..., move_reason: _Optional[str] = ..., prefill_mode: _Optional[str] = ..., prefill_mode_reason: _Optional[str] = ..., kv_blocks_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., allocate_ms: _Optional[float] = ..., prefill_rpc_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_wait_ms: _Optional[float] = ...) -> None: ...

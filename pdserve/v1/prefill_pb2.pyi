@@ -22,46 +22,26 @@ class KVTarget(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., kv_endpoint: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "max_tokens", "target")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "target")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    max_tokens: int
     target: KVTarget
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "num_prompt_tokens", "num_cached_tokens", "kv_blocks_sent", "kv_bytes_sent", "transport", "worker_id", "kv_transfer_s", "queue_s", "compute_s", "kv_wait_s")
+    __slots__ = ("first_token_id", "first_logprob", "facts")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
-    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
-    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
-    KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    FACTS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    kv_blocks_sent: int
-    kv_bytes_sent: int
-    transport: str
-    worker_id: str
-    kv_transfer_s: float
-    queue_s: float
-    compute_s: float
-    kv_wait_s: float
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_blocks_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., transport: _Optional[str] = ..., worker_id: _Optional[str] = ..., kv_transfer_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., kv_wait_s: _Optional[float] = ...) -> None: ...
+    facts: _common_pb2.RequestFacts
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., facts: _Optional[_Union[_common_pb2.RequestFacts, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xa1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12 \n\x13reusable_prefix_len\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\tskip_text\x18\x08 \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x16\n\x14_reusable_prefix_len\"\x7f\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\"\xb2\x04\n\tFinalInfo\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\x12\x15\n\rdecode_worker\x18\x04 \x01(\t\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x16\n\x0ekv_blocks_sent\x18\x06 \x01(\x05\x12\x15\n\rkv_bytes_sent\x18\x07 \x01(\x03\x12\x18\n\x10kv_blocks_reused\x18\x08 \x01(\x05\x12\x15\n\rsession_moved\x18\t \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\n \x01(\x08\x12\x17\n\x0f\x66\x61llback_reason\x18\x0b \x01(\t\x12\x18\n\x10placement_policy\x18\x0c \x01(\t\x12\x12\n\nmoved_from\x18\r \x01(\t\x12\x13\n\x0bmove_reason\x18\x0e \x01(\t\x12\x1d\n\x15prefill_cached_tokens\x18\x0f \x01(\x05\x12\x13\n\x0bsession_hit\x18\x10 \x01(\x08\x12\x14\n\x0cprefill_mode\x18\x11 \x01(\t\x12\x1b\n\x13prefill_mode_reason\x18\x12 \x01(\t\x12\x13\n\x0b\x61llocate_ms\x18\x13 \x01(\x01\x12\x16\n\x0eprefill_rpc_ms\x18\x14 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x15 \x01(\x01\x12\x1a\n\x12prefill_compute_ms\x18\x16 \x01(\x01\x12\x12\n\nkv_wait_ms\x18\x17 \x01(\x01\"\x14\n\x12ListWorkersRequest\"x\n\x0bWorkerEntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12&\n\x05stats\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.WorkerStats\"?\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerEntry2\xa1\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xa1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12 \n\x13reusable_prefix_len\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\tskip_text\x18\x08 \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x16\n\x14_reusable_prefix_len\"\x7f\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\"s\n\tFinalInfo\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\'\n\x05\x66\x61\x63ts\x18\x18 \x01(\x0b\x32\x18.pdserve.v1.RequestFactsJ\x04\x08\x03\x10\x18\"\x14\n\x12ListWorkersRequest\"x\n\x0bWorkerEntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12&\n\x05stats\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.WorkerStats\"?\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerEntry2\xa1\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,14 +36,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=354
   _globals['_GENERATERESPONSE']._serialized_start=356
   _globals['_GENERATERESPONSE']._serialized_end=483
-  _globals['_FINALINFO']._serialized_start=486
-  _globals['_FINALINFO']._serialized_end=1048
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1050
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1070
-  _globals['_WORKERENTRY']._serialized_start=1072
-  _globals['_WORKERENTRY']._serialized_end=1192
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1194
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1257
-  _globals['_ROUTER']._serialized_start=1260
-  _globals['_ROUTER']._serialized_end=1421
+  _globals['_FINALINFO']._serialized_start=485
+  _globals['_FINALINFO']._serialized_end=600
+  _globals['_LISTWORKERSREQUEST']._serialized_start=602
+  _globals['_LISTWORKERSREQUEST']._serialized_end=622
+  _globals['_WORKERENTRY']._serialized_start=624
+  _globals['_WORKERENTRY']._serialized_end=744
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=746
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=809
+  _globals['_ROUTER']._serialized_start=812
+  _globals['_ROUTER']._serialized_end=973
 # @@protoc_insertion_point(module_scope)

@@ -42,54 +42,14 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., final: _Optional[_Union[FinalInfo, _Mapping]] = ...) -> None: ...
 
 class FinalInfo(_message.Message):
-    __slots__ = ("finish_reason", "usage", "prefill_worker", "decode_worker", "transport", "kv_blocks_sent", "kv_bytes_sent", "kv_blocks_reused", "session_moved", "fallback", "fallback_reason", "placement_policy", "moved_from", "move_reason", "prefill_cached_tokens", "session_hit", "prefill_mode", "prefill_mode_reason", "allocate_ms", "prefill_rpc_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_wait_ms")
+    __slots__ = ("finish_reason", "usage", "facts")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
-    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
-    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    KV_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
-    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
-    KV_BLOCKS_REUSED_FIELD_NUMBER: _ClassVar[int]
-    SESSION_MOVED_FIELD_NUMBER: _ClassVar[int]
-    FALLBACK_FIELD_NUMBER: _ClassVar[int]
-    FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
-    PLACEMENT_POLICY_FIELD_NUMBER: _ClassVar[int]
-    MOVED_FROM_FIELD_NUMBER: _ClassVar[int]
-    MOVE_REASON_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    SESSION_HIT_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_MODE_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_MODE_REASON_FIELD_NUMBER: _ClassVar[int]
-    ALLOCATE_MS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_RPC_MS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
-    KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    FACTS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: _common_pb2.Usage
-    prefill_worker: str
-    decode_worker: str
-    transport: str
-    kv_blocks_sent: int
-    kv_bytes_sent: int
-    kv_blocks_reused: int
-    session_moved: bool
-    fallback: bool
-    fallback_reason: str
-    placement_policy: str
-    moved_from: str
-    move_reason: str
-    prefill_cached_tokens: int
-    session_hit: bool
-    prefill_mode: str
-    prefill_mode_reason: str
-    allocate_ms: float
-    prefill_rpc_ms: float
-    prefill_queue_ms: float
-    prefill_compute_ms: float
-    kv_wait_ms: float
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transport: _Optional[str] = ..., kv_blocks_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., session_moved: _Optional[bool] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., placement_policy: _Optional[str] = ..., moved_from: _Optional[str] = ..., move_reason: _Optional[str] = ..., prefill_cached_tokens: _Optional[int] = ..., session_hit: _Optional[bool] = ..., prefill_mode: _Optional[str] = ..., prefill_mode_reason: _Optional[str] = ..., allocate_ms: _Optional[float] = ..., prefill_rpc_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_wait_ms: _Optional[float] = ...) -> None: ...
+    facts: _common_pb2.RequestFacts
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., facts: _Optional[_Union[_common_pb2.RequestFacts, _Mapping]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

@@ -3,7 +3,8 @@
 Each pool runs as Ray actors (an embedded local Ray by default; ``--ray-address`` joins an existing
 cluster) supervising `pdserve serve` processes; ``--launcher process`` starts plain subprocesses
 instead (no Ray start-up cost; what `make run` uses). Prints ``router: HOST:PORT`` once every
-worker is healthy and the router sees them all, then runs until Ctrl-C / SIGTERM / `pdserve down`.
+worker is healthy and the router sees them all (and ``http: HOST:PORT`` once the OpenAI-compatible
+door answers, with ``--http-port``), then runs until Ctrl-C / SIGTERM / `pdserve down`.
 State lives in ``--run-dir`` (default .run/cluster) for `pdserve down` and `pdserve scale`.
 """
 
@@ -39,6 +40,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="each worker also sees the other GPUs after its own (NIXL cuda_ipc between GPUs)")
     p.add_argument("--transport", default="auto", choices=["auto", "nixl", "tcp"])
     p.add_argument("--router-port", type=int, default=0, help="router port (default: a free one)")
+    p.add_argument("--http-port", type=int, default=0,
+                   help="router: OpenAI-compatible HTTP API on this port (0 = off, default)")
+    p.add_argument("--served-model-name",
+                   help="router: model name of the HTTP API (default: the directory's)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="router: accept this key (authorization: Bearer KEY) on gRPC and HTTP; repeatable")
+    p.add_argument("--api-keys-file",
+                   help="router: file of accepted keys, one a line, re-read when it changes")
     p.add_argument("--policy", default="prefix", choices=["round_robin", "least_loaded", "prefix",
                                                           "session+prefix"])
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
@@ -74,6 +83,8 @@ def _run(args: argparse.Namespace) -> int:
         router_args += ["--conditional-disagg", args.conditional_disagg]
     if args.min_uncached_tokens is not None:
         router_args += ["--min-uncached-tokens", str(args.min_uncached_tokens)]
+    if args.served_model_name:
+        router_args += ["--served-model-name", args.served_model_name]
     try:
         devices = DevicePlan(gpus_per_worker=args.gpus_per_worker, prefill_gpus=parse_ids(args.prefill_gpus),
                              decode_gpus=parse_ids(args.decode_gpus),
@@ -86,7 +97,10 @@ def _run(args: argparse.Namespace) -> int:
                            worker_args=tuple(worker_args), policy=args.policy,
                            prefill_args=tuple(shlex.split(args.prefill_args)),
                            decode_args=tuple(shlex.split(args.decode_args)),
-                           drain_timeout=args.drain_timeout, router_args=tuple(router_args), devices=devices)
+                           drain_timeout=args.drain_timeout, router_args=tuple(router_args), devices=devices,
+                           http_port=args.http_port, api_keys=tuple(args.api_key),
+                           api_keys_file=(str(Path(args.api_keys_file).resolve())
+                                          if args.api_keys_file else ""))
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
@@ -102,6 +116,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         address = cluster.up()
         print(f"router: {address}", flush=True)
+        if cluster.http_address:
+            _wait_http(cluster.http_address)
+            print(f"http: {cluster.http_address}", flush=True)
         pools = (f"{spec.num_decode} colocated" if spec.colocated
                  else f"{spec.num_prefill} prefill, {spec.num_decode} decode")
         print(f"cluster up ({args.launcher}): {pools}; "
@@ -115,3 +132,22 @@ def _run(args: argparse.Namespace) -> int:
         cluster.down()
         print("cluster down", flush=True)
     return 0
+
+
+def _wait_http(address: str, timeout: float = 30.0) -> None:
+    """Until the router's HTTP door answers GET /health with 200 (it opens with the gRPC port)."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{address}/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router's HTTP door at {address} did not answer /health")
+        time.sleep(0.2)
