@@ -24,7 +24,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             if not request.request_id or not request.prompt_ids:
                 raise ValueError("Allocate needs a request_id and a non-empty prompt")
-            params = sampling_from_proto(request.sampling, request.max_tokens)
+            params = sampling_from_proto(request.sampling)
             alloc = await self.worker.allocate(request.request_id, list(request.prompt_ids), params,
                                                request.lease_ms)
         except Exception as exc:

@@ -20,6 +20,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.wire import report
 
 _OPTIONS = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20)]
 
@@ -69,11 +70,7 @@ class Result:
     def to_json(self) -> dict:
         out = {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
                "finish_reason": self.finish_reason}
-        for key in ("prefill_worker", "decode_worker", "transport", "kv_blocks_sent", "kv_bytes_sent",
-                    "kv_blocks_reused", "session_moved", "session_hit", "moved_from", "move_reason",
-                    "prefill_cached_tokens", "prefill_mode", "prefill_mode_reason", "fallback",
-                    "fallback_reason", "usage"):
-            out[key] = self.final.get(key)
+        out.update((k, v) for k, v in self.final.items() if k != "finish_reason")  # every fact it carries
         out["ttft_ms"] = self.ttft_s * 1e3
         out["mean_itl_ms"] = self.mean_itl_s * 1e3 if self.itl_s else None
         out["e2e_ms"] = self.e2e_s * 1e3
@@ -102,12 +99,7 @@ def build_request(*, prompt: str | None = None, prompt_ids: Sequence[int] | None
 
 
 def _final_dict(final: router_pb2.FinalInfo) -> dict:
-    # Built by hand: the protobuf JSON mapping would turn int64 (kv_bytes_sent) into a string.
-    out = {f.name: getattr(final, f.name) for f in final.DESCRIPTOR.fields if f.name != "usage"}
-    u = final.usage
-    out["usage"] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                    "cached_tokens": u.cached_tokens}
-    return out
+    return report(final)
 
 
 class _Collector:

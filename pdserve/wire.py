@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from pdserve.sampling import SamplingParams
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, router_pb2
 
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
@@ -17,8 +17,13 @@ MAX_STOP_LEN = 256
 INT32_MAX = 2**31 - 1
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams, max_tokens: int) -> SamplingParams:
-    """Engine SamplingParams from the wire message; ValueError (-> INVALID_ARGUMENT) on bad values."""
+def sampling_from_proto(msg: common_pb2.SamplingParams, max_tokens: int | None = None) -> SamplingParams:
+    """Engine SamplingParams from the wire message; ValueError (-> INVALID_ARGUMENT) on bad values.
+
+    ``max_tokens``: the public request's own field (it has a default there); internal messages carry
+    it in the sampling message itself."""
+    if max_tokens is None:
+        max_tokens = msg.max_tokens
     def finite(name: str, value: float) -> float:
         if math.isnan(value) or math.isinf(value):
             raise ValueError(f"{name} must be a finite number, got {value}")
@@ -51,12 +56,26 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, max_tokens: int) -> Samp
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, stop=list(params.stop),
-        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        max_tokens=params.max_tokens)
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
     return msg
+
+
+def report(final: router_pb2.FinalInfo) -> dict:
+    """The per-request report: ``finish_reason``, every ``RequestFacts`` field, and ``usage``, as plain
+    JSON (built by hand: the protobuf JSON mapping would turn int64 into a string and drop zeros). The
+    one formatter every door and client prints, so a new fact shows up everywhere at once."""
+    facts = final.facts
+    out = {"finish_reason": final.finish_reason}
+    out.update((f.name, getattr(facts, f.name)) for f in facts.DESCRIPTOR.fields)
+    u = final.usage
+    out["usage"] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                    "cached_tokens": u.cached_tokens}
+    return out
 
 
 def validate_token_ids(ids: list[int], vocab_size: int) -> list[int]:

@@ -20,7 +20,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             if not request.request_id or not request.prompt_ids:
                 raise ValueError("Prefill needs a request_id and a non-empty prompt")
-            params = sampling_from_proto(request.sampling, request.max_tokens)
+            params = sampling_from_proto(request.sampling)
             t = request.target
             target = Target(worker_id=t.worker_id, kv_endpoint=bytes(t.kv_endpoint),
                             block_ids=list(t.block_ids), num_cached_tokens=t.num_cached_tokens,
@@ -28,12 +28,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             res = await self.worker.prefill(request.request_id, list(request.prompt_ids), params, target)
         except Exception as exc:
             await abort_from(context, exc)
-        msg = prefill_pb2.PrefillResponse(
-            first_token_id=res.first_token_id, num_prompt_tokens=res.num_prompt_tokens,
-            num_cached_tokens=res.num_cached_tokens, kv_blocks_sent=res.kv_blocks_sent,
-            kv_bytes_sent=res.kv_bytes_sent, transport=res.transport, worker_id=self.worker.worker_id,
-            kv_transfer_s=res.kv_transfer_s, queue_s=res.queue_s, compute_s=res.compute_s,
-            kv_wait_s=res.kv_wait_s)
+        facts = common_pb2.RequestFacts(
+            prefill_worker=self.worker.worker_id, transport=res.transport, kv_blocks_sent=res.kv_blocks_sent,
+            kv_bytes_sent=res.kv_bytes_sent, prefill_cached_tokens=res.num_cached_tokens,
+            prefill_queue_ms=res.queue_s * 1e3, prefill_compute_ms=res.compute_s * 1e3,
+            kv_transfer_ms=res.kv_transfer_s * 1e3, kv_wait_ms=res.kv_wait_s * 1e3)
+        msg = prefill_pb2.PrefillResponse(first_token_id=res.first_token_id, facts=facts)
         if res.first_logprob is not None:
             msg.first_logprob = res.first_logprob
         return msg

@@ -31,8 +31,10 @@ class ColocatedServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         req = await admit_or_abort(request, context, self.limits)
         out = GenerateStream(req, self.limits.tokenizer)
-        meta = ServingMeta(prefill_worker=self.worker_id, decode_worker=self.worker_id, transport="local",
-                           policy="colocated")
+        # one engine, no router in front: nothing was placed, the prompt is prefilled where it decodes
+        meta = ServingMeta(facts=common_pb2.RequestFacts(
+            prefill_worker=self.worker_id, decode_worker=self.worker_id, transport="local",
+            prefill_mode="local", prefill_mode_reason="no_prefill_pool"))
         try:
             async for step in self.engine.generate(req.request_id, req.prompt_ids, req.params):
                 if step.finish_reason == "error":

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.prefix_hash import block_hashes
-from pdserve.v1 import decode_pb2, prefill_pb2
+from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from pdserve.wire import sampling_to_proto
 from router.admission import Admitted
 from router.conditional import ConditionalConfig, Decision, PrefillModePolicy
@@ -69,32 +69,11 @@ class Tokens:
 
 @dataclass(kw_only=True)
 class ServingMeta:
-    prefill_worker: str = ""
-    decode_worker: str = ""
-    transport: str = ""
-    kv_blocks_sent: int = 0
-    kv_bytes_sent: int = 0
-    kv_blocks_reused: int = 0
+    """What one request's path reports: ``facts`` travel to the client as they are (FinalInfo.facts;
+    the prefill worker's share merged in from its PrefillResponse), ``cached_tokens`` goes to Usage."""
+
+    facts: common_pb2.RequestFacts = field(default_factory=common_pb2.RequestFacts)
     cached_tokens: int = 0
-    session_moved: bool = False
-    session_hit: bool = False
-    moved_from: str = ""
-    move_reason: str = ""
-    prefill_cached_tokens: int = 0
-    kv_transfer_s: float = 0.0
-    fallback: bool = False
-    fallback_reason: str = ""
-    policy: str = ""
-    prefill_mode: str = "remote"  # "local": the decode worker computed the prompt
-    prefill_mode_reason: str = ""
-    # time to the first token, by stage (ms; FinalInfo): decode Allocate, the Prefill call, and within
-    # it the prefill worker's engine queue / compute / KV acknowledgement wait
-    allocate_ms: float = 0.0
-    prefill_rpc_ms: float = 0.0
-    prefill_queue_ms: float = 0.0
-    prefill_compute_ms: float = 0.0
-    kv_wait_ms: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -169,11 +148,12 @@ class Pipeline:
 
     async def _attempt(self, req: Admitted, preq: PlacementRequest, placement: Placement, sampling,
                        p, d, timeout: float | None) -> AsyncIterator[object]:
-        meta = ServingMeta(prefill_worker=p.worker_id if p else d.worker_id, decode_worker=d.worker_id,
-                           policy=placement.policy, session_moved=placement.session_moved,
-                           session_hit=placement.session_hit, moved_from=placement.moved_from_str,
-                           move_reason=placement.move_reason)
-        started = time.monotonic()
+        meta = ServingMeta(facts=common_pb2.RequestFacts(
+            prefill_worker=p.worker_id if p else d.worker_id, decode_worker=d.worker_id,
+            prefill_mode="remote",
+            placement_policy=placement.policy, session_moved=placement.session_moved,
+            session_hit=placement.session_hit, moved_from=placement.moved_from_str,
+            move_reason=placement.move_reason))
         state = _Cleanup(p, d, req.request_id)
         try:
             first = await self._prefill_phase(req, placement, sampling, p, d, meta, timeout)
@@ -210,7 +190,6 @@ class Pipeline:
                     generated.extend(event.token_ids)
                     continue
                 reason, completion = event
-                meta.extra["decode_s"] = time.monotonic() - started
                 state.done = True  # the decode worker freed everything itself
                 # What the decode worker keeps for the session: the prompt and the answer, so the
                 # next turn (prompt + answer + new text) finds this turn's KV there. The last token
@@ -243,23 +222,21 @@ class Pipeline:
         try:
             allocate = lambda: d.stub.Allocate(decode_pb2.AllocateRequest(
                 request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
-                max_tokens=req.params.max_tokens, lease_ms=self.lease_ms, session_id=req.session_id or ""),
-                timeout=timeout)
+                lease_ms=self.lease_ms), timeout=timeout)
             # waits in the router's queue (bounded) while D has no free blocks
             alloc = await self.admission.allocate(d.worker_id, allocate, timeout)
         except grpc.aio.AioRpcError as exc:
             raise _failed(exc, d.worker_id, "decode Allocate") from None
         t1 = time.monotonic()
-        meta.allocate_ms = (t1 - t0) * 1e3
-        meta.kv_blocks_reused = alloc.num_cached_tokens // self.block_size
+        f = meta.facts
+        f.allocate_ms = (t1 - t0) * 1e3
+        f.kv_blocks_reused = alloc.num_cached_tokens // self.block_size
         decision: Decision = self.local.decide(req.request_id, len(req.prompt_ids), alloc.num_cached_tokens,
                                                placement)
-        meta.prefill_mode_reason = decision.reason
+        f.prefill_mode_reason = decision.reason
         if decision.local:
-            meta.prefill_mode, meta.transport = "local", "local"
-            meta.prefill_worker = d.worker_id
+            f.prefill_mode, f.transport, f.prefill_worker = "local", "local", d.worker_id
             meta.cached_tokens = alloc.num_cached_tokens
-            meta.extra["conditional"] = decision.to_dict()
             return None
         transport, fallback = _choose_transport(list(p.stats.transports) if p.stats else [],
                                                 list(alloc.transports))
@@ -268,11 +245,10 @@ class Pipeline:
                                 f"no common KV transport: prefill {list(p.stats.transports)}, "
                                 f"decode {list(alloc.transports)}")
             raise err
-        meta.transport, meta.fallback, meta.fallback_reason = transport, bool(fallback), fallback
+        f.transport, f.fallback, f.fallback_reason = transport, bool(fallback), fallback
         try:
             res = await p.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
-                max_tokens=req.params.max_tokens,
                 target=prefill_pb2.KVTarget(worker_id=d.worker_id, kv_endpoint=alloc.kv_endpoint,
                                             block_ids=list(alloc.block_ids),
                                             num_cached_tokens=alloc.num_cached_tokens, transport=transport)),
@@ -283,16 +259,13 @@ class Pipeline:
         except BaseException:  # cancelled (client gone, deadline): out of the queue estimate all the same
             self.placer.prefill_done(req.request_id)
             raise
-        self.placer.prefill_done(req.request_id, worker_id=p.worker_id, compute_s=res.compute_s,
-                                 computed_tokens=len(req.prompt_ids) - res.num_cached_tokens)
-        meta.prefill_rpc_ms = (time.monotonic() - t1) * 1e3
-        meta.prefill_queue_ms, meta.prefill_compute_ms = res.queue_s * 1e3, res.compute_s * 1e3
-        meta.kv_wait_ms = res.kv_wait_s * 1e3
-        meta.kv_blocks_sent, meta.kv_bytes_sent = res.kv_blocks_sent, res.kv_bytes_sent
-        meta.kv_transfer_s, meta.prefill_cached_tokens = res.kv_transfer_s, res.num_cached_tokens
-        meta.cached_tokens = max(res.num_cached_tokens, alloc.num_cached_tokens)
-        if res.transport:
-            meta.transport = res.transport
+        got = res.facts
+        self.placer.prefill_done(req.request_id, worker_id=p.worker_id,
+                                 compute_s=got.prefill_compute_ms / 1e3,
+                                 computed_tokens=len(req.prompt_ids) - got.prefill_cached_tokens)
+        f.prefill_rpc_ms = (time.monotonic() - t1) * 1e3
+        f.MergeFrom(got)  # the prefill worker's share: what it set overrides
+        meta.cached_tokens = max(got.prefill_cached_tokens, alloc.num_cached_tokens)
         return FirstToken(res.first_token_id, res.first_logprob if res.HasField("first_logprob") else None)
 
     async def _decode_phase(self, req: Admitted, d, first_token_id: int, timeout: float | None,
@@ -314,15 +287,16 @@ class Pipeline:
 
     def _feedback(self, preq: PlacementRequest, placement: Placement, meta: ServingMeta, *, success: bool,
                   error: str = "", failed: str = "", decode_hashes: list[int] | None = None) -> None:
+        f = meta.facts
         try:
             self.placer.on_result(preq, placement, Outcome(
                 success=success, decode_block_hashes=decode_hashes,
                 # a locally prefilled prompt never reached the prefill worker's cache
-                prefill_block_hashes=list(preq.block_hashes) if meta.prefill_mode == "remote" else None,
-                decode_cached_blocks=meta.kv_blocks_reused,
-                prefill_cached_blocks=meta.prefill_cached_tokens // self.block_size,
-                blocks_sent=meta.kv_blocks_sent, bytes_sent=meta.kv_bytes_sent, transfer_s=meta.kv_transfer_s,
-                transport=meta.transport, fallback=_fallback_kind(meta.fallback_reason),
+                prefill_block_hashes=list(preq.block_hashes) if f.prefill_mode == "remote" else None,
+                decode_cached_blocks=f.kv_blocks_reused,
+                prefill_cached_blocks=f.prefill_cached_tokens // self.block_size,
+                blocks_sent=f.kv_blocks_sent, bytes_sent=f.kv_bytes_sent, transfer_s=f.kv_transfer_ms / 1e3,
+                transport=f.transport, fallback=_fallback_kind(f.fallback_reason),
                 error=error, failed_worker_id=failed))
         except Exception:
             log.exception("placer.on_result failed")

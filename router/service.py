@@ -47,15 +47,7 @@ class GenerateStream:
             usage=common_pb2.Usage(prompt_tokens=len(self.req.prompt_ids),
                                    completion_tokens=done.completion_tokens or self.num_generated,
                                    cached_tokens=m.cached_tokens),
-            prefill_worker=m.prefill_worker, decode_worker=m.decode_worker, transport=m.transport,
-            kv_blocks_sent=m.kv_blocks_sent, kv_bytes_sent=m.kv_bytes_sent,
-            kv_blocks_reused=m.kv_blocks_reused,
-            session_moved=m.session_moved, fallback=m.fallback, fallback_reason=m.fallback_reason,
-            placement_policy=m.policy, moved_from=m.moved_from, move_reason=m.move_reason,
-            prefill_cached_tokens=m.prefill_cached_tokens, session_hit=m.session_hit,
-            prefill_mode=m.prefill_mode, prefill_mode_reason=m.prefill_mode_reason,
-            allocate_ms=m.allocate_ms, prefill_rpc_ms=m.prefill_rpc_ms, prefill_queue_ms=m.prefill_queue_ms,
-            prefill_compute_ms=m.prefill_compute_ms, kv_wait_ms=m.kv_wait_ms)
+            facts=m.facts)
         return router_pb2.GenerateResponse(request_id=self.req.request_id, text=self.text.finish(),
                                            final=final)
 

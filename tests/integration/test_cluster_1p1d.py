@@ -246,7 +246,7 @@ def _decode_stub(cluster):
 
 
 def test_no_kv_blocks_is_resource_exhausted(cluster) -> None:
-    from pdserve.v1 import decode_pb2
+    from pdserve.v1 import common_pb2, decode_pb2
 
     channel, stub_cls = _decode_stub(cluster)
     with channel:
@@ -256,7 +256,8 @@ def test_no_kv_blocks_is_resource_exhausted(cluster) -> None:
         for i in range(40):
             try:
                 stub.Allocate(decode_pb2.AllocateRequest(request_id=f"hog-{i}", prompt_ids=[9 + i] * 256,
-                                                         max_tokens=1, lease_ms=60_000), timeout=10)
+                                                         sampling=common_pb2.SamplingParams(max_tokens=1),
+                                                         lease_ms=60_000), timeout=10)
                 held.append(f"hog-{i}")
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -273,13 +274,14 @@ def test_no_kv_blocks_is_resource_exhausted(cluster) -> None:
 
 
 def test_lease_expires_when_prefill_never_delivers(cluster) -> None:
-    from pdserve.v1 import decode_pb2
+    from pdserve.v1 import common_pb2, decode_pb2
 
     channel, stub_cls = _decode_stub(cluster)
     with channel:
         stub = stub_cls(channel)
         stub.Allocate(decode_pb2.AllocateRequest(request_id="orphan", prompt_ids=list(range(5, 60)),
-                                                 max_tokens=4, lease_ms=2000), timeout=10)
+                                                 sampling=common_pb2.SamplingParams(max_tokens=4),
+                                                 lease_ms=2000), timeout=10)
         assert any(s.num_leased == 1 for s in cluster.stats().values())
         stats = cluster.wait_idle(cluster.start_free)  # the reaper frees it, nobody calls Release
         assert {w: s.free_blocks for w, s in stats.items()} == cluster.start_free

@@ -148,7 +148,8 @@ def test_decode_worker_errors_on_the_local_path_free_the_reservation(cluster, cl
         # Allocate, then the stream is dropped before the local prefill produced anything (if the
         # cancel beats the Decode handler, the short lease is what frees the reservation).
         stub.Allocate(decode_pb2.AllocateRequest(request_id="gone-early", prompt_ids=ids(13, 40),
-                                                 max_tokens=50, lease_ms=2_000), timeout=10)
+                                                 sampling=common_pb2.SamplingParams(max_tokens=50),
+                                                 lease_ms=2_000), timeout=10)
         call = stub.Decode(decode_pb2.DecodeRequest(request_id="gone-early", prefill_locally=True),
                            timeout=30)
         call.cancel()
@@ -158,7 +159,8 @@ def test_decode_worker_errors_on_the_local_path_free_the_reservation(cluster, cl
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         # Aborted by the worker side while it generates (Release/Abort from a router that gave
         # up): the stream ends, the reservation-turned-request is freed.
-        stub.Allocate(decode_pb2.AllocateRequest(request_id="aborted", prompt_ids=ids(14, 20), max_tokens=400,
+        stub.Allocate(decode_pb2.AllocateRequest(request_id="aborted", prompt_ids=ids(14, 20),
+                                                 sampling=common_pb2.SamplingParams(max_tokens=400),
                                                  lease_ms=30_000), timeout=10)
         stream = stub.Decode(decode_pb2.DecodeRequest(request_id="aborted", prefill_locally=True), timeout=60)
         first = next(stream)

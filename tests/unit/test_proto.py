@@ -26,7 +26,15 @@ def test_generated_code_is_fresh(tmp_path: pathlib.Path) -> None:
 
 
 def test_services_and_key_fields_exist() -> None:
-    from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+    from pdserve.v1 import (
+        common_pb2,
+        decode_pb2,
+        decode_pb2_grpc,
+        prefill_pb2,
+        prefill_pb2_grpc,
+        router_pb2,
+        router_pb2_grpc,
+    )
 
     assert hasattr(router_pb2_grpc, "RouterServicer") and hasattr(router_pb2_grpc, "RouterStub")
     assert hasattr(prefill_pb2_grpc, "PrefillStub") and hasattr(decode_pb2_grpc, "DecodeStub")
@@ -34,10 +42,17 @@ def test_services_and_key_fields_exist() -> None:
     assert req.WhichOneof("prompt") == "text"
     req2 = router_pb2.GenerateRequest.FromString(req.SerializeToString())
     assert req2 == req and req2.HasField("max_tokens") and not req2.sampling.HasField("temperature")
-    final = router_pb2.FinalInfo.DESCRIPTOR.fields_by_name
-    for name in ("finish_reason", "usage", "prefill_worker", "decode_worker", "transport", "kv_blocks_sent",
-                 "kv_bytes_sent", "kv_blocks_reused", "session_moved", "fallback", "fallback_reason"):
-        assert name in final, name
+    assert set(router_pb2.FinalInfo.DESCRIPTOR.fields_by_name) == {"finish_reason", "usage", "facts"}
+    facts = common_pb2.RequestFacts.DESCRIPTOR.fields_by_name
+    for name in ("prefill_worker", "decode_worker", "transport", "kv_blocks_sent", "kv_bytes_sent",
+                 "kv_blocks_reused", "session_moved", "move_reason", "fallback", "fallback_reason"):
+        assert name in facts, name
+    # what travels is read: max_tokens rides in the sampling message, no session id goes to decode
+    assert "max_tokens" in common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
+    for msg in (decode_pb2.AllocateRequest, prefill_pb2.PrefillRequest):
+        assert not {"max_tokens", "session_id"} & set(msg.DESCRIPTOR.fields_by_name), msg
+    assert set(prefill_pb2.PrefillResponse.DESCRIPTOR.fields_by_name) == {"first_token_id", "first_logprob",
+                                                                          "facts"}
     stats = common_pb2.WorkerStats.DESCRIPTOR.fields_by_name
     for name in ("worker_id", "role", "incarnation", "layout_hash", "model_fingerprint", "queue_depth",
                  "num_running", "free_blocks", "total_blocks", "block_size", "transports", "kv_endpoint"):

@@ -72,11 +72,9 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(r.to_json()))
     else:
         print()
-        f = r.final
         itl = f"{r.mean_itl_s * 1e3:.1f} ms" if r.itl_s else "n/a"
+        facts = " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in r.final.items() if k not in ("finish_reason", "usage"))
         print(f"[{r.finish_reason}] {len(r.token_ids)} tokens  TTFT {r.ttft_s * 1e3:.1f} ms  "
-              f"mean ITL {itl}  prefill={f.get('prefill_worker')} decode={f.get('decode_worker')} "
-              f"transport={f.get('transport')} kv_blocks_sent={f.get('kv_blocks_sent')} "
-              f"kv_bytes_sent={f.get('kv_bytes_sent')} kv_blocks_reused={f.get('kv_blocks_reused')}",
-              file=sys.stderr)
+              f"mean ITL {itl}  {facts}", file=sys.stderr)
     return 0
