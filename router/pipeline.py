@@ -173,6 +173,7 @@ class Pipeline:
             raise
         local = first is None  # D computes the prompt: its stream carries token 1 as well
         generated: list[int] = []
+        first_at = time.monotonic()  # token 1 is here (remote); a local prefill resets it when it comes
         try:
             if not local:
                 yield first
@@ -180,6 +181,7 @@ class Pipeline:
             async for event in self._decode_phase(req, d, 0 if local else first.token_id, timeout, local):
                 if isinstance(event, Tokens):
                     if local and not generated:  # token 1 of a local prefill: this is the TTFT
+                        first_at = time.monotonic()
                         self.placer.prefill_done(req.request_id)
                         lps = event.logprobs
                         yield FirstToken(event.token_ids[0], lps[0] if lps else None)
@@ -190,6 +192,7 @@ class Pipeline:
                     generated.extend(event.token_ids)
                     continue
                 reason, completion = event
+                meta.facts.decode_ms = (time.monotonic() - first_at) * 1e3
                 state.done = True  # the decode worker freed everything itself
                 # What the decode worker keeps for the session: the prompt and the answer, so the
                 # next turn (prompt + answer + new text) finds this turn's KV there. The last token
