@@ -172,3 +172,28 @@ def test_models_health_and_report_headers(http_cluster) -> None:
     assert lower["x-pdserve-decode-worker"] == body["pdserve"]["decode_worker"]
     assert lower["x-pdserve-transport"] == "tcp" and lower["x-request-id"] in body["id"]
     assert int(lower["x-pdserve-kv-bytes-sent"]) == body["pdserve"]["kv_bytes_sent"]
+
+
+def test_load_generator_over_http_matches_grpc(http_cluster) -> None:
+    """`pdserve bench --backend openai`'s client: the same workload over both doors, every request served
+    with the asked length, the path report and token timings filled in alike."""
+    import asyncio
+
+    from pdserve.app.loadgen.dist import parse_dist
+    from pdserve.app.loadgen.runner import RunConfig, run
+
+    def config(router: str, backend: str) -> RunConfig:
+        return RunConfig(router=router, rate=float("inf"), num_requests=4, input_len=parse_dist("24"),
+                         output_len=parse_dist("5"), sessions=2, turns=2, seed=3, backend=backend,
+                         api_key=KEY)
+
+    http_samples, _ = asyncio.run(run(config(http_cluster.http, "openai")))
+    assert len(http_samples) == 4 and all(s.ok for s in http_samples), [s.error for s in http_samples]
+    for s in http_samples:
+        assert s.output_tokens == 5 and len(s.itl_s) == 4 and s.ttft_s > 0
+        assert s.final["decode_worker"] and s.final["usage"]["completion_tokens"] == 5
+    assert any(s.final["session_hit"] for s in http_samples if s.turn == 1)
+    bad, _ = asyncio.run(run(RunConfig(router=http_cluster.http, rate=float("inf"), num_requests=1,
+                                       input_len=parse_dist("4"), output_len=parse_dist("2"),
+                                       backend="openai", api_key="sk-wrong")))
+    assert not bad[0].ok and bad[0].error == "UNAUTHENTICATED"

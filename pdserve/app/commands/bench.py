@@ -30,7 +30,11 @@ from pathlib import Path
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="Poisson load generator for a router; --sweep: goodput frontier")
-    p.add_argument("--router", help="HOST:PORT of a running router (or colocated server)")
+    p.add_argument("--router", help="HOST:PORT of a running router (or colocated server); with --backend "
+                   "openai, of its HTTP door")
+    p.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                   help="grpc (default) or openai: the router's OpenAI-compatible HTTP door")
+    p.add_argument("--api-key", default="", help="--backend openai: the router's API key")
     p.add_argument("--rate", type=float, default=float("inf"), help="requests (or sessions) per second")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--input-len", default="128",
@@ -89,7 +93,8 @@ def _base_config(args: argparse.Namespace, router: str):
                      input_len=parse_dist(args.input_len), output_len=parse_dist(args.output_len),
                      sessions=args.sessions, turns=args.turns, vocab_size=args.vocab_size, seed=args.seed,
                      timeout_s=args.timeout, system_prompt_len=args.system_prompt_len,
-                     trace=load_trace(args.trace) if args.trace else ())
+                     trace=load_trace(args.trace) if args.trace else (), backend=args.backend,
+                     api_key=args.api_key)
 
 
 def _run(args: argparse.Namespace) -> int:

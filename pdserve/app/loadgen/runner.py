@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.app.loadgen.dist import Dist
+from pdserve.app.loadgen.openai_backend import make_client
 from pdserve.app.loadgen.stats import Sample
 from pdserve.client import AsyncClient, build_request
 
@@ -42,6 +43,9 @@ class RunConfig:
     system_prompt_len: int = 0   # shared by every request / session (drawn once from the seed)
     session_prefix: str = "bench"
     trace: tuple[tuple[int, int], ...] = ()  # (input, output) lengths, replayed in order
+    # "grpc", or "openai": the router's HTTP door (loadgen/openai_backend.py; router = its HOST:PORT)
+    backend: str = "grpc"
+    api_key: str = ""
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -99,7 +103,7 @@ RETRY_AFTER_KEY = "retry-after-ms"
 
 async def run(cfg: RunConfig, on_done: Callable[[Sample], None] | None = None) -> tuple[list[Sample], float]:
     rng = random.Random(cfg.seed)
-    client = AsyncClient(cfg.router)
+    client = make_client(cfg.router, cfg.backend, api_key=cfg.api_key)
     samples: list[Sample] = []
     tasks: list[asyncio.Task] = []
     system = _tokens(rng, cfg.system_prompt_len, cfg.vocab_size)
