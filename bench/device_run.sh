@@ -98,8 +98,9 @@ from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve
                     --transport $tr --lengths 1024,4096 --iters 6 --threads 1 \
                     --json "$OUT/kv-stream-layers-8b-$tr.json" 2>&1 | tee -a "$OUT/stream.log"; rc=$(( rc | $? ))
             done ;;
-        kv-concurrency)
-            python3 -m bench.kv_bench --device cuda --backends "" --concurrency 1,4,16 --conc-tokens 2048 \
+        kv-concurrency)  # GPU0 -> GPU1 over TCP; on a one-GPU machine both processes share GPU0
+            rx_gpu=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
+            python3 -m bench.kv_bench --device cuda --rx-gpu "$rx_gpu" --backends "" --concurrency 1,4,16 --conc-tokens 2048 \
                 --tls-concurrency 1,16 --json "$OUT/kvtransfer-concurrency-gpu.json" 2>&1 | tee "$OUT/kv-concurrency.log"
             rc=$(( rc | $? )) ;;
         *) echo "unknown step $step"; rc=2 ;;

@@ -11,7 +11,7 @@ of ``--conc-tokens`` tokens started at once, timed from the first start_send to 
 ``--tls-concurrency`` the same transfers also run over mutual TLS (throwaway certificates,
 bench/kv_certs.py): ``tcp_tls`` rows, whose ``plain_gbps`` / ``tls_ratio`` compare with the plaintext
 transport of the same rounds. ``--device cuda``: the receiver's KV on GPU 1 and the sender's on GPU 0
-(CUDA_VISIBLE_DEVICES per process), GPU->GPU over TCP through page-locked host buffers; the raw socket
+(``--rx-gpu`` / ``--tx-gpu``, CUDA_VISIBLE_DEVICES per process), GPU->GPU over TCP through page-locked host buffers; the raw socket
 moves host memory.
 
 Layout: Llama-3.1-8B-shaped (32 layers, 8 KV heads, head_dim 128, bf16, block 16): one 16-token
@@ -187,8 +187,8 @@ async def bench_concurrency(args) -> list[dict]:
     nbytes = nblocks * LLAMA8B.block_bytes * LLAMA8B.num_layers
     reps = 2 if args.quick else 3
     cuda = args.device == "cuda"
-    env_rx = {"UCX_TLS": None, **({"CUDA_VISIBLE_DEVICES": "1"} if cuda else {})}
-    env_tx = {"UCX_TLS": None, **({"CUDA_VISIBLE_DEVICES": "0"} if cuda else {})}
+    env_rx = {"UCX_TLS": None, **({"CUDA_VISIBLE_DEVICES": str(args.rx_gpu)} if cuda else {})}
+    env_tx = {"UCX_TLS": None, **({"CUDA_VISIBLE_DEVICES": str(args.tx_gpu)} if cuda else {})}
     device = "cuda" if cuda else "cpu"
     rx, tx = await PeerClient.spawn(env=env_rx), await PeerClient.spawn(env=env_tx)
     cfg = {"tcp_connections": args.connections, "send_timeout_s": 900, "stall_timeout_s": 120}
@@ -314,6 +314,10 @@ def main(argv=None) -> None:
                     help="tokens per concurrent transfer (default 2048, --quick 512)")
     ap.add_argument("--tls-concurrency", default="1,16", help="concurrency levels also run over mutual TLS")
     ap.add_argument("--connections", type=int, default=4, help="TransportConfig.tcp_connections")
+    ap.add_argument("--tx-gpu", type=int, default=0, help="--device cuda: the sender's GPU (default 0)")
+    ap.add_argument("--rx-gpu", type=int, default=1,
+                    help="--device cuda: the receiver's GPU (default 1; 0 on a one-GPU machine: both "
+                         "processes on one GPU, the TCP path still staged through host memory)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="concurrency rows: KV on GPUs 0 (sender) and 1 (receiver)")
     ap.add_argument("--certs-dir", default="/tmp/pdserve-kv-bench-certs", help="throwaway TLS certificates")
