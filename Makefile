@@ -28,6 +28,7 @@ help:
 	@echo "make proto  - regenerate Python code from proto/"
 	@echo "make lint   - ruff, the layer contracts (import-linter)"
 	@echo "make kind-test - kind cluster, CPU image, helm install, e2e suite (needs docker + kind)"
+	@echo "make container-test - build the image, run the e2e suite against the chart's pods as containers"
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -100,6 +101,12 @@ bench: setup
 
 kind-test: setup tools
 	deploy/kind/kind-test.sh
+
+# The container lane (deploy/container/lane.sh): starts a Docker engine if none runs (as root: docker.io
+# from apt), builds the image from nothing, runs tests/container. CONTAINER_TEST_ARGS go to pytest.
+.PHONY: container-test
+container-test: setup tools
+	deploy/container/lane.sh $(CONTAINER_TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(TOOLS) .models .pytest_cache .ruff_cache

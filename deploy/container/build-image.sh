@@ -43,10 +43,16 @@ if [[ -z "${TORCH_INDEX_URL:-}" && "$VARIANT" == cpu ]] \
   py="$(docker run --rm --entrypoint python3 "$CPU_BASE" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
   log "$DEFAULT_TORCH_INDEX is unreachable: serving this machine's pip's wheels for $TORCH_SPEC (python $py)"
   simple="$("$ROOT/.venv/bin/python" "$ROOT/deploy/container/local-torch-index.py" "$STATE/torch-index" "$TORCH_SPEC" "$py")"
-  port="$("$ROOT/.venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  # A fixed port keeps TORCH_INDEX_URL, and with it the build cache of every layer after it, the same from
+  # build to build; a free one is taken only when that port is busy.
+  port="${PDSERVE_TORCH_INDEX_PORT:-38517}"
+  if curl -s --max-time 2 "http://127.0.0.1:$port/" >/dev/null 2>&1; then
+    port="$("$ROOT/.venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  fi
   "$ROOT/.venv/bin/python" -m http.server --bind 127.0.0.1 --directory "$simple" "$port" >"$STATE/torch-index.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 50); do curl -sf "http://127.0.0.1:$port/torch/" >/dev/null && break; sleep 0.2; done
+  curl -sf "http://127.0.0.1:$port/torch/" >/dev/null || { cat "$STATE/torch-index.log" >&2; log "local index did not start"; exit 1; }
   TORCH_INDEX_URL="http://127.0.0.1:$port/"
 fi
 

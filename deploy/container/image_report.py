@@ -37,6 +37,15 @@ def layers(image: str, docker: str) -> list[dict]:
              "bytes": int(_bytes(r.get("Size", "0B")))} for r in rows]
 
 
+def venv_breakdown(image: str, docker: str, top: int = 12) -> list[dict]:
+    """The largest entries of the image's site-packages (what the venv layer is made of)."""
+    script = f"du -sk /opt/venv/lib/python3*/site-packages/* | sort -rn | head -n {top}"
+    out = subprocess.run([docker, "run", "--rm", "--entrypoint", "sh", image, "-c", script], check=True,
+                         capture_output=True, text=True).stdout
+    rows = [line.split(None, 1) for line in out.splitlines() if line.strip()]
+    return [{"path": path.rsplit("/", 1)[-1], "bytes": int(kb) * 1024} for kb, path in rows]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("image")
@@ -54,10 +63,13 @@ def main() -> int:
         if r["bytes"]:
             print(f"{r['bytes'] / 1e6:8.1f}MB  {r['instruction']}")
     print(f"{total / 1e6:8.1f}MB  total ({args.image})")
+    breakdown = venv_breakdown(args.image, args.docker)
+    print("largest in /opt/venv: " + ", ".join(f"{b['path']} {b['bytes'] / 1e6:.0f}MB" for b in breakdown))
     if args.json:
         args.json.write_text(json.dumps({"image": args.image, "base": args.base, "total_bytes": total,
                                          "build_seconds": args.build_seconds,
-                                         "cached_steps": args.cached_steps, "layers": rows}, indent=1))
+                                         "cached_steps": args.cached_steps, "layers": rows,
+                                         "venv_largest": breakdown}, indent=1))
     return 0
 
 
