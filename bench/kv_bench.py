@@ -11,8 +11,8 @@ of ``--conc-tokens`` tokens started at once, timed from the first start_send to 
 ``--tls-concurrency`` the same transfers also run over mutual TLS (throwaway certificates,
 bench/kv_certs.py): ``tcp_tls`` rows, whose ``plain_gbps`` / ``tls_ratio`` compare with the plaintext
 transport of the same rounds. ``--device cuda``: the receiver's KV on GPU 1 and the sender's on GPU 0
-(``--rx-gpu`` / ``--tx-gpu``, CUDA_VISIBLE_DEVICES per process), GPU->GPU over TCP through page-locked host buffers; the raw socket
-moves host memory.
+(``--rx-gpu`` / ``--tx-gpu``, CUDA_VISIBLE_DEVICES per process), GPU->GPU over TCP through page-locked
+host buffers; the raw socket moves host memory.
 
 Layout: Llama-3.1-8B-shaped (32 layers, 8 KV heads, head_dim 128, bf16, block 16): one 16-token
 block is 2 MiB over all layers, a 4096-token prompt 512 MiB. For every backend a receiver and a sender
