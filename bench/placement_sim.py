@@ -15,7 +15,6 @@ import random
 from dataclasses import dataclass
 
 from bench.placement_fakes import SimCluster, chat_tokens, request, workers
-from router.costs import CostConfig
 from router.placement.config import PlacerConfig
 from router.placement.placer import Placer
 
@@ -78,15 +77,13 @@ class BalanceResult:
 
 def shared_prompt_workload(policy: str = "prefix", *, requests: int = 600, concurrency: int = 32,
                            n_prefill: int = 4, n_decode: int = 8, system_len: int = 2048,
-                           suffix_len: int = 96, epsilon: float = 0.25, seed: int = 1,
-                           queue_cost_s: float = 0.05) -> BalanceResult:
+                           suffix_len: int = 96, epsilon: float = 0.25, seed: int = 1) -> BalanceResult:
     """Every prompt = one long system prompt + a short unique suffix; ``concurrency`` in flight."""
     import math
 
     rng = random.Random(seed)
     bs = 16
-    pl = Placer(PlacerConfig(policy=policy, block_size=bs, epsilon=epsilon,
-                             costs=CostConfig(queue_cost_s=queue_cost_s)))
+    pl = Placer(PlacerConfig(policy=policy, block_size=bs, epsilon=epsilon))
     infos = workers(n_prefill, n_decode)
     pl.update_workers(infos)
     sim = SimCluster(infos, capacity_blocks=1 << 16, block_size=bs)
@@ -120,9 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     chats = [chat_workload(p) for p in ("prefix", "prefix_only", "least_loaded", "round_robin")]
     bal = [shared_prompt_workload(p) for p in ("prefix", "prefix_only", "least_loaded", "round_robin")]
-    # Cache affinity alone (no queue cost, no bound) piles everything onto the first holder.
-    unbounded = shared_prompt_workload("prefix", epsilon=1000.0, queue_cost_s=0.0)
-    bound_only = shared_prompt_workload("prefix", queue_cost_s=0.0)
+    # Cache affinity alone (no bound) piles the work onto the holders of the prompt.
+    unbounded = shared_prompt_workload("prefix", epsilon=1000.0)
     print("5-turn chat (20 sessions, 2 prefill x 3 decode)")
     print(f"{'policy':<16}{'hit ratio':>10}{'prefill hit':>12}{'bytes sent':>14}"
           f"{'vs no reuse':>12}{'moves':>7}")
@@ -131,14 +127,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{c.bytes_sent / c.bytes_no_reuse:>12.3f}{c.session_moves:>7d}")
     print("\nshared 2048-token system prompt (600 requests, 32 in flight, 4 prefill x 8 decode)")
     print(f"{'policy':<18}{'decode max/mean':>16}{'prefill max/mean':>18}{'peak inflight max/mean':>24}")
-    for b in bal + [bound_only, unbounded]:
-        name = {id(unbounded): "prefix q=0 e=1000", id(bound_only): "prefix q=0"}.get(id(b), b.policy)
+    for b in bal + [unbounded]:
+        name = "prefix e=1000" if b is unbounded else b.policy
         print(f"{name:<18}{b.decode_max:>9d}/{b.decode_mean:<8.1f}{b.prefill_max:>9d}/{b.prefill_mean:<8.1f}"
               f"{b.peak_inflight_max_over_mean:>24.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"chat": [c.__dict__ for c in chats], "shared_prompt": [b.__dict__ for b in bal],
-                       "shared_prompt_queue_cost0": bound_only.__dict__,
                        "shared_prompt_unbounded": unbounded.__dict__}, f, indent=2)
     return 0
 

@@ -83,10 +83,6 @@ class CostConfig:
     kv_bytes_per_token: int = 131072
     # Attention over a cached prefix while computing the suffix: seconds per (cached x uncached) pair.
     attention_s_per_token_pair: float = 2e-10
-    # Expected wait per request another router placed on a worker (its report, beyond ours).
-    queue_cost_s: float = 0.05
-    # Penalty scale for a decode worker with little free KV (times the used fraction squared).
-    kv_pressure_cost_s: float = 0.05
     # How fast a learned prefill rate decays towards newer samples (1/s).
     rate_decay_per_s: float = 0.02
     bandwidth_ewma_alpha: float = 0.3
@@ -96,8 +92,8 @@ class CostConfig:
         for name in ("prefill_tokens_per_s", "default_bandwidth_Bps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CostConfig.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("transfer_latency_s", "attention_s_per_token_pair", "queue_cost_s", "kv_pressure_cost_s",
-                     "rate_decay_per_s", "min_bandwidth_sample_bytes"):
+        for name in ("transfer_latency_s", "attention_s_per_token_pair", "rate_decay_per_s",
+                     "min_bandwidth_sample_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.kv_bytes_per_token <= 0:

@@ -194,21 +194,18 @@ class Placer:
                 matches: dict[str, int]) -> PairChoice:
         """The cost model's best pair (see scoring.py for the terms)."""
         costs, view, bs, n = self.costs, self.view, self.config.block_size, req.prompt_len
-        cc = costs.config
         local = pp is None
 
         def prefill_cost(c: Candidate) -> float:
             cached = min(c[2] * bs, n)
-            return (costs.queue_s(c[0], view.outstanding_tokens(c[0])) + cc.queue_cost_s * view.others(c[0])
+            return (costs.queue_s(c[0], view.outstanding_tokens(c[0]))
                     + costs.prefill_s(c[0], n - cached, cached))
 
         def decode_cost(c: Candidate) -> float:
-            used = 1.0 - c[3] / c[4] if c[4] > 0 and c[3] >= 0 else 0.0
-            own = cc.queue_cost_s * c[1] + cc.kv_pressure_cost_s * used * used
-            if local:  # it prefills what it does not hold itself
-                cached = min(c[2] * bs, n)
-                own += costs.prefill_s(c[0], n - cached, cached)
-            return own
+            if not local:
+                return 0.0
+            # no prefill pool: it prefills what it does not hold itself, after its queued prefills
+            return prefill_cost(c)
 
         return choose_pair(
             None if local else self._candidates(pp, matches), self._candidates(dp, matches),

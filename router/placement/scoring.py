@@ -4,13 +4,18 @@ Estimated seconds until the request's first token for a (prefill p, decode d) pa
 the router's one cost model (``router/costs.py``), which the Placer turns into two per-candidate
 costs and one per-pair term:
 
-    cost(p, d) = prefill_cost(p)          queue behind p + computing what p does not cache
-               + decode_cost(d)           d's batch and KV pressure (no prefill pool: d's own prefill
-                                          of what *d* does not cache)
+    cost(p, d) = prefill_cost(p)          what p has queued from this router + computing what p
+                                          does not cache, at p's learned rate
+               + decode_cost(d)           0, or (no prefill pool) d's queued local prefills + d's own
+                                          prefill of what *d* does not cache
                + transfer(p, d, missing(d))   the KV blocks d lacks over the measured (p, d) link
 
-A decode worker's cached blocks count twice over: they are not shipped again, and (no prefill pool)
-not recomputed; so at equal load the pair holding a warm prefix costs strictly less and wins.
+A decode worker's cached blocks count: they are not shipped again, and (no prefill pool) not
+recomputed; so at equal load the pair holding a warm prefix costs strictly less and wins. Load is
+not priced in seconds (a load report is up to a poll interval old, and a worker's request count
+says little about this request's first token): it bounds who may be chosen (below) and breaks
+exact ties (less loaded, then more free KV, then the tie key), so a stale report cannot throw a
+warm prefix away.
 
 Bounded load (consistent hashing with bounded loads): in each pool a worker is eligible only if
 ``load + 1 <= ceil((1 + epsilon) * (total_load + 1) / n)``; the least-loaded worker always
@@ -77,6 +82,10 @@ def eligible(cands: list[Candidate], epsilon: float) -> tuple[list[Candidate], b
     return cands, True
 
 
+def _used(c: Candidate) -> float:
+    return 1.0 - c[3] / c[4] if c[4] > 0 and c[3] >= 0 else 0.0
+
+
 def choose_pair(
     prefill: list[Candidate] | None,
     decode: list[Candidate],
@@ -94,7 +103,8 @@ def choose_pair(
 
     ``transfer_s(prefill_id, decode_id, missing_blocks)``: seconds to ship them over that link
     (``prefill_id=""``: the default link); ``measured_from(prefill_id)``: whether any link from that
-    worker was measured (if none was, the cost separates and each pool's best is the answer)."""
+    worker was measured (if none was, the cost separates and each pool's best is the answer).
+    Equal costs go to the less loaded pair, then the one with more free KV, then the tie key."""
     ds, d_lifted = eligible(decode, epsilon)
     roomy = [c for c in ds if c[3] < 0 or c[3] >= n_blocks - c[2]]
     if roomy:
@@ -105,36 +115,34 @@ def choose_pair(
         own = decode_cost(c)
         miss = n_blocks - c[2] if prefill is not None else 0
         tie = ((_worker_hash(c[0]) ^ salt) * mix) & 0xFFFFFFFF
-        dk.append((own + (transfer_s("", c[0], miss) if miss > 0 else 0.0), tie, c, own, miss))
+        cost = own + (transfer_s("", c[0], miss) if miss > 0 else 0.0)
+        dk.append((cost, c[1], _used(c), tie, c, own, miss))
     if prefill is None:
-        dc, _, d, _, _ = min(dk)
-        return PairChoice(prefill_id="", decode_id=d[0], cost=dc, prefill_cached=0, decode_cached=d[2],
-                          bounded=d_lifted)
+        d = min(dk)
+        return PairChoice(prefill_id="", decode_id=d[4][0], cost=d[0], prefill_cached=0,
+                          decode_cached=d[4][2], bounded=d_lifted)
     ps, p_lifted = eligible(prefill, epsilon)
-    pk = [(prefill_cost(c), ((_worker_hash(c[0]) ^ salt) * mix) & 0xFFFFFFFF, c) for c in ps]
-    if not any(measured_from(p[2][0]) for p in pk):
-        pc, _, p = min(pk)
-        dc, _, d, _, _ = min(dk)
-        return PairChoice(prefill_id=p[0], decode_id=d[0], cost=pc + dc, prefill_cached=p[2],
-                          decode_cached=d[2], bounded=p_lifted or d_lifted)
+    pk = [(prefill_cost(c), c[1], _used(c), ((_worker_hash(c[0]) ^ salt) * mix) & 0xFFFFFFFF, c) for c in ps]
+    if not any(measured_from(p[4][0]) for p in pk):
+        p, d = min(pk), min(dk)
+        return PairChoice(prefill_id=p[4][0], decode_id=d[4][0], cost=p[0] + d[0], prefill_cached=p[4][2],
+                          decode_cached=d[4][2], bounded=p_lifted or d_lifted)
     if len(pk) > top_k:
         pk = heapq.nsmallest(top_k, pk)
     if len(dk) > top_k:
         dk = heapq.nsmallest(top_k, dk)
     best = None
     best_key = None
-    for pc, pt, p in pk:
-        for _, dt, d, own, miss in dk:
+    for pc, pl, pu, pt, p in pk:
+        for _, dl, du, dt, d, own, miss in dk:
             total = pc + own + (transfer_s(p[0], d[0], miss) if miss > 0 else 0.0)
-            key = (total, pt, dt)
+            key = (total, pl + dl, pu + du, pt, dt)
             if best_key is None or key < best_key:
                 best_key, best = key, (p, d)
     assert best is not None and best_key is not None  # callers never pass empty pools
     p, d = best
     return PairChoice(prefill_id=p[0], decode_id=d[0], cost=best_key[0], prefill_cached=p[2],
                       decode_cached=d[2], bounded=p_lifted or d_lifted)
-
-
 
 
 def session_bound(others: Sequence[int], epsilon: float) -> float:
