@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pdserve.settings import environ
+from pdserve.settings import POLICIES, environ
 
 DEFAULT_RUN_DIR = ".run/cluster"
 _PASS_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "UCX_TLS", "CUDA_VISIBLE_DEVICES", "PDSERVE_LEASE_MS")
@@ -48,8 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="router: accept this key (authorization: Bearer KEY) on gRPC and HTTP; repeatable")
     p.add_argument("--api-keys-file",
                    help="router: file of accepted keys, one a line, re-read when it changes")
-    p.add_argument("--policy", default="prefix", choices=["round_robin", "least_loaded", "prefix",
-                                                          "session+prefix"])
+    p.add_argument("--policy", default="prefix", choices=POLICIES)
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     p.add_argument("--launcher", default="ray", choices=["ray", "process"])
     p.add_argument("--ray-num-cpus", type=int, default=2, help="CPUs of the embedded local Ray (default 2)")
