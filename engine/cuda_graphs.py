@@ -22,6 +22,7 @@ returns None for the others, on CPU, or when ``PDSERVE_CUDA_GRAPHS=0``.
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -84,6 +85,20 @@ class DecodeGraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first, into one shared memory pool. Run before serving:
         the warm-up pass writes K/V of a dummy token into block 0."""
+        # The garbage collector must not run inside a capture: collecting an earlier engine's graphs
+        # (they sit in reference cycles) destroys a CUDA graph mid-capture and invalidates this one
+        # (seen on an H100 when a second engine captured in the same process). torch no longer
+        # collects on entering torch.cuda.graph, so collect once here and keep it off until done.
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.backend.device)
         for b in reversed(self.sizes):
