@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import time
@@ -192,7 +193,7 @@ async def bench_concurrency(args) -> list[dict]:
     device = "cuda" if cuda else "cpu"
     rx, tx = await PeerClient.spawn(env=env_rx), await PeerClient.spawn(env=env_tx)
     cfg = {"tcp_connections": args.connections, "send_timeout_s": 900, "stall_timeout_s": 120}
-    layout = LLAMA8B.to_dict()
+    layout = dataclasses.replace(LLAMA8B, memory=device).to_dict()
     rows = []
     try:
         sides = {}
