@@ -18,13 +18,14 @@ TOOLS := .tools
 HELM_VERSION ?= 3.6.2
 HELM := $(TOOLS)/node_modules/.bin/helm
 
-.PHONY: setup tools run test test-repeat proto proto-check lint bench clean help kind-test
+.PHONY: setup tools run test test-repeat proto proto-check lint bench soak clean help kind-test
 
 help:
 	@echo "make run    - set up, start a local cluster on the tiny random model, answer a prompt"
 	@echo "make test   - set up and run lint + the whole test suite (random order, seed printed)"
 	@echo "make test-repeat N=10 - the whole suite N times, a fresh random order each, a line per run"
 	@echo "make bench  - CPU benchmarks (tables printed, JSON under bench/results/)"
+	@echo "make soak   - 30 min of mixed traffic while workers are killed and restarted (SOAK_SECONDS=N)"
 	@echo "make proto  - regenerate Python code from proto/"
 	@echo "make lint   - ruff, the layer contracts (import-linter)"
 	@echo "make kind-test - kind cluster, CPU image, helm install, e2e suite (needs docker + kind)"
@@ -98,6 +99,15 @@ bench: setup
 	$(PY) -m bench.router_placement --json bench/results/router-placement-$(RESULT).json
 	OMP_NUM_THREADS=1 $(PY) bench/router_affinity.py --model $(MODEL) --json bench/results/router-affinity-$(RESULT).json
 	$(PY) -m bench.kv_bench --json bench/results/kvtransfer-$(RESULT).json
+
+# Soak (bench/soak.py): 2 prefill + 2 decode under the process launcher's supervisor, seeded mixed traffic
+# while workers are SIGKILLed / SIGTERMed; fails on a request ended outside the allowed statuses, a leaked
+# block, router inflight != 0 or a crash. SOAK_SECONDS / SOAK_SEED set the length and the seed.
+SOAK_SECONDS ?= 1800
+SOAK_SEED ?= 0
+soak: setup $(MODEL)/config.json
+	OMP_NUM_THREADS=1 $(PY) -m bench.soak --model $(MODEL) --seconds $(SOAK_SECONDS) --seed $(SOAK_SEED) \
+	    --run-dir .run/soak --json bench/results/soak-$(RESULT).json
 
 kind-test: setup tools
 	deploy/kind/kind-test.sh
