@@ -173,7 +173,7 @@ class PrefillModePolicy:
         d = placement.decode.worker_id
         info = view.workers.get(d)
         paths = dict(uncached_tokens=uncached, local_s=costs.prefill_s(d, uncached, cached),
-                     decode_wait_s=costs.queue_s(d, view.outstanding_tokens(d)),
+                     decode_wait_s=costs.queue_s(d, view.outstanding_tokens(d), view.busy_for(d)),
                      decode_running=view.load_of(d), decode_capacity=(info.max_num_seqs if info else 0) or 1)
         if placement.prefill is None:
             return Paths(remote_s=0.0, transfer_s=0.0, **paths)
@@ -181,7 +181,8 @@ class PrefillModePolicy:
         p_cached = min(placement.predicted_prefill_cached_blocks * bs, prompt_tokens - 1)
         ahead = view.outstanding_tokens(p) - view.own_prefill_tokens(request_id)
         return Paths(remote_s=costs.prefill_s(p, prompt_tokens - p_cached, p_cached),
-                     transfer_s=costs.transfer_s(p, d, uncached), prefill_wait_s=costs.queue_s(p, ahead),
+                     transfer_s=costs.transfer_s(p, d, uncached),
+                     prefill_wait_s=costs.queue_s(p, ahead, view.busy_for(p)),
                      **paths)
 
     def decide(self, request_id: str, prompt_tokens: int, cached_tokens: int,

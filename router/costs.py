@@ -162,9 +162,13 @@ class CostModel:
         return (uncached / self.prefill_rate(worker_id)
                 + self.config.attention_s_per_token_pair * uncached * (cached + uncached / 2))
 
-    def queue_s(self, worker_id: str, outstanding_tokens: int) -> float:
-        """How long a prompt sent now waits behind ``outstanding_tokens`` already sent there."""
-        return max(outstanding_tokens, 0) / self.prefill_rate(worker_id)
+    def queue_s(self, worker_id: str, outstanding_tokens: int, busy_for_s: float = 0.0) -> float:
+        """How long a prompt sent now waits behind ``outstanding_tokens`` already sent there, the
+        worker having computed the head of that queue for ``busy_for_s`` (the work left is what the
+        tokens take minus that; a single server answering in order makes this exact)."""
+        if outstanding_tokens <= 0:
+            return 0.0
+        return max(outstanding_tokens / self.prefill_rate(worker_id) - max(busy_for_s, 0.0), 0.0)
 
     def kv_bytes_per_token(self, decode_id: str) -> int:
         got = self._kv_per_token.get(decode_id)

@@ -182,7 +182,7 @@ class Pipeline:
                 if isinstance(event, Tokens):
                     if local and not generated:  # token 1 of a local prefill: this is the TTFT
                         first_at = time.monotonic()
-                        self.placer.prefill_done(req.request_id)
+                        self.placer.prefill_done(req.request_id, answered=True)
                         lps = event.logprobs
                         yield FirstToken(event.token_ids[0], lps[0] if lps else None)
                         if len(event.token_ids) > 1:

@@ -198,7 +198,7 @@ class Placer:
 
         def prefill_cost(c: Candidate) -> float:
             cached = min(c[2] * bs, n)
-            return (costs.queue_s(c[0], view.outstanding_tokens(c[0]))
+            return (costs.queue_s(c[0], view.outstanding_tokens(c[0]), view.busy_for(c[0]))
                     + costs.prefill_s(c[0], n - cached, cached))
 
         def decode_cost(c: Candidate) -> float:
@@ -309,12 +309,12 @@ class Placer:
             m.session_moves.labels(reason=pl.move_kind or "unknown").inc()
 
     # ---------------------------------------------------------------- outcomes
-    def prefill_done(self, request_id: str, *, worker_id: str = "", computed_tokens: int = 0,
-                     compute_s: float = 0.0) -> None:
-        """The prompt left its prefill worker's queue (answered, failed, or prefilled locally). With
-        a sample (``worker_id`` computed ``computed_tokens`` in ``compute_s``) the cost model learns
-        that worker's rate; a failed call brings none. Idempotent."""
-        self.view.prefill_done(request_id)
+    def prefill_done(self, request_id: str, *, answered: bool = False, worker_id: str = "",
+                     computed_tokens: int = 0, compute_s: float = 0.0) -> None:
+        """The prompt left its worker's queue: ``answered`` (computed there; a local prefill's first
+        token), or failed / cancelled. With a sample (``worker_id`` computed ``computed_tokens`` in
+        ``compute_s``; implies answered) the cost model learns that worker's rate. Idempotent."""
+        self.view.prefill_done(request_id, answered=answered or bool(worker_id))
         if worker_id in self.view.workers:
             self.costs.observe_prefill(worker_id, tokens=computed_tokens, compute_s=compute_s)
 

@@ -67,6 +67,7 @@ class WorkerView:
         self._open: dict[str, _Open] = {}       # request_id -> this router's open placement
         self._count: dict[str, int] = {}        # worker -> open placements loading it now
         self._tokens: dict[str, int] = {}       # prefill worker -> prompt tokens sent, not answered
+        self._busy_since: dict[str, float] = {}  # worker -> when it began the head of that queue
 
     # ---------------------------------------------------------------- membership and liveness
     def update(self, workers: list[WorkerInfo]) -> ViewChange:
@@ -180,10 +181,11 @@ class WorkerView:
         self._add(decode_id, 1)
         if prefill_id is not None:
             self._add(prefill_id, 1)
-            self._tokens[prefill_id] = self._tokens.get(prefill_id, 0) + tokens
+            self._queue(prefill_id, tokens)
 
-    def prefill_done(self, request_id: str) -> None:
-        """The prompt left the prefill worker's queue (answered, failed, or prefilled locally)."""
+    def prefill_done(self, request_id: str, *, answered: bool = False) -> None:
+        """The prompt left its worker's queue: ``answered`` (that worker computed it and moves on to
+        the next now), or failed, cancelled or moved to another worker (its progress is unknown)."""
         o = self._open.get(request_id)
         if o is None or o.prefill_id is None:
             return
@@ -192,8 +194,11 @@ class WorkerView:
         left = self._tokens.get(o.prefill_id, 0) - o.prefill_tokens
         if left > 0:
             self._tokens[o.prefill_id] = left
+            if answered:
+                self._busy_since[o.prefill_id] = self._clock()  # it moves on to the next prompt now
         else:
             self._tokens.pop(o.prefill_id, None)
+            self._busy_since.pop(o.prefill_id, None)
         o.prefill_id, o.prefill_tokens = None, 0
 
     def move_prefill(self, request_id: str, worker_id: str, tokens: int) -> None:
@@ -204,7 +209,12 @@ class WorkerView:
             return
         self.prefill_done(request_id)
         o.prefill_id, o.prefill_tokens, o.counted = worker_id, max(int(tokens), 0), False
-        self._tokens[worker_id] = self._tokens.get(worker_id, 0) + o.prefill_tokens
+        self._queue(worker_id, o.prefill_tokens)
+
+    def _queue(self, worker_id: str, tokens: int) -> None:
+        if not self._tokens.get(worker_id):
+            self._busy_since[worker_id] = self._clock()  # an idle worker starts on it at once
+        self._tokens[worker_id] = self._tokens.get(worker_id, 0) + tokens
 
     def end(self, request_id: str) -> bool:
         """The request is over (idempotent); False if it was not open."""
@@ -218,6 +228,12 @@ class WorkerView:
     def outstanding_tokens(self, worker_id: str) -> int:
         """Prompt tokens this router sent ``worker_id`` to prefill and has not had answered."""
         return self._tokens.get(worker_id, 0)
+
+    def busy_for(self, worker_id: str) -> float:
+        """Seconds the worker has been on the head of its queue (since it was sent to an idle worker,
+        or since the worker's last answer): the share of the head already computed."""
+        since = self._busy_since.get(worker_id)
+        return max(self._clock() - since, 0.0) if since is not None else 0.0
 
     def own_prefill_tokens(self, request_id: str) -> int:
         o = self._open.get(request_id)

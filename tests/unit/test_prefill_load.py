@@ -96,3 +96,23 @@ def test_full_duty_is_unlimited_and_bad_values_are_refused():
     for duty, burst in ((0.0, 1.0), (1.5, 1.0), (0.5, -1.0)):
         with pytest.raises(ValueError):
             LocalBudget(duty=duty, burst_s=burst)
+
+
+def test_queue_progress_counts_from_the_last_answer():
+    clock = Clock()
+    v = WorkerView(unhealthy_cooldown_s=1.0, load_stale_s=5.0, clock=clock, wall=clock)
+    v.update([WorkerInfo("p0", "prefill", "a"), WorkerInfo("d0", "decode", "c")])
+    c = CostModel(CostConfig(prefill_tokens_per_s=1000.0, attention_s_per_token_pair=0.0), clock=clock)
+    v.begin("a", "p0", "d0", 1000)  # an idle worker starts on it at once
+    v.begin("b", "p0", "d0", 1000)
+    clock.t += 0.4
+    assert c.queue_s("p0", v.outstanding_tokens("p0"), v.busy_for("p0")) == pytest.approx(1.6)
+    v.move_prefill("b", "d0", 1000)  # leaving the tail says nothing about the head's progress
+    assert c.queue_s("p0", v.outstanding_tokens("p0"), v.busy_for("p0")) == pytest.approx(0.6)
+    v.begin("c", "p0", "d0", 500)
+    clock.t += 0.6
+    v.prefill_done("a", answered=True)  # answered: the worker starts on the next one now
+    assert v.busy_for("p0") == 0.0 and v.outstanding_tokens("p0") == 500
+    for rid in ("a", "b", "c"):
+        v.end(rid)
+    assert v.open_total == 0 and v.busy_for("p0") == 0.0 and v.busy_for("d0") == 0.0
