@@ -299,7 +299,7 @@ def test_network_policies_open_only_the_request_flow() -> None:
                 for p in rule.get("from", rule.get("to", []))}
 
     router_in = pols["router"]["ingress"]
-    assert [p["port"] for p in router_in[0]["ports"]] == [50051]
+    assert [p["port"] for p in router_in[0]["ports"]] == [50051, 8000]  # gRPC and the HTTP door
     prefill_in = pols["prefill"]["ingress"]
     assert peers(prefill_in[0]) == {"router"} and [p["port"] for p in prefill_in[0]["ports"]] == [50051]
     decode_in = pols["decode"]["ingress"]
@@ -388,3 +388,30 @@ def test_notes_tell_how_to_call_the_router(tmp_path) -> None:
     assert "port-forward svc/pdserve-router 50051:50051" in text
     assert re.search(r"pdserve client --router 127\.0\.0\.1:50051 --prompt", text)
     assert "helm test pdserve" in text
+
+
+def test_router_http_door_and_api_keys() -> None:
+    """The HTTP door is on by default: a container port, a Service port and PDSERVE_HTTP_PORT agree;
+    off, all three go. API keys come from an existing Secret mounted as a directory (so an update
+    reaches the file the router re-reads) and named by PDSERVE_API_KEYS_FILE."""
+    docs = render("default")
+    c = container(docs, "router")
+    env = env_of(c)
+    assert env["PDSERVE_HTTP_PORT"] == "8000" and "PDSERVE_API_KEYS_FILE" not in env
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in c["ports"]
+    svc = next(d for d in by_kind(docs, "Service") if d["metadata"]["name"] == f"{RELEASE}-router")
+    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]}["http"] == "http"
+
+    docs = render("default", ("router.http.enabled=false", "router.apiKeys.existingSecret=keys",
+                              "router.http.servedModelName=llama"))
+    c = container(docs, "router")
+    env = env_of(c)
+    assert "PDSERVE_HTTP_PORT" not in env and all(p["name"] != "http" for p in c["ports"])
+    svc = next(d for d in by_kind(docs, "Service") if d["metadata"]["name"] == f"{RELEASE}-router")
+    assert all(p["name"] != "http" for p in svc["spec"]["ports"])
+    assert env["PDSERVE_API_KEYS_FILE"] == "/etc/pdserve/api-keys/keys"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "api-keys")
+    assert mount["mountPath"] == "/etc/pdserve/api-keys" and "subPath" not in mount
+    vol = next(v for v in deployment(docs, "router")["spec"]["template"]["spec"]["volumes"]
+               if v["name"] == "api-keys")
+    assert vol["secret"] == {"secretName": "keys", "items": [{"key": "api-keys", "path": "keys"}]}

@@ -39,17 +39,21 @@ def _as_rpc_error(code: grpc.StatusCode, details: str,
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details=details)
 
 
+_MODEL_OF: dict[str, str] = {}  # address -> served model name, asked once per process
+
+
 class OpenAIBackend:
     def __init__(self, address: str, *, api_key: str = "", model: str = "") -> None:
         from openai import AsyncOpenAI
 
         self.client = AsyncOpenAI(base_url=f"http://{address}/v1", api_key=api_key or "none", max_retries=0)
-        self.model = model
+        self.address = address
+        self.model = model or _MODEL_OF.get(address, "")
 
     async def _model(self) -> str:
         if not self.model:
             models = await self.client.models.list()
-            self.model = models.data[0].id
+            self.model = _MODEL_OF[self.address] = models.data[0].id
         return self.model
 
     async def generate(self, request: router_pb2.GenerateRequest, *, timeout: float | None = None) -> Result:
