@@ -1,12 +1,15 @@
 """Two prefill + two decode workers, KV over NIXL (UCX restricted to TCP: simulated RDMA).
 
 Greedy output through the cluster equals the in-process engine for concurrent requests spread
-over both pools; then a decode worker is SIGKILLed while it serves a request: that request ends
-with UNAVAILABLE (no hang) and the cluster keeps serving on the remaining workers.
+over both pools (round robin, named explicitly); and, on a cluster of its own (1 prefill + 2
+decode, so that no other test runs on what it breaks, in whatever order they run), a decode worker
+is SIGKILLed while it serves a request: that request ends with UNAVAILABLE (no hang) and the
+cluster keeps serving on the remaining workers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -20,13 +23,24 @@ from pdserve.client import Client
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cluster(make_checkpoint, tmp_path_factory):
-    model = make_checkpoint("llama")
-    with LocalCluster(model, prefill=2, decode=2, transport="nixl", env=ucx_tcp_env(),
-                      run_dir=tmp_path_factory.mktemp("c2p2d")) as c:
+@contextlib.contextmanager
+def nixl_cluster(model, run_dir, *, prefill: int, decode: int):
+    with LocalCluster(model, prefill=prefill, decode=decode, transport="nixl", env=ucx_tcp_env(),
+                      policy="round_robin", run_dir=run_dir) as c:
         c.model = model
         c.start_free = c.free_blocks()
+        yield c
+
+
+@pytest.fixture(scope="module")
+def cluster(make_checkpoint, tmp_path_factory):
+    with nixl_cluster(make_checkpoint("llama"), tmp_path_factory.mktemp("c2p2d"), prefill=2, decode=2) as c:
+        yield c
+
+
+@pytest.fixture
+def doomed_cluster(make_checkpoint, tmp_path):
+    with nixl_cluster(make_checkpoint("llama"), tmp_path, prefill=1, decode=2) as c:
         yield c
 
 
@@ -44,7 +58,8 @@ def test_greedy_matches_engine_over_nixl(cluster) -> None:
     assert {w: s.free_blocks for w, s in stats.items()} == cluster.start_free
 
 
-def test_killed_decode_worker_fails_its_request_and_cluster_keeps_serving(cluster) -> None:
+def test_killed_decode_worker_fails_its_request_and_cluster_keeps_serving(doomed_cluster) -> None:
+    cluster = doomed_cluster
     outcome: dict = {}
     started = threading.Event()
 

@@ -255,6 +255,7 @@ def test_first_token_does_not_wait_for_the_next_forward_pass(stream):
             a, b = prompts_of([40, 200], seed=12)  # 64-token steps: A done in step 1, B needs 4
             gate, entered, state = threading.Event(), threading.Event(), {"armed": False}
             real_step = rig.p.step
+            loop = asyncio.get_running_loop()
 
             def step():
                 if state["armed"]:  # the pass after A's final chunk: the engine thread stays here
@@ -264,6 +265,10 @@ def test_first_token_does_not_wait_for_the_next_forward_pass(stream):
                 outs = real_step()
                 if any(o.request_id == "a" and o.finish_reason == "prefilled" for o in outs):
                     state["armed"] = True
+                    # The event loop handles A's output only once this thread is inside the next pass
+                    # (callbacks run in order, A's output is queued after this one): else a descheduled
+                    # engine thread lets A finish, and its release run, before that pass even starts.
+                    loop.call_soon_threadsafe(entered.wait, 60)
                 return outs
 
             rig.p.step = step
