@@ -71,6 +71,12 @@ class ServeSettings:
     launch_ahead_layers: int | None = None  # None: the engine's default (EngineConfig)
     # worker roles: ranks of one worker (engine.tp_worker); on CUDA rank r uses cuda:r of the visible GPUs
     tensor_parallel_size: int = 1
+    # decode: take KV from prefill workers of up to this TP size when it exceeds this worker's (each rank
+    # then receives its heads in pieces of num_kv_heads / N heads, regrouped in place); 0 = this worker's
+    kv_source_tp: int = 0
+    # prefill: blocks of a rank's staging area for receivers holding fewer KV heads per rank, in cache
+    # blocks' worth of memory (0: a quarter of the cache); made on first use
+    kv_staging_blocks: int = 0
     transport: str = "auto"
     kv_port: int = 0
     # KV listeners (side channel, TCP data, NIXL/UCX's TCP listeners) bind this host; "" = --host
@@ -148,9 +154,8 @@ class ServeSettings:
         for name in ("block_size", "max_num_seqs", "lease_ms", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.tensor_parallel_size > 1 and self.role in ("prefill", "decode"):
-            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: the {self.role} role "
-                             f"moves KV per rank, which is not built yet; TP > 1 runs the colocated role")
+        if self.kv_source_tp < 0 or self.kv_staging_blocks < 0:
+            raise ValueError("--kv-source-tp and --kv-staging-blocks must be >= 0")
         if not 1 <= self.kv_connections <= 64:
             raise ValueError(f"--kv-connections must be in 1..64, got {self.kv_connections}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -218,7 +223,7 @@ class ServeSettings:
 
 _INT = {"port", "metrics_port", "http_port", "block_size", "num_blocks", "max_num_seqs",
         "max_num_batched_tokens",
-        "launch_ahead_layers", "tensor_parallel_size",
+        "launch_ahead_layers", "tensor_parallel_size", "kv_source_tp", "kv_staging_blocks",
         "kv_port", "kv_connections", "lease_ms", "min_uncached_tokens",
         "allocate_queue_size", "max_request_bytes"}
 _FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
@@ -269,6 +274,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help="CUDA: how many layers a large step may launch ahead of the GPU (0: no limit; default 4)")
     a("--tensor-parallel-size", type=int, help="worker roles: processes (GPUs) per worker, one tensor "
       "parallel rank each (default 1)")
+    a("--kv-source-tp", type=int, help="decode: the prefill pool's tensor parallel size when it is larger "
+      "than this worker's: each rank then takes its KV heads in pieces from several prefill ranks and "
+      "regroups them (default: this worker's size; smaller senders always work)")
+    a("--kv-staging-blocks", type=int, help="prefill: staging area per rank (in KV blocks) for decode "
+      "workers holding fewer KV heads per rank than this one (default: a quarter of the cache)")
     a("--transport", choices=TRANSPORTS, help="KV transport (default auto: nixl if usable, else tcp)")
     a("--kv-port", type=int, help="KV side-channel / TCP data port (0 = pick free)")
     a("--kv-host", help="bind address of every KV listener (side channel, TCP data, NIXL/UCX; default "

@@ -46,10 +46,11 @@ def build_engine(settings: ServeSettings):
         kwargs["launch_ahead_layers"] = settings.launch_ahead_layers
     if settings.tensor_parallel_size == 1:
         return LLMEngine(EngineConfig(**kwargs))
-    from pdserve.app.tp_ranks import rank_device, start_ranks
+    from pdserve.app.tp_ranks import KVRankConfig, rank_device, start_ranks
 
     config = EngineConfig(**{**kwargs, "device": rank_device(settings.device, 0)})
-    ranks = start_ranks(config, settings.tensor_parallel_size)
+    kv = KVRankConfig.from_settings(settings) if settings.role in ("prefill", "decode") else None
+    ranks = start_ranks(config, settings.tensor_parallel_size, kv=kv)
     try:
         engine = LLMEngine(config, tp=ranks.group)
     except BaseException:
@@ -155,7 +156,7 @@ async def _load_engine(settings: ServeSettings, server: GrpcServer):
 
 
 async def _prefill(settings: ServeSettings, server: GrpcServer):
-    from kvtransfer.link import make_kv_link
+    from pdserve.app.tp_ranks import make_rank_link
     from pdserve.v1 import prefill_pb2_grpc
     from prefill_service.service import PrefillServicer
     from prefill_service.worker import PrefillWorker
@@ -166,7 +167,7 @@ async def _prefill(settings: ServeSettings, server: GrpcServer):
 
     async def finish(settings: ServeSettings) -> None:
         engine, aengine = await _load_engine(settings, server)
-        kv = await make_kv_link(settings, engine, sender=True)
+        kv = await make_rank_link(settings, engine)  # every rank moves its own KV heads
         worker = PrefillWorker(engine=aengine, kv=kv, worker_id=settings.worker_id,
                                block_size=engine.kv_layout.block_size,
                                stream_layers=settings.kv_stream_layers == "on")
@@ -181,7 +182,7 @@ async def _prefill(settings: ServeSettings, server: GrpcServer):
 async def _decode(settings: ServeSettings, server: GrpcServer):
     from decode_service.service import DecodeServicer
     from decode_service.worker import DecodeWorker
-    from kvtransfer.link import make_kv_link
+    from pdserve.app.tp_ranks import make_rank_link
     from pdserve.v1 import decode_pb2_grpc
 
     holder = _Late()
@@ -190,7 +191,7 @@ async def _decode(settings: ServeSettings, server: GrpcServer):
 
     async def finish(settings: ServeSettings) -> None:
         engine, aengine = await _load_engine(settings, server)
-        kv = await make_kv_link(settings, engine, sender=False)
+        kv = await make_rank_link(settings, engine)  # every rank moves its own KV heads
         worker = DecodeWorker(engine=aengine, kv=kv, worker_id=settings.worker_id,
                               block_size=engine.kv_layout.block_size, default_lease_ms=settings.lease_ms)
         worker.start()

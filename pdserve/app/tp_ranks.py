@@ -9,11 +9,18 @@ to the worker. A child whose parent dies exits by itself; ``TPRanks.stop`` waits
 kills what does not leave).
 
 The engine configuration travels to the children as JSON on the command line (plain values only).
+
+Prefill and decode workers move KV per rank (kvtransfer/ranks): with a ``KVRankConfig`` every child
+also starts its rank's ``RankAgent`` (its own transports over its own KV heads) and the KVRank
+control service on 127.0.0.1, on an event loop thread beside the follower, and publishes both in the
+rendezvous store (``kvrank/<r>``: control address, transport endpoints). Rank 0 builds its own agent,
+reads the others' from the store and presents the worker as one KV link (``make_rank_link``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import logging
@@ -24,6 +31,42 @@ import threading
 import time
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVRankConfig:
+    """What every rank of a prefill / decode worker needs to run its KV agent (JSON-able)."""
+
+    kind: str = "auto"
+    options: dict = dataclasses.field(default_factory=dict)  # TransportConfig fields (kv_transport_options)
+    source_tp: int = 0  # decode: the largest sender TP (WorkerShape.receiving)
+    staging_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("auto", "nixl", "tcp") or self.source_tp < 0 or self.staging_blocks < 0:
+            raise ValueError(f"bad KVRankConfig {self}")
+
+    @classmethod
+    def from_settings(cls, settings) -> KVRankConfig:
+        from pdserve.settings import kv_transport_options
+
+        options = kv_transport_options(settings)
+        options["ucx_env"] = [list(kv) for kv in options.get("ucx_env", ())]
+        return cls(kind=settings.transport, options=options, source_tp=settings.kv_source_tp,
+                   staging_blocks=settings.kv_staging_blocks)
+
+    def rank_options(self, rank: int) -> dict:
+        """A fixed --kv-port is rank 0's; rank r listens on the next r-th port (0 stays 0: any)."""
+        base = int(self.options.get("listen_port", 0))
+        return {**self.options, "listen_port": base + rank if base else 0}
+
+    def agent(self, *, layout, num_kv_heads: int, tp: int, rank: int, cache):
+        from kvtransfer.ranks.agent import RankAgent
+        from kvtransfer.ranks.shape import WorkerShape
+
+        shape = WorkerShape.receiving(num_kv_heads=num_kv_heads, tp=tp, source_tp=self.source_tp)
+        return RankAgent(layout=layout, shape=shape, rank=rank, cache=cache, kind=self.kind,
+                         options=self.rank_options(rank), staging_blocks=self.staging_blocks)
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -43,6 +86,11 @@ class TPRanks:
     procs: list[subprocess.Popen]
     store: object  # keeps the rendezvous alive while the group lives
 
+    def kv_agent_info(self, rank: int) -> dict:
+        """Rank ``rank``'s published KV agent: {"control": host:port, "endpoint", "view"} (blocks until
+        the rank has started it)."""
+        return json.loads(self.store.get(f"kvrank/{rank}"))
+
     def stop(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         for proc in self.procs:
@@ -54,16 +102,17 @@ class TPRanks:
                 proc.wait()
 
 
-def start_ranks(engine_config, size: int) -> TPRanks:
-    """Host the rendezvous, start ranks 1..size-1, return rank 0's ``TPGroup`` (blocks until every
-    rank has joined the group)."""
+def start_ranks(engine_config, size: int, kv: KVRankConfig | None = None) -> TPRanks:
+    """Host the rendezvous, start ranks 1..size-1 (each with its KV agent when ``kv`` is given), return
+    rank 0's ``TPGroup`` (blocks until every rank has joined the group)."""
     from engine.tp_group import TPGroup
 
     store = TPGroup.tcp_store(host="127.0.0.1", port=0, rank=0, size=size)
     payload = json.dumps(dataclasses.asdict(engine_config))
+    extra = ["--kv-config", json.dumps(dataclasses.asdict(kv))] if kv is not None else []
     procs = [subprocess.Popen([sys.executable, "-m", "pdserve.app.tp_ranks", "--rank", str(r), "--size",
                                str(size), "--store-port", str(store.port), "--parent-pid", str(os.getpid()),
-                               "--engine-config", payload])
+                               "--engine-config", payload, *extra])
              for r in range(1, size)]
     try:
         group = TPGroup(rank=0, size=size, store=store, device=rank_device(engine_config.device, 0))
@@ -72,6 +121,92 @@ def start_ranks(engine_config, size: int) -> TPRanks:
             proc.kill()
         raise
     return TPRanks(group=group, procs=procs, store=store)
+
+
+async def make_rank_link(settings, engine):
+    """Rank 0's KV link (kvtransfer.ranks.link.RankedLink) for a prefill / decode worker at any TP size:
+    its own agent over ``engine.kv_cache``, the other ranks' through their control services."""
+    from kvtransfer.ranks.control import RankClient, serve_agent
+    from kvtransfer.ranks.link import RankedLink
+
+    kv = KVRankConfig.from_settings(settings)
+    ranks: TPRanks | None = getattr(engine, "tp_ranks", None)
+    size = ranks.group.size if ranks is not None else 1
+    layout = engine.kv_layout
+    agent = kv.agent(layout=layout, num_kv_heads=layout.num_kv_heads, tp=size, rank=0, cache=engine.kv_cache)
+    await agent.start()
+    endpoint, view = agent.endpoints()
+    members, endpoints, views = [agent], [endpoint], [view]
+    server, port = await serve_agent(agent)
+    controls = [f"127.0.0.1:{port}"]
+    for r in range(1, size):
+        info = await asyncio.to_thread(ranks.kv_agent_info, r)
+        members.append(RankClient(r, info["control"]))
+        endpoints.append(info["endpoint"])
+        views.append(info.get("view"))
+        controls.append(info["control"])
+    link = RankedLink(ranks=members, layout=layout, shape=agent.shape, lease_s=settings.lease_ms / 1000.0)
+    link.set_rank_endpoints(endpoints, views)
+    link.closers.append(lambda: server.stop(0))
+    log.info("KV ranks: %s; control %s", agent.shape.describe(), " ".join(controls))
+    return link
+
+
+def _serve_kv_rank(follower, group, kv: KVRankConfig, store):
+    """Start this rank's KV agent and KVRank service on an event loop thread and publish them in the
+    store; returns a function that stops them (after the follower left its loop)."""
+    import torch
+
+    from kvtransfer.ranks.control import serve_agent
+
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    state: dict = {}
+    layout = follower.kv_layout
+
+    async def start() -> None:
+        device = follower.kv_cache.device
+        if device.type == "cuda":  # this thread's copies must not queue behind the forward's stream
+            torch.cuda.set_device(device)
+            torch.cuda.set_stream(torch.cuda.Stream(device))
+        agent = kv.agent(layout=layout, num_kv_heads=layout.num_kv_heads, tp=group.size, rank=group.rank,
+                         cache=follower.kv_cache)
+        await agent.start()
+        state["agent"] = agent
+        state["server"], state["port"] = await serve_agent(agent)
+
+    async def stop() -> None:
+        await state["server"].stop(0)
+        await state["agent"].close()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(start())
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            state["error"] = exc
+            ready.set()
+            return
+        ready.set()
+        loop.run_forever()
+        loop.run_until_complete(stop())
+        loop.close()
+
+    thread = threading.Thread(target=run, name=f"kv-rank{group.rank}", daemon=True)
+    thread.start()
+    ready.wait()
+    if "error" in state:
+        raise state["error"]
+    endpoint, view = state["agent"].endpoints()
+    control = f"127.0.0.1:{state['port']}"
+    store.set(f"kvrank/{group.rank}", json.dumps({"control": control, "endpoint": endpoint, "view": view}))
+    log.info("KV rank %d: control %s", group.rank, control)
+
+    def stop_all() -> None:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+
+    return stop_all
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -88,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-port", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--engine-config", required=True)
+    parser.add_argument("--kv-config", default="")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s tp-rank{args.rank} %(levelname)s %(message)s")
@@ -101,7 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(**{**fields, "device": rank_device(fields["device"], args.rank)})
     store = TPGroup.tcp_store(host="127.0.0.1", port=args.store_port, rank=args.rank, size=args.size)
     group = TPGroup(rank=args.rank, size=args.size, store=store, device=config.device)
-    TPFollower(config, group).run()
+    follower = TPFollower(config, group)
+    stop_kv = _serve_kv_rank(follower, group, KVRankConfig(**json.loads(args.kv_config)), store) \
+        if args.kv_config else None
+    try:
+        follower.run()
+    finally:
+        if stop_kv is not None:
+            stop_kv()
     return 0
 
 

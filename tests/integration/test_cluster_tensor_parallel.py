@@ -1,7 +1,8 @@
 """A tensor-parallel worker serving: ``pdserve serve --role colocated --tensor-parallel-size 2`` (rank 0
 serves gRPC, rank 1 is a child process following its steps over gloo). Greedy output through the
 Router API is token-identical to a single TP-1 engine, every KV block comes back, a graceful drain
-exits 0 and takes the follower rank with it. Prefill/decode roles at TP > 1 are refused clearly."""
+exits 0 and takes the follower rank with it. (Prefill and decode workers at TP > 1:
+test_cluster_tensor_parallel_kv.py.)"""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def test_tp2_colocated_worker_matches_engine(make_checkpoint, tmp_path) -> None:
     assert "tensor parallel rank 1 stopped after" in log
 
 
-def test_prefill_and_decode_roles_refuse_tp_until_kv_moves_per_rank(make_checkpoint) -> None:
-    for role in ("prefill", "decode"):
-        with pytest.raises(ValueError, match="moves KV per rank"):
-            ServeSettings(role=role, model=str(make_checkpoint("llama")), tensor_parallel_size=2)
-    assert ServeSettings(role="colocated", model="m", tensor_parallel_size=4).tensor_parallel_size == 4
+def test_worker_roles_take_tensor_parallel_sizes() -> None:
+    for role in ("prefill", "decode", "colocated"):
+        assert ServeSettings(role=role, model="m", tensor_parallel_size=4).tensor_parallel_size == 4
+    assert ServeSettings(role="decode", model="m", kv_source_tp=2).kv_source_tp == 2
+    with pytest.raises(ValueError, match="--kv-source-tp"):
+        ServeSettings(role="decode", model="m", kv_source_tp=-1)

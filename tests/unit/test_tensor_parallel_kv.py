@@ -1,0 +1,172 @@
+"""Per-rank KV transfer between tensor-parallel workers, in one process: every rank's ``RankAgent`` with real
+kvtransfer transports on loopback, rank 0's ``RankedLink`` on each side. Each decode rank must end up with
+exactly its KV heads of the source blocks (split, regrouped from pieces, or replicated), nothing else
+written; every rank's transports hold nothing afterwards. One case drives the other ranks through their
+KVRank gRPC services, as a worker's processes do."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from engine.kv_layout import KVLayout
+from kvtransfer import LayoutMismatch, TransferError
+from kvtransfer.ranks.agent import RankAgent
+from kvtransfer.ranks.control import RankClient, serve_agent
+from kvtransfer.ranks.link import RankedLink
+from kvtransfer.ranks.shape import WorkerShape, parse_endpoint, plan_pieces
+
+pytestmark = pytest.mark.timeout(90)
+L, HD, BS, NB = 2, 4, 4, 12
+SRC, DST = [3, 5, 6, 0], [1, 2, 7, 11]
+
+
+def base(k: int) -> KVLayout:
+    return KVLayout(num_layers=L, num_kv_heads=k, head_dim=HD, block_size=BS, dtype="float32",
+                    model_fingerprint="m")
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 80))
+
+
+async def worker(full: torch.Tensor | None, k: int, tp: int, source_tp: int = 0, *, remote: bool = False):
+    """A worker's ranks over ``full`` (the whole model's cache; zeros if None): (link, agents, servers)."""
+    shape = WorkerShape.receiving(num_kv_heads=k, tp=tp, source_tp=source_tp)
+    whole = full if full is not None else base(k).allocate(NB)
+    agents = []
+    for r in range(tp):
+        h0, h1 = shape.heads(r)
+        agent = RankAgent(layout=base(k), shape=shape, rank=r, cache=whole[..., h0:h1, :].contiguous(),
+                          kind="tcp", options={"listen_host": "127.0.0.1"}, staging_blocks=8)
+        agents.append(await agent.start())
+    members, servers = list(agents), []
+    if remote:
+        for r in range(1, tp):
+            server, port = await serve_agent(agents[r])
+            servers.append(server)
+            members[r] = RankClient(r, f"127.0.0.1:{port}")
+    link = RankedLink(ranks=members, layout=base(k), shape=shape, lease_s=20.0)
+    link.set_rank_endpoints(*zip(*(a.endpoints() for a in agents), strict=True))
+    return link, agents, servers
+
+
+async def close(link, agents, servers) -> None:
+    for a in agents:
+        assert a.stats() == dict.fromkeys(a.stats(), 0), (a.rank, a.stats())
+    await link.close()
+    for a in agents[1:]:
+        if isinstance(link.ranks[a.rank], RankClient):
+            await a.close()
+    for s in servers:
+        await s.stop(0)
+
+
+def expected_rank(full: torch.Tensor, heads: tuple[int, int]) -> torch.Tensor:
+    want = torch.zeros_like(full[..., heads[0]:heads[1], :])
+    want[:, DST] = full[:, SRC][..., heads[0]:heads[1], :]
+    return want
+
+
+async def transfer(k: int, a: int, b: int, *, streamed: bool, source_tp: int = 0,
+                   remote: bool = False) -> None:
+    full = base(k).allocate(NB).uniform_(-1, 1)
+    p = await worker(full, k, a, remote=remote)
+    d = await worker(None, k, b, source_tp, remote=remote)
+    rid = "req-1"
+    await d[0].expect(rid, DST)
+    wait = asyncio.ensure_future(d[0].wait(rid))
+    if streamed:
+        handle = p[0].open_stream(d[0].endpoint(), rid, SRC, DST)
+        for layer in range(L):
+            handle.push_layers((layer,), final=layer == L - 1)
+        nbytes, _ = await p[0].wait_sent(handle, d[0].endpoint())
+    else:
+        nbytes, _ = await p[0].send(d[0].endpoint(), rid, SRC, DST)
+    info = await wait
+    await d[0].release(rid)
+    per_rank = base(k).block_bytes * L * len(DST) // min(b, k)
+    assert info["bytes"] == per_rank * b and nbytes == info["bytes"]
+    for agent in d[1]:
+        assert torch.equal(agent.cache, expected_rank(full, agent.heads)), (k, a, b, agent.rank)
+    await close(*p)
+    await close(*d)
+
+
+@pytest.mark.parametrize("k,a,b,source_tp", [
+    (2, 1, 1, 0), (2, 2, 1, 2), (2, 1, 2, 0), (2, 2, 4, 0), (4, 4, 2, 4), (4, 1, 4, 0), (2, 4, 1, 4),
+    (4, 1, 2, 2),  # a decode worker set up for TP-2 senders also takes a TP-1 sender (staged pieces)
+], ids=["1to1", "2to1", "1to2", "2to4-replicated", "4to2", "1to4", "4replicated-to1", "1to2-in-pieces"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["one-piece", "streamed"])
+def test_heads_land_on_the_ranks_that_own_them(k, a, b, source_tp, streamed) -> None:
+    run(transfer(k, a, b, streamed=streamed, source_tp=source_tp))
+
+
+def test_other_ranks_driven_through_their_control_services() -> None:
+    run(transfer(4, 2, 4, streamed=True, remote=True))
+    run(transfer(2, 2, 1, streamed=False, source_tp=2, remote=True))
+
+
+def test_plan_names_both_shapes_when_it_cannot_bridge() -> None:
+    lay = base(4)
+    dest = parse_endpoint({"protocol": "pdkv-tp"} | json.loads(json.dumps(_fake_endpoint(lay, tp=1))))
+    with pytest.raises(LayoutMismatch, match=r"receiver TP 1, KV heads \[0,4\).*sender TP 2, KV heads "
+                                             r"\[0,2\) \[2,4\).*--kv-source-tp 2"):
+        plan_pieces(WorkerShape(num_kv_heads=4, tp=2), lay, dest)
+    other = KVLayout(**{**lay.to_dict(), "model_fingerprint": "other"})
+    with pytest.raises(LayoutMismatch, match="KV layout mismatch: receiver TP 1.*model=m.*"
+                                             "sender TP 1.*model=other"):
+        plan_pieces(WorkerShape(num_kv_heads=4, tp=1), other, dest)
+    pieces = plan_pieces(WorkerShape(num_kv_heads=4, tp=2), lay,
+                         parse_endpoint(_fake_endpoint(lay, tp=1, source_tp=2)))
+    assert [(p.src, p.dst, p.heads, p.j) for p in pieces] == [(0, 0, (0, 2), 0), (1, 0, (2, 4), 1)]
+    replicas = plan_pieces(WorkerShape(num_kv_heads=2, tp=4), base(2),
+                           parse_endpoint(_fake_endpoint(base(2), tp=2)))
+    assert [(p.src, p.dst) for p in replicas] == [(0, 0), (3, 1)]  # replicas share the senders' load
+
+
+def _fake_endpoint(lay: KVLayout, *, tp: int, source_tp: int = 0) -> dict:
+    from kvtransfer.ranks.shape import build_endpoint
+
+    shape = WorkerShape.receiving(num_kv_heads=lay.num_kv_heads, tp=tp, source_tp=source_tp)
+    ep = {"protocol": "pdkv", "host": "127.0.0.1", "port": 1}
+    return build_endpoint(lay, shape, [ep] * tp, [ep if shape.pieces_per_rank > 1 else None] * tp)
+
+
+def test_a_tampered_endpoint_is_refused() -> None:
+    from kvtransfer import InvalidTransfer
+
+    ep = _fake_endpoint(base(4), tp=2)
+    ep["ranks"][1]["heads"] = [0, 2]
+    with pytest.raises(InvalidTransfer, match="rank 1 holds heads"):
+        parse_endpoint(ep)
+    ep = _fake_endpoint(base(4), tp=2)
+    ep["tp"] = 1
+    with pytest.raises(InvalidTransfer):
+        parse_endpoint(ep)
+
+
+async def _abort_mid_stream() -> None:
+    k = 2
+    full = base(k).allocate(NB).uniform_(-1, 1)
+    p = await worker(full, k, 1)
+    d = await worker(None, k, 2, remote=True)
+    await d[0].expect("r", DST)
+    wait = asyncio.ensure_future(d[0].wait("r"))
+    handle = p[0].open_stream(d[0].endpoint(), "r", SRC, DST)
+    handle.push_layers((0,))
+    await handle.abort("prefill cancelled")
+    assert handle.done()
+    # The receiver learns it from the sender (ABORT) when BEGIN went out, else from the router's Release.
+    await d[0].release("r")
+    with pytest.raises(TransferError):
+        await wait
+    await close(*p)
+    await close(*d)
+
+
+def test_abort_mid_stream_releases_every_rank() -> None:
+    run(_abort_mid_stream())
