@@ -37,7 +37,7 @@ budgeted share of the prompts keeps TTFT bounded at a small, bounded cost in dec
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from router.placement import Placement, Placer
 from router.prefill_load import LocalBudget
@@ -82,10 +82,6 @@ class Paths:
     decode_capacity: int = 1
 
     @property
-    def recompute_s(self) -> float:
-        return self.local_s * self.load_factor
-
-    @property
     def load_factor(self) -> float:
         return 1.0 + max(self.decode_running, 0) / max(self.decode_capacity, 1)
 
@@ -103,9 +99,6 @@ class Decision:
     decode_wait_s: float = 0.0
     local_path_s: float = 0.0   # estimated time to the first token on each path
     remote_path_s: float = 0.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 LOCAL_REASONS = ("short_suffix", "transfer_slower", "prefill_busy")

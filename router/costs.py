@@ -46,9 +46,6 @@ class LinkStats:
     def bandwidth(self, prefill_id: str, decode_id: str) -> float:
         return self.rows.get(prefill_id, {}).get(decode_id, self.default_Bps)
 
-    def measured(self, prefill_id: str, decode_id: str) -> bool:
-        return decode_id in self.rows.get(prefill_id, {})
-
     def measured_from(self, prefill_id: str) -> bool:
         """Whether any link from ``prefill_id`` was measured."""
         return prefill_id in self.rows

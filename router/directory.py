@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -47,12 +47,9 @@ class WorkerHandle:
     stub: object
     stats: common_pb2.WorkerStats | None = None
     answering: bool = False  # answered its last poll: a member of the placer's view
-    last_ok: float = 0.0
-    failures: int = 0
     inflight: int = 0      # requests bound to this handle (acquire .. release)
     removed: bool = False  # gone from discovery: never placed on again, closed once drained
     closed: bool = False
-    extra: dict = field(default_factory=dict)
 
     @property
     def worker_id(self) -> str:
@@ -181,7 +178,7 @@ class WorkerDirectory:
             log.error("worker at %s says role %r, expected %r; ignoring it", h.address, stats.role, h.role)
             self.mark_failed(h)
             return
-        h.stats, h.answering, h.last_ok, h.failures = stats, True, time.monotonic(), 0
+        h.stats, h.answering = stats, True
         self.lifecycle.answered(h, stats)
         with contextlib.suppress(ValueError):
             self.placer.update_load(stats.worker_id, WorkerLoad(
@@ -191,7 +188,6 @@ class WorkerDirectory:
     def mark_failed(self, h: WorkerHandle) -> None:
         was_healthy = h.answering
         h.answering = False
-        h.failures += 1
         if h.stats is not None:
             self.placer.mark_unhealthy(h.stats.worker_id)
         if was_healthy:
