@@ -38,6 +38,14 @@ MODEL_PRESET = "tiny"
 MODEL_SEED = 0  # the chart's model.init.seed default: pods and the local reference write the same weights
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def write_tiny_model(out: Path) -> Path:
     """The same checkpoint the chart's init container writes (`pdserve model init --preset tiny --seed 0`)."""
     if not (out / "config.json").exists():
@@ -63,6 +71,7 @@ class Target:
 
     name = "?"
     router: str = ""
+    http: str = ""  # HOST:PORT of the router's OpenAI-compatible HTTP door
     transport: str = ""  # expected `transport` in responses ("nixl" | "tcp")
 
     def scale_decode(self, n: int) -> None:
@@ -141,7 +150,8 @@ class UpTarget(Target):
         cmd = [*PDSERVE, "up", "--model", str(model), "--prefill", "2", "--decode", "2",
                "--transport", self.transport, "--policy", "session+prefix", "--device", "cpu",
                "--num-blocks", "256", "--drain-timeout", "10", "--run-dir", str(self.run_dir),
-               "--launcher", os.environ.get("PDSERVE_E2E_LAUNCHER", "process")]
+               "--launcher", os.environ.get("PDSERVE_E2E_LAUNCHER", "process"),
+               "--http-port", str(_free_port())]
         self.proc = _Proc(cmd, env=env, log=workdir / "pdserve-up.log")
         try:
             up_timeout = float(os.environ.get("PDSERVE_E2E_UP_TIMEOUT", 150))
@@ -150,6 +160,7 @@ class UpTarget(Target):
             self.proc.stop(30)
             raise
         self.router = m.group(1)
+        self.http = self.proc.wait_for(r"http: (\S+:\d+)", timeout=60).group(1)
 
     def state(self) -> dict:
         return json.loads((self.run_dir / "state.json").read_text())
@@ -211,10 +222,12 @@ class KindTarget(Target):
         self.decode_replicas = 2
         run([str(KIND_DIR / "up.sh")], timeout=1800, env=self.env)
         self.forward = _Proc(["kubectl", "--context", f"kind-{KIND_CLUSTER}", "-n", KIND_NAMESPACE,
-                              "port-forward", f"svc/{KIND_RELEASE}-router", ":50051"],
+                              "port-forward", f"svc/{KIND_RELEASE}-router", ":50051", ":8000"],
                              log=workdir / "port-forward.log")
-        m = self.forward.wait_for(r"Forwarding from 127\.0\.0\.1:(\d+)", timeout=60)
+        m = self.forward.wait_for(r"Forwarding from 127\.0\.0\.1:(\d+) -> 50051", timeout=60)
         self.router = f"127.0.0.1:{m.group(1)}"
+        m = self.forward.wait_for(r"Forwarding from 127\.0\.0\.1:(\d+) -> 8000", timeout=60)
+        self.http = f"127.0.0.1:{m.group(1)}"  # the chart's router.http.port
 
     def kubectl(self, *args: str, timeout: float = 120) -> str:
         return run(["kubectl", "--context", f"kind-{KIND_CLUSTER}", "-n", KIND_NAMESPACE, *args],

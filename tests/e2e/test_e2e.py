@@ -2,6 +2,7 @@
 
 1. Greedy output through the disaggregated cluster is token-identical to the single engine.
 2. Every turn of a session lands on the same decode worker.
+   Both hold over the router's OpenAI-compatible HTTP door too (the `openai` client).
 3. Scaling the decode pool up and down while requests flow loses no request.
 4. Killing (up) / deleting (kind) a decode worker under load hangs no request and the service goes on.
 
@@ -164,6 +165,38 @@ def test_session_affinity_same_decode_worker_every_turn(target, reference) -> No
     assert len(set(placements)) == 1, f"{target.name}: session visited {placements}"
     # KV reuse across turns must not change the answer: the last turn equals the single engine's.
     assert tuple(last.token_ids) == reference(prompt, 8)
+
+
+def test_http_door_matches_reference_and_keeps_sessions(target, reference) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://{target.http}/v1", api_key="none", max_retries=0,
+                    timeout=REQUEST_TIMEOUT)
+    model = client.models.list().data[0].id
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: client.completions.create(
+            model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"return_token_ids": True}), PROMPTS))
+    for prompt, r in zip(PROMPTS, results, strict=True):
+        choice = r.choices[0]
+        assert tuple(choice.model_extra["token_ids"]) == reference(prompt), \
+            f"{target.name}: HTTP output differs for {prompt[:30]!r}"
+        assert choice.finish_reason in OK_FINISH
+        assert r.model_extra["pdserve"]["transport"] == target.transport
+    session = f"e2e-http-{uuid.uuid4().hex[:8]}"
+    messages, placements = [{"role": "system", "content": "You are terse."}], []
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"turn {turn}, tell me more."})
+        text, final = "", {}
+        for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=6, stream=True,
+                                                    extra_headers={"x-session-affinity": session}):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                final = chunk.model_extra.get("pdserve") or final
+        placements.append(final["decode_worker"])
+        assert not final["session_moved"]
+        messages.append({"role": "assistant", "content": text})
+    assert len(set(placements)) == 1, f"{target.name}: HTTP session visited {placements}"
 
 
 def test_scale_decode_pool_while_requests_flow(target) -> None:
