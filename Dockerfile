@@ -79,9 +79,14 @@ LABEL org.opencontainers.image.title="pdserve" \
       org.opencontainers.image.description="Disaggregated prefill/decode LLM serving (${VARIANT})" \
       org.opencontainers.image.source="https://github.com/pdserve/pdserve" \
       org.opencontainers.image.licenses="Apache-2.0"
+# tini as PID 1: it forwards SIGTERM to pdserve (which drains) and reaps the processes that health checks
+# and `docker exec` leave behind when they are killed on a timeout (pdserve does not reap children).
 # uid/gid 10001 = podSecurityContext.runAsUser in the chart. /models is owned by it so that a fresh Docker
 # volume mounted there is writable by that user (Docker copies the mount point's owner into a new volume).
-RUN groupadd --system --gid 10001 pdserve \
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends tini \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
+ && groupadd --system --gid 10001 pdserve \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/pdserve --create-home \
       --shell /usr/sbin/nologin pdserve \
  && install -d -o 10001 -g 10001 /models
@@ -102,5 +107,5 @@ EXPOSE 50051 50052 9090
 # grpc.health.v1 overall status on $PDSERVE_PORT (default 50051); SERVING once the model is loaded and the
 # KV transport is up, NOT_SERVING while draining. Timings follow the chart's startup and liveness probes.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=600s --retries=6 CMD ["pdserve-healthcheck"]
-ENTRYPOINT ["pdserve"]
+ENTRYPOINT ["tini", "--", "pdserve"]
 CMD ["--help"]

@@ -23,7 +23,7 @@ if not IMAGE:
     collect_ignore_glob = ["test_*.py"]
 
 from e2e_targets import write_tiny_model  # noqa: E402
-from lane import TRANSPORTS, ContainerCluster  # noqa: E402
+from lane import TRANSPORTS, ContainerCluster, remove_lane  # noqa: E402
 
 LANE_TRANSPORTS = [t.strip() for t in os.environ.get("PDSERVE_CONTAINER_TRANSPORTS", ",".join(TRANSPORTS))
                    .split(",") if t.strip()]
@@ -31,6 +31,9 @@ LANE_TRANSPORTS = [t.strip() for t in os.environ.get("PDSERVE_CONTAINER_TRANSPOR
 
 @pytest.fixture(scope="session")
 def image() -> str:
+    # What an interrupted earlier run left behind (everything the lane makes is labelled pdserve.lane;
+    # one lane runs per Docker engine at a time).
+    remove_lane("")
     return IMAGE
 
 

@@ -90,19 +90,44 @@ def logs_tail(name: str, lines: int = 40) -> str:
 
 
 def wait_healthy(name: str, timeout: float) -> None:
-    """Until Docker's health check passes; a container that exits or turns unhealthy fails at once."""
+    """Until Docker's health check passes. A container that exits fails at once; an unhealthy one is
+    waited for like a pod failing readiness (it may recover) until ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         state = container_state(name)
         health = (state.get("Health") or {}).get("Status")
         if health == "healthy":
             return
-        if not state.get("Running") or health == "unhealthy":
-            raise RuntimeError(f"container {name} {'is ' + health if health else 'exited'} "
-                               f"(exit code {state.get('ExitCode')}):\n{logs_tail(name)}")
+        if not state.get("Running"):
+            code = state.get("ExitCode")
+            raise RuntimeError(f"container {name} exited (exit code {code}):\n{logs_tail(name)}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"container {name} not healthy after {timeout}s:\n{logs_tail(name)}")
+            last = [(h.get("ExitCode"), h.get("Output", "").strip()) for h in (state.get("Health") or {})
+                    .get("Log", [])[-3:]]
+            raise TimeoutError(f"container {name} not healthy after {timeout}s (health {health}, last checks "
+                               f"{last}):\n{logs_tail(name)}")
         time.sleep(0.5)
+
+
+def remove_lane(lane: str, workdir: Path | None = None) -> None:
+    """Remove every container, network and volume labelled ``pdserve.lane=<lane>`` ("" = any lane's),
+    keeping each container's log under ``workdir`` first. Never raises: it runs in teardown."""
+    label = f"label=pdserve.lane={lane}" if lane else "label=pdserve.lane"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        for cid in docker("ps", "-aq", "--filter", label, check=False).stdout.split():
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                if workdir is not None:
+                    name = docker("inspect", "--format", "{{.Name}}", cid, check=False).stdout.strip()
+                    name = name.lstrip("/")
+                    p = docker("logs", cid, check=False, timeout=120)
+                    (workdir / f"{name or cid}.log").write_text(p.stdout + p.stderr)
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                docker("rm", "--force", "--volumes", cid, check=False, timeout=600)
+    for kind in ("network", "volume"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            listed = docker(kind, "ls", "-q", "--filter", label, check=False).stdout.split()
+            if listed:
+                docker(kind, "rm", *listed, check=False, timeout=300)
 
 
 class ContainerCluster:
@@ -246,14 +271,4 @@ class ContainerCluster:
     # ---------------------------------------------------------------------------------------- teardown
     def close(self) -> None:
         """Keep each container's log under workdir, then remove everything labelled with this lane."""
-        mine = f"label=pdserve.lane={self.lane}"
-        listed = docker("ps", "-aq", "--filter", mine, check=False).stdout.split()
-        for cid in listed:
-            name = docker("inspect", "--format", "{{.Name}}", cid, check=False).stdout.strip().lstrip("/")
-            with contextlib.suppress(OSError, subprocess.SubprocessError):
-                p = docker("logs", cid, check=False, timeout=60)
-                (self.workdir / f"{name or cid}.log").write_text(p.stdout + p.stderr)
-        if listed:
-            docker("rm", "--force", "--volumes", *listed, check=False, timeout=180)
-        docker("network", "rm", self.network, check=False)
-        docker("volume", "rm", self.model_volume, check=False)
+        remove_lane(self.lane, self.workdir)

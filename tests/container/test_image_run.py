@@ -25,7 +25,7 @@ def test_docker_run_help(image: str) -> None:
 def test_non_root_without_build_tools_or_caches(image: str) -> None:
     config = json.loads(docker("image", "inspect", image).stdout)[0]["Config"]
     assert config["User"] == "10001:10001"
-    assert config["Entrypoint"] == ["pdserve"]
+    assert config["Entrypoint"] == ["tini", "--", "pdserve"]
     assert config["Healthcheck"]["Test"] == ["CMD", "pdserve-healthcheck"]
     ids = docker("run", "--rm", "--entrypoint", "sh", image, "-c", "id -u; id -g", timeout=300).stdout.split()
     assert ids == ["10001", "10001"], ids

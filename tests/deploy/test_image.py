@@ -93,10 +93,14 @@ def test_runtime_is_non_root_small_and_serves_every_role() -> None:
     assert users and users[-1] == "10001:10001"  # podSecurityContext.runAsUser/runAsGroup in values.yaml
     values = yaml.safe_load((REPO / "deploy/helm/pdserve/values.yaml").read_text())["podSecurityContext"]
     assert users[-1] == f"{values['runAsUser']}:{values['runAsGroup']}"
-    assert re.search(r'^ENTRYPOINT \["pdserve"\]', runtime, flags=re.M)
+    # tini as PID 1 (reaps what killed health checks leave behind, forwards SIGTERM), then pdserve
+    assert re.search(r'^ENTRYPOINT \["tini", "--", "pdserve"\]', runtime, flags=re.M)
     assert "--role" not in runtime  # the role is chosen at run time, one image for all pools
     # no sources, build tools or pip caches: only the venv and a wheel mounted for one RUN
-    assert "COPY . " not in runtime and "apt-get" not in runtime and "build-essential" not in DOCKERFILE
+    assert "COPY . " not in runtime and "build-essential" not in DOCKERFILE
+    apt = [ln for ln in runtime.splitlines() if "apt-get install" in ln]
+    assert apt == [" && apt-get install -y --no-install-recommends tini \\"], apt
+    assert "rm -rf /var/lib/apt/lists/*" in runtime
     assert "PIP_NO_CACHE_DIR=1" in runtime and "PIP_NO_CACHE_DIR=1" in _stage("deps")
     assert "--mount=type=bind,from=wheel" in runtime
 
