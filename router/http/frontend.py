@@ -24,7 +24,6 @@ the response's own task.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
@@ -247,11 +246,3 @@ def _chat_messages(body: ChatCompletionRequest) -> list[dict]:
             msg["name"] = m.name
         out.append(msg)
     return out
-
-
-@contextlib.contextmanager
-def closing_run(run: Run):
-    try:
-        yield run
-    finally:
-        run.close()
