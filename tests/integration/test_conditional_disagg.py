@@ -1,7 +1,10 @@
 """Conditional disaggregation with real processes: 1 prefill + 1 decode, router `--conditional-disagg auto`.
 
-The decode worker's assumed prefill rate is set absurdly low (``--local-prefill-tokens-per-s 1``:
-any recompute looks slower than any transfer), the load rule is off (``--max-prefill-wait-s 0``) and
+The decode worker's assumed prefill rate is set low (``--local-prefill-tokens-per-s 100``, the cost
+model's prior for every worker until its own rate is learned, and the decode worker never learns
+one here: recomputing 33 tokens looks slower than any transfer of them, while the router's wait
+estimate for a concurrent batch stays far inside the request deadline, so admission control refuses
+nothing), the load rule is off (``--max-prefill-wait-s 0``) and
 the local budget unlimited (``--local-prefill-duty 1``), so the only rule that fires is the threshold
 (``--min-uncached-tokens 32``): a prompt whose uncached part is <= 32 tokens is prefilled by the
 decode worker, anything longer by the prefill worker. Covers: a concurrent mixed batch (some local,
@@ -61,7 +64,7 @@ def wait_clean(cluster, port: int) -> None:
 @pytest.fixture(scope="module")
 def cluster(make_checkpoint, tmp_path_factory):
     args = ("--conditional-disagg", "auto", "--min-uncached-tokens", str(THRESHOLD),
-            "--local-prefill-tokens-per-s", "1", "--max-prefill-wait-s", "0", "--local-prefill-duty", "1")
+            "--local-prefill-tokens-per-s", "100", "--max-prefill-wait-s", "0", "--local-prefill-duty", "1")
     with metered_cluster(make_checkpoint("llama"), tmp_path_factory.mktemp("cond"), prefill=1, decode=1,
                          transport="tcp", router_args=args) as c:
         yield c
