@@ -1,22 +1,29 @@
-"""Session affinity on vs off with real workers, in one run: ``python -m pdserve.app.loadgen.affinity``.
+"""Session affinity and warm-prefix placement, before vs after, with real workers, in one run:
+``python -m pdserve.app.loadgen.affinity`` (``bench/router_affinity.py``).
 
 Starts one set of workers (``--prefill`` x ``--decode``, KV over TCP) and one router process per
-policy on those same workers (``session+prefix``, ``prefix``, ``round_robin``), then:
+policy on those same workers, then runs the same workloads against each, side by side:
 
-1. **multi-turn chat** — the `pdserve bench --sessions K --turns T` workload (every session starts
-   with one shared system prompt; turn t+1 = turn t's prompt + answer + new user tokens) against
-   each router. Each policy gets its own token content (seed), so no run finds another's KV.
-   Reports KV blocks/bytes sent, the share of the no-reuse bytes (every prompt block shipped on
-   every turn) and the prompt-cache hit ratio (decode side: blocks not shipped; prefill side:
-   tokens not recomputed), overall and for turns >= 2. Run twice per policy: every session starting
-   at once (a cold start: no decode worker holds the system prompt yet when the first turns
-   arrive) and sessions arriving as a Poisson stream (``--session-rate``), closer to steady-state
-   chat traffic where the shared system prompt is already cached when a new session starts.
-2. **shared system prompt** — ``--burst`` sessionless requests at once, all starting with one long
+* ``prefix_only`` -- *before*: what the default policy did with a session id until it became
+  session-aware (ignore it; place every turn by prefix overlap and load alone);
+* ``prefix`` -- *after*: the default policy (a turn with a session id goes to its session's pair
+  while that pair is usable; everything else by prefix overlap, counting the decode worker's cache);
+* ``round_robin`` -- no cache awareness, the floor.
+
+1. **multi-turn chat** -- the ``pdserve bench --sessions K --turns T`` workload (every session starts
+   with one shared system prompt; turn t+1 = turn t's prompt + answer + new user tokens). Each policy
+   gets its own token content (seed), so no run finds another's KV. Reported: the decode-side
+   prefix-cache hit ratio (prompt tokens the decode worker already held, not shipped), KV bytes
+   shipped per turn (mean over sessions, by turn), the share of the no-reuse bytes (every prompt
+   block shipped on every turn), the prefill side's hit ratio, session moves. Run twice per policy:
+   every session starting at once, and sessions arriving as a Poisson stream (``--session-rate``), so
+   turns of different sessions overlap as in steady-state chat traffic.
+2. **shared system prompt** -- ``--burst`` sessionless requests at once, all starting with one long
    system prompt: requests per decode worker (max / mean) under the load bound vs round robin.
 
-Prints a table and writes JSON (``--json``). Nothing here asserts a number; the integration test
-runs a small version and checks the structural facts.
+Prints tables and writes JSON (``--json``, default ``bench/results/router-affinity-cpu-DATE.json``).
+Nothing here asserts a number; the integration test runs a small version and checks the structural
+facts.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from pdserve.app.loadgen.dist import parse_dist
 from pdserve.app.loadgen.runner import RunConfig, run
 from pdserve.app.loadgen.stats import Sample, kv_summary
 
-POLICIES = ("session+prefix", "prefix", "round_robin")
+POLICIES = ("prefix_only", "prefix", "round_robin")
+LABELS = {"prefix_only": "before: prefix_only", "prefix": "after: prefix (default)"}
 
 
 @contextlib.contextmanager
@@ -99,15 +107,41 @@ def chat_report(samples: list[Sample], block_size: int) -> dict:
     out["turn2plus"] = {k: later[k] for k in ("kv_blocks_sent", "kv_bytes_sent", "no_reuse_blocks",
                                               "bytes_vs_no_reuse", "decode_hit_ratio", "prefill_hit_ratio",
                                               "session_hits")}
+    by_turn: dict[int, list[Sample]] = {}
+    for s in ok:
+        by_turn.setdefault(s.turn, []).append(s)
+    out["per_turn"] = [{"turn": t + 1, "requests": len(ss),
+                        "kv_bytes_sent_mean": sum(int(s.final.get("kv_bytes_sent", 0)) for s in ss) / len(ss),
+                        "decode_hit_ratio": kv_summary(ss, block_size)["decode_hit_ratio"]}
+                       for t, ss in sorted(by_turn.items())]
     out["errors"] = len(samples) - len(ok)
     return out
+
+
+def format_per_turn(results: dict, key: str = "chat_arriving") -> str:
+    """KV bytes shipped per turn and the decode-side hit ratio by turn, one column pair per policy."""
+    runs = {p: r[key]["per_turn"] for p, r in results["policies"].items() if key in r}
+    if not runs:
+        return ""
+    turns = max(len(v) for v in runs.values())
+    head = ["turn"] + [f"{LABELS.get(p, p)}: KiB/turn, dec hit" for p in runs]
+    rows = [head]
+    for t in range(turns):
+        row = [str(t + 1)]
+        for per in runs.values():
+            row.append(f"{per[t]['kv_bytes_sent_mean'] / 1024:.1f}, {per[t]['decode_hit_ratio']:.1%}"
+                       if t < len(per) else "-")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
 def format_report(results: dict) -> str:
     rows = [("policy", "req", "KV blocks", "KV MiB", "vs no-reuse", "hit dec", "hit pref", "t>=2 dec",
              "t>=2 bytes", "moves", "burst max/mean")]
     for policy, r in results["policies"].items():
-        for name, key in ((policy, "chat"), (f"{policy} (arriving)", "chat_arriving")):
+        label = LABELS.get(policy, policy)
+        for name, key in ((label, "chat"), (f"{label} (arriving)", "chat_arriving")):
             if key not in r:
                 continue
             c = r[key]
@@ -129,19 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=".models/tiny")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=3)
-    p.add_argument("--sessions", type=int, default=10, help="not a multiple of --decode: round robin "
+    p.add_argument("--sessions", type=int, default=16, help="not a multiple of --decode: round robin "
                    "would otherwise hand each session the same decode worker every turn by accident")
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--system-len", type=int, default=256, help="shared system prompt (tokens)")
     p.add_argument("--user-len", default="uniform:24:72", help="new user tokens per turn")
     p.add_argument("--output-len", default="32")
-    p.add_argument("--session-rate", type=float, default=2.0,
+    p.add_argument("--session-rate", type=float, default=4.0,
                    help="sessions/s for the arriving-sessions chat run (0 = skip it)")
     p.add_argument("--burst", type=int, default=24, help="shared-system-prompt burst size (0 = skip)")
     p.add_argument("--burst-system-len", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--json", default="bench/results/router-affinity.json")
+    p.add_argument("--json", default=f"bench/results/router-affinity-cpu-{time.strftime('%Y-%m-%d')}.json")
     args = p.parse_args(argv)
     policies = tuple(args.policies.split(","))
     results: dict = {"policies": {}}
@@ -173,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.sessions} sessions x {args.turns} turns, system prompt {args.system_len}, user "
           f"{args.user_len}, output {args.output_len}; {args.prefill}P{args.decode}D, KV over TCP")
     print(format_report(results))
+    print("\nby turn, sessions arriving (KV bytes shipped per turn, decode-side prefix-cache hit ratio)")
+    print(format_per_turn(results))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2, default=float) + "\n")
     print(f"wrote {args.json}")
