@@ -164,14 +164,17 @@ def run_soak(cfg: SoakConfig, model: str | Path, run_dir: str | Path, *, log=pri
             th.start()
         shape = f"{cfg.decode} colocated" if cfg.colocated else f"{cfg.prefill}P{cfg.decode}D"
         log(f"soak: cluster up ({shape}, router {c.router}), {cfg.clients} clients running")
+        last_log = t0
         while not traffic_stop.wait(min(60.0, max(1.0, t0 + cfg.seconds - time.monotonic()))):
             recovered = sum(f.back_after_s is not None for f in faults.faults)
             if time.monotonic() >= t0 + cfg.seconds and (recovered >= cfg.min_faults or faults.gave_up
                                                           or not faults.thread.is_alive()):
                 break
-            with lock:
-                n = len(records)
-            log(f"soak: {time.monotonic() - t0:5.0f}s  {n} requests, {len(faults.faults)} faults")
+            if time.monotonic() - last_log >= 59.0:
+                last_log = time.monotonic()
+                with lock:
+                    n = len(records)
+                log(f"soak: {last_log - t0:5.0f}s  {n} requests, {len(faults.faults)} faults")
         fault_stop.set()
         traffic_stop.set()
         hung = []
