@@ -34,7 +34,8 @@ def _seed_line(config: pytest.Config) -> str | None:
     seed = getattr(config.option, "randomly_seed", None)
     if not isinstance(seed, int) or not config.getoption("randomly_reorganize", True):
         return None
-    return f"Using --randomly-seed={seed} (replay: make test PYTEST_ARGS=\"-p randomly --randomly-seed={seed}\")"
+    replay = f'make test PYTEST_ARGS="-p randomly --randomly-seed={seed}"'
+    return f"Using --randomly-seed={seed} (replay: {replay})"
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -3,6 +3,8 @@ single-engine answer (`pdserve generate --json`) on the very checkpoint the lane
 
 Lanes come from PDSERVE_E2E_TARGETS (default "up,kind"; `make kind-test` sets "kind"). The kind lane
 skips, with the reason, when docker / kind / kubectl are not usable; the up lane never skips.
+``own_target`` is for a test that breaks its deployment (tests run in random order, so none may
+leave the shared one smaller than it found it).
 """
 
 from __future__ import annotations
@@ -40,6 +42,20 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         t = UpTarget(workdir, request.getfixturevalue("tiny_model"))
     else:
         raise ValueError(f"unknown e2e lane {lane!r} in PDSERVE_E2E_TARGETS (use up, kind)")
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+@pytest.fixture
+def own_target(target, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A deployment a test may break: a fresh `pdserve up` in the up lane (a killed process stays dead
+    there); the lane's shared one in the kind lane, where Kubernetes replaces a deleted pod."""
+    if target.name != "up":
+        yield target
+        return
+    t = UpTarget(tmp_path_factory.mktemp("e2e-up-own"), request.getfixturevalue("tiny_model"))
     try:
         yield t
     finally:
