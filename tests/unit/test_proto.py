@@ -57,3 +57,16 @@ def test_services_and_key_fields_exist() -> None:
     for name in ("worker_id", "role", "incarnation", "layout_hash", "model_fingerprint", "queue_depth",
                  "num_running", "free_blocks", "total_blocks", "block_size", "transports", "kv_endpoint"):
         assert name in stats, name
+
+
+def test_the_per_request_report_prints_every_fact() -> None:
+    from pdserve.v1 import common_pb2, router_pb2
+    from pdserve.wire import report
+
+    facts = common_pb2.RequestFacts(decode_worker="d0", kv_bytes_sent=1 << 40, decode_ms=1.5)
+    out = report(router_pb2.FinalInfo(finish_reason="length", facts=facts,
+                                      usage=common_pb2.Usage(prompt_tokens=3, cached_tokens=2)))
+    names = [f.name for f in common_pb2.RequestFacts.DESCRIPTOR.fields]
+    assert list(out) == ["finish_reason", *names, "usage"]  # every field, zeros included
+    assert out["kv_bytes_sent"] == 1 << 40 and out["decode_ms"] == 1.5 and out["decode_worker"] == "d0"
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "cached_tokens": 2}
