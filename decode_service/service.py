@@ -39,17 +39,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # The first token counts: it came from the prefill worker, or (local) it is in this stream.
         completion = 0 if request.prefill_locally else 1
         try:
-            async for out in self.worker.decode(request.request_id, request.first_token_id, wait_s,
-                                                prefill_locally=request.prefill_locally):
-                if out.finish_reason == "error":
-                    raise RuntimeError(out.error or "decode failed")
-                completion += len(out.new_token_ids)
-                msg = decode_pb2.DecodeResponse(token_ids=list(out.new_token_ids),
-                                                completion_tokens=completion)
-                if out.new_logprobs:
-                    msg.logprobs.extend(_logprob_list(out.new_logprobs))
-                if out.finished:
-                    msg.finish_reason = out.finish_reason or "stop"
+            async for outs in self.worker.decode(request.request_id, request.first_token_id, wait_s,
+                                                 prefill_locally=request.prefill_locally):
+                # Every output that was ready goes out as one message: under load the stream catches
+                # up in one write instead of one per token (the proto carries several tokens).
+                msg = decode_pb2.DecodeResponse()
+                for out in outs:
+                    if out.finish_reason == "error":
+                        raise RuntimeError(out.error or "decode failed")
+                    msg.token_ids.extend(out.new_token_ids)
+                    if out.new_logprobs:
+                        msg.logprobs.extend(_logprob_list(out.new_logprobs))
+                    if out.finished:
+                        msg.finish_reason = out.finish_reason or "stop"
+                completion += len(msg.token_ids)
+                msg.completion_tokens = completion
                 yield msg
         except Exception as exc:
             await abort_from(context, exc)

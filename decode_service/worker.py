@@ -5,8 +5,9 @@ Lifecycle of one request on this worker::
     allocate()  engine.reserve (reuses cached prefix blocks) → receiver.expect(missing blocks)
                 → lease added (deadline = now + lease_ms)
     decode()    lease taken → await KV-complete (bounded) → engine.commit_prefilled(first token)
-                → stream StepOutputs → engine.release (full blocks stay in the prefix cache, so a
-                session's next turn finds them: that is how KV is "retained")
+                → stream StepOutputs (all that are ready in one message) → engine.release (full
+                blocks stay in the prefix cache, so a session's next turn finds them: that is how
+                KV is "retained")
     decode(prefill_locally=True)   (conditional disaggregation, colocated workers behind a router)
                 lease taken → receiver registration dropped (no KV is coming) → engine.release +
                 engine.generate: the reservation becomes a full request; its cached prefix blocks
@@ -90,7 +91,8 @@ class DecodeWorker:
         return Allocation(block_ids=block_ids, num_cached_tokens=cached, kv_endpoint=self.kv.endpoint())
 
     async def decode(self, request_id: str, first_token_id: int, kv_wait_s: float, *,
-                     prefill_locally: bool = False) -> AsyncIterator[Any]:
+                     prefill_locally: bool = False) -> AsyncIterator[list[Any]]:
+        """The request's StepOutputs, every one ready at once as one list (one stream message)."""
         lease = self.leases.take(request_id)
         if lease is None:
             raise UnknownRequest(f"no reservation for request {request_id!r} on {self.worker_id} "
@@ -103,14 +105,14 @@ class DecodeWorker:
                 # Two engine-thread commands: a step in between may evict the freed prefix under
                 # memory pressure, which only costs recomputing it (the output is the same).
                 await self.engine.release(request_id)
-                async for out in self.engine.generate(request_id, lease.prompt_ids, lease.params):
-                    yield out
+                async for outs in self.engine.generate_ready(request_id, lease.prompt_ids, lease.params):
+                    yield outs
                 return
             if lease.expects_kv:
                 await asyncio.wait_for(_maybe_await(self.kv.wait(request_id)), timeout=kv_wait_s)
                 await _maybe_await(self.kv.release(request_id))
-            async for out in self.engine.commit_prefilled(request_id, first_token_id):
-                yield out
+            async for outs in self.engine.commit_prefilled_ready(request_id, first_token_id):
+                yield outs
         finally:
             self.active.discard(request_id)
             await asyncio.shield(self._free(request_id, expects_kv=lease.expects_kv))

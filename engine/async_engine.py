@@ -56,8 +56,23 @@ class RequestStream:
     def put_threadsafe(self, item: Any) -> None:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
+    def put_nowait(self, item: Any) -> None:
+        """On the loop's thread (``_deliver`` hands a whole step's outputs over in one wake-up)."""
+        self._queue.put_nowait(item)
+
     async def get(self) -> Any:
         item = await self._queue.get()
+        return self._check(item)
+
+    async def get_ready(self) -> list[Any]:
+        """The next output and every one already queued behind it (up to the finishing one): a slow
+        consumer catches up in one message instead of one per token."""
+        items = [self._check(await self._queue.get())]
+        while not self.finished and not self._queue.empty():
+            items.append(self._check(self._queue.get_nowait()))
+        return items
+
+    def _check(self, item: Any) -> Any:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -147,6 +162,14 @@ class AsyncEngine:
             if not stream.finished:
                 await self._abort_quietly(request_id)
 
+    async def _iterate_ready(self, request_id: str, stream: RequestStream) -> AsyncIterator[list[Any]]:
+        try:
+            while not stream.finished:
+                yield await stream.get_ready()
+        finally:
+            if not stream.finished:
+                await self._abort_quietly(request_id)
+
     async def _abort_quietly(self, request_id: str) -> None:
         def abort(engine: Any) -> None:
             self._streams.pop(request_id, None)
@@ -202,6 +225,20 @@ class AsyncEngine:
         async for out in self._iterate(request_id, stream):
             yield out
 
+    async def commit_prefilled_ready(self, request_id: str, first_token_id: int) -> AsyncIterator[list[Any]]:
+        """``commit_prefilled``, yielding every StepOutput that is ready at once as one list."""
+        stream, _ = await self._open(request_id,
+                                     lambda e: e.commit_prefilled(request_id, first_token_id))
+        async for outs in self._iterate_ready(request_id, stream):
+            yield outs
+
+    async def generate_ready(self, request_id: str, prompt_ids: list[int],
+                             params: Any) -> AsyncIterator[list[Any]]:
+        """``generate``, yielding every StepOutput that is ready at once as one list."""
+        stream, _ = await self._open(request_id, lambda e: e.add_request(request_id, prompt_ids, params))
+        async for outs in self._iterate_ready(request_id, stream):
+            yield outs
+
     async def release(self, request_id: str) -> None:
         await self.release_soon(request_id)
 
@@ -242,13 +279,16 @@ class AsyncEngine:
                         nxt()
                     self._refresh()
                     continue
+                ready = []
                 for out in self.engine.step():
                     stream = self._streams.get(out.request_id)
                     if stream is None:
                         continue
                     if out.finished:
                         self._streams.pop(out.request_id, None)
-                    stream.put_threadsafe(out)
+                    ready.append((stream, out))
+                if ready:  # one loop wake-up per step, not one per request
+                    self._loop.call_soon_threadsafe(_deliver, ready)
                 self._refresh()
         except BaseException as exc:  # a crashed engine must fail every waiter, not hang them
             log.exception("engine thread crashed")
@@ -294,6 +334,11 @@ def _maybe_call(value: Any, default: int) -> int:
     if value is None:
         return default
     return value() if callable(value) else value
+
+
+def _deliver(ready: list[tuple[RequestStream, Any]]) -> None:
+    for stream, out in ready:
+        stream.put_nowait(out)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

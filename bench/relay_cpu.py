@@ -1,0 +1,116 @@
+"""CPU per relayed token and per request, per process of a 1P1D cluster, paired across source trees.
+
+    python -m bench.relay_cpu --model DIR --trees /tmp/old,/work/main --rounds 3 \
+        --rate 20 --num-requests 120 --output-len 128 --json out.json
+
+Each round starts one cluster per tree (alternating, so both see the same box), runs the same
+``pdserve bench`` load against it (same seed: same prompts, greedy), and reads each process's own
+CPU seconds (``/proc/PID/stat`` utime+stime, children excluded) before and after the load. The
+difference over the load window divided by the output tokens / requests served is the figure the
+issue asks for. TTFT p50/p90 and the output token count come from the bench JSON beside it, so a cut
+that buys CPU with latency (or drops tokens) shows in the same table.
+
+Why whole processes and not a profiler: the cost a platform pays includes gRPC's C core threads and
+the interpreter's overhead, which a Python-level profiler under-counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def one(args: argparse.Namespace) -> dict:
+    """One cluster of the tree this interpreter imports from, one load; returns the figures."""
+    from pdserve.app.launcher.local import LocalCluster
+
+    with tempfile.TemporaryDirectory(prefix="relaycpu-") as run_dir, \
+            LocalCluster(args.model, prefill=1, decode=1, transport="tcp", run_dir=run_dir,
+                         worker_args=("--num-blocks", "1024", "--max-num-seqs", "64")) as c:
+        pids = {"router": c.cluster.router.pid}
+        for h in c.workers:
+            pids[h.role] = h.pid
+        # warm-up: first-call costs (imports, channel setup) are not per-token costs
+        _bench(c.router, args, 8, Path(run_dir) / "warm.json")
+        before = {r: proc_cpu_s(p) for r, p in pids.items()}
+        res = _bench(c.router, args, args.num_requests, Path(run_dir) / "load.json")
+        after = {r: proc_cpu_s(p) for r, p in pids.items()}
+    toks = res["output_token_throughput"] * res["duration_s"]
+    nreq = res["num_ok"]
+    cpu = {r: after[r] - before[r] for r in pids}
+    return {"output_tokens": round(toks), "requests": nreq, "errors": res["num_errors"],
+            "duration_s": res["duration_s"], "ttft_p50_ms": res["ttft_ms"]["p50"],
+            "ttft_p90_ms": res["ttft_ms"]["p90"], "itl_p50_ms": res["itl_ms"]["p50"],
+            "cpu_s": cpu,
+            "us_per_token": {r: v / max(toks, 1) * 1e6 for r, v in cpu.items()},
+            "ms_per_request": {r: v / max(nreq, 1) * 1e3 for r, v in cpu.items()}}
+
+
+def _bench(router: str, args: argparse.Namespace, n: int, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "pdserve.app.cli", "bench", "--router", router, "--rate", str(args.rate),
+           "--num-requests", str(n), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--seed", "7", "--progress", "off", "--json", str(out)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--trees", default=".", help="comma-separated source trees, run alternately")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rate", type=float, default=20.0)
+    ap.add_argument("--num-requests", type=int, default=120)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--json", help="write every run and the medians here")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args)))
+        return
+    trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
+    runs: dict[str, list[dict]] = {t: [] for t in trees}
+    for _ in range(args.rounds):
+        for tree in trees:
+            env = {**os.environ, "PYTHONPATH": tree}
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--model", args.model,
+                   "--rate", str(args.rate), "--num-requests", str(args.num_requests),
+                   "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+            out = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True)
+            runs[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"{tree}: {runs[tree][-1]['us_per_token']}", file=sys.stderr, flush=True)
+    summary = {}
+    print(f"{'tree':<28} {'role':<8} {'us/token':>9} {'ms/req':>7} {'tokens':>7} {'TTFT p50':>9} {'p90':>7}")
+    for tree, rs in runs.items():
+        summary[tree] = {}
+        for role in rs[0]["cpu_s"]:
+            med = {"us_per_token": statistics.median(r["us_per_token"][role] for r in rs),
+                   "ms_per_request": statistics.median(r["ms_per_request"][role] for r in rs)}
+            summary[tree][role] = med
+            print(f"{tree[-28:]:<28} {role:<8} {med['us_per_token']:>9.1f} {med['ms_per_request']:>7.2f} "
+                  f"{statistics.median(r['output_tokens'] for r in rs):>7.0f} "
+                  f"{statistics.median(r['ttft_p50_ms'] for r in rs):>9.1f} "
+                  f"{statistics.median(r['ttft_p90_ms'] for r in rs):>7.1f}")
+    if args.json:
+        doc = {"args": vars(args), "runs": runs, "median": summary}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
