@@ -276,6 +276,9 @@ class LLMEngine:
                                  f"{self.max_model_len} tokens (at least one token must be generated)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has no tokenizer.json")
+        if params.seed_draws >= self.max_model_len:  # a longer skip is no stream this request resumes
+            raise ValueError(f"seed_draws {params.seed_draws} must be below the context of "
+                             f"{self.max_model_len}")
         total = min(len(prompt) + (1 if prefill_only else params.max_tokens), self.max_model_len)
         need = self.scheduler.blocks_for(total)
         if need > self.num_total_blocks:
@@ -286,6 +289,8 @@ class LLMEngine:
         seq = Sequence(request_id, prompt, params, arrival=self._arrivals, prefill_only=prefill_only)
         if params.seed is not None and not params.greedy:
             seq.generator = make_generator(params.seed, self.device)
+            if params.seed_draws:  # a continued request: resume the stream where its tokens left it
+                advance_generator(seq.generator, self.model_config.vocab_size, params.seed_draws)
         if params.stop:
             from engine.tokenizer import IncrementalDecoder
 

@@ -26,6 +26,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # seeded rows: draws already taken from the seed's stream (a continued request resumes it there)
+    seed_draws: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        if not isinstance(self.seed_draws, int) or self.seed_draws < 0:
+            raise ValueError(f"seed_draws must be an int >= 0, got {self.seed_draws!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

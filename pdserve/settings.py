@@ -129,6 +129,11 @@ class ServeSettings:
     # router / colocated: the largest GenerateRequest accepted on the public port, in bytes; gRPC
     # refuses a larger one (RESOURCE_EXHAUSTED) before it is read into memory or tokenized
     max_request_bytes: int = 16 * 1024 * 1024
+    # router: continue a request on another worker when its worker dies (router/migration.py): at most
+    # this many failed attempts per request, and this long waiting for a usable worker
+    migration: str = "on"
+    max_request_retries: int = 3
+    retry_wait_s: float = 30.0
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -164,6 +169,9 @@ class ServeSettings:
             raise ValueError("give either --num-blocks or --kv-memory-gb, not both")
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ValueError(f"--kv-memory-gb must be > 0, got {self.kv_memory_gb}")
+        _one_of("migration", self.migration, ON_OFF)
+        if self.max_request_retries < 0 or self.retry_wait_s < 0:
+            raise ValueError("--max-request-retries and --retry-wait-s must be >= 0")
         if not 1024 <= self.max_request_bytes <= 1 << 30:
             raise ValueError(f"--max-request-bytes must be in 1024..{1 << 30}, got {self.max_request_bytes}")
         if self.max_queue_wait_s < 0 or self.allocate_queue_size < 0 or self.allocate_queue_wait_s < 0:
@@ -225,8 +233,8 @@ _INT = {"port", "metrics_port", "http_port", "block_size", "num_blocks", "max_nu
         "max_num_batched_tokens",
         "launch_ahead_layers", "tensor_parallel_size", "kv_source_tp", "kv_staging_blocks",
         "kv_port", "kv_connections", "lease_ms", "min_uncached_tokens",
-        "allocate_queue_size", "max_request_bytes"}
-_FLOAT = {"kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
+        "allocate_queue_size", "max_request_bytes", "max_request_retries"}
+_FLOAT = {"retry_wait_s", "kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
           "local_prefill_tokens_per_s", "max_prefill_wait_s", "local_prefill_duty", "local_prefill_burst_s",
           "max_queue_wait_s", "allocate_queue_wait_s"}
 
@@ -327,6 +335,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       "blocks (default 10; 0 = the worker's answer stands)")
     a("--max-request-bytes", type=int, help="router / colocated: largest request accepted on the public port "
       "(bytes, default 16 MiB); a larger one is refused with RESOURCE_EXHAUSTED before any work")
+    a("--migration", choices=ON_OFF, help="router: continue a request on another worker when its worker "
+      "dies, token-exact (default on)")
+    a("--max-request-retries", type=int, help="router: attempts per request that may fail on a worker "
+      "before the client gets UNAVAILABLE (default 3)")
+    a("--retry-wait-s", type=float, help="router: seconds a request may wait for a usable worker while "
+      "none is left (a restart) (default 30)")
 
 
 # ---- the process environment beyond the serve flags ---------------------------------------------------

@@ -26,7 +26,9 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
     from router.conditional import ConditionalConfig
     from router.costs import CostConfig
     from router.directory import WorkerDirectory
+    from router.lifecycle import WorkerLifecycle
     from router.metrics import RouterMetrics, serve_metrics
+    from router.migration import Migration, MigrationConfig
     from router.pipeline import Pipeline
     from router.placement import Placer, PlacerConfig
     from router.service import RouterServicer
@@ -51,6 +53,7 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
     await placer.start()
     directory = WorkerDirectory(placer, interval=settings.stats_interval,
                                 drain_timeout_s=max(settings.drain_timeout, 1.0) * 4)
+    directory.lifecycle = WorkerLifecycle(metrics.registry)
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(directory.poll_forever())]
     if settings.discovery == "static":
@@ -93,6 +96,9 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
                                                    allocate_queue_size=settings.allocate_queue_size,
                                                    allocate_queue_wait_s=settings.allocate_queue_wait_s),
                                    placer, registry=metrics.registry)
+    pipeline.migration = Migration(MigrationConfig(enabled=settings.migration == "on",
+                                                   max_retries=settings.max_request_retries,
+                                                   wait_s=settings.retry_wait_s), metrics.registry)
     servicer = RouterServicer(pipeline=pipeline, directory=directory, limits=limits)
 
     async def stop() -> None:

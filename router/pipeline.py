@@ -39,6 +39,7 @@ from pdserve.wire import sampling_to_proto
 from router.admission import Admitted
 from router.conditional import ConditionalConfig, Decision, PrefillModePolicy
 from router.directory import WorkerDirectory
+from router.migration import Migration
 from router.placement import NoWorkersAvailable, Outcome, Placement, PlacementRequest, Placer
 from router.shedding import Admission, AdmissionConfig, Refused
 
@@ -90,11 +91,19 @@ class Pipeline:
         self.placer = placer
         self.block_size = block_size
         self.lease_ms = lease_ms
+        # a request outlives a worker: continued elsewhere, token-exact (router/migration.py);
+        # bootstrap installs the configured one
+        self.migration = Migration()
         # admission control (router/shedding.py); bootstrap installs the configured one
         self.admission = Admission(AdmissionConfig(), placer)
         self.local = PrefillModePolicy(conditional, placer)
 
     async def run(self, req: Admitted, timeout: float | None) -> AsyncIterator[object]:
+        """Events of one request, continued on other workers when one fails under it."""
+        async for event in self.migration.run(req, timeout, self._run_once):
+            yield event
+
+    async def _run_once(self, req: Admitted, timeout: float | None) -> AsyncIterator[object]:
         preq = PlacementRequest(request_id=req.request_id, session_id=req.session_id,
                                 block_hashes=block_hashes(req.prompt_ids, self.block_size),
                                 prompt_len=len(req.prompt_ids), reusable_prefix_len=req.reusable_prefix_len)

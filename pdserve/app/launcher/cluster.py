@@ -33,6 +33,8 @@ import grpc
 
 from pdserve.app.launcher.backends import WorkerHandle
 from pdserve.app.launcher.devices import DeviceAssigner, DevicePlan
+from pdserve.app.launcher.procs import StartFailed
+from pdserve.app.launcher.supervisor import RestartPolicy, Supervisor
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from router.file_discovery import write_workers_file
 
@@ -65,6 +67,8 @@ class ClusterSpec:
     http_port: int = 0
     api_keys: tuple[str, ...] = ()
     api_keys_file: str = ""
+    # restart a process that exits unexpectedly (launcher/supervisor.py)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     def __post_init__(self) -> None:
         if self.colocated and (self.num_prefill != 0 or self.num_decode < 1):
@@ -85,6 +89,8 @@ class Cluster:
     _seq: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
     _devices: DeviceAssigner | None = None
+    _supervisor: Supervisor | None = None
+    _lock: threading.RLock = field(default_factory=threading.RLock)  # the member lists
 
     # ---- bring-up -------------------------------------------------------------------------------
     def up(self) -> str:
@@ -100,15 +106,19 @@ class Cluster:
                 h = f.result()
                 self.workers[h.role].append(h)
         self._write_members()
-        args = ["--discovery", "file", "--workers-file", str(self.run_dir / WORKERS_FILE), "--model",
-                self.spec.model, "--policy", self.spec.policy, "--port", str(self.spec.router_port),
+        self.router = self.backend.start("router", self._router_args(self.spec.router_port), "router")
+        self.wait_router_sees(timeout=120)
+        self.write_state()
+        self._supervisor = Supervisor(self, self.spec.restart)
+        self._supervisor.start()
+        return self.router.address
+
+    def _router_args(self, port: int) -> list[str]:
+        return ["--discovery", "file", "--workers-file", str(self.run_dir / WORKERS_FILE), "--model",
+                self.spec.model, "--policy", self.spec.policy, "--port", str(port),
                 "--drain-timeout", str(self.spec.drain_timeout),
                 *(("--mode", "colocated") if self.spec.colocated else ()), *self._http_args(),
                 *self.spec.router_args]
-        self.router = self.backend.start("router", args, "router")
-        self.wait_router_sees(timeout=120)
-        self.write_state()
-        return self.router.address
 
     def _http_args(self) -> list[str]:
         args = ["--http-port", str(self.spec.http_port)] if self.spec.http_port else []
@@ -148,10 +158,13 @@ class Cluster:
             self._devices = DeviceAssigner(self.spec.devices)
         return self._devices.next(role)
 
-    def _start_worker(self, role: str, name: str, devices: tuple[str, ...] = ()) -> WorkerHandle:
-        args = ["--model", self.spec.model, "--transport", self.spec.transport, "--worker-id", name,
+    def _worker_args(self, role: str, name: str) -> list[str]:
+        return ["--model", self.spec.model, "--transport", self.spec.transport, "--worker-id", name,
                 "--drain-timeout", str(self.spec.drain_timeout), *self.spec.worker_args,
                 *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args)]
+
+    def _start_worker(self, role: str, name: str, devices: tuple[str, ...] = ()) -> WorkerHandle:
+        args = self._worker_args(role, name)
         # Under Ray, round robin becomes a num_gpus request (Ray picks and isolates the devices).
         gpus = self.spec.devices.ray_num_gpus(role) if getattr(self.backend, "name", "") == "ray" else 0
         h = self.backend.start(self._serve_role(role), args, name, devices=() if gpus else devices,
@@ -160,8 +173,57 @@ class Cluster:
         return h
 
     def _write_members(self) -> None:
-        write_workers_file(str(self.run_dir / WORKERS_FILE),
-                           {role: [h.address for h in hs] for role, hs in self.workers.items()})
+        with self._lock:
+            members = {role: [h.address for h in hs] for role, hs in self.workers.items()}
+        write_workers_file(str(self.run_dir / WORKERS_FILE), members)
+
+    # ---- supervision (launcher/supervisor.py) ---------------------------------------------------
+    def supervised(self) -> list[WorkerHandle]:
+        """The processes to keep running: the router and every pool member."""
+        with self._lock:
+            return [*([self.router] if self.router else []), *(h for hs in self.workers.values() for h in hs)]
+
+    def log_path(self, h: WorkerHandle) -> Path:
+        return self.run_dir / "logs" / f"{h.worker_id}.log"
+
+    def restart(self, h: WorkerHandle) -> None:
+        """Start ``h``'s process again, same worker id, at the same port if it is free."""
+        if h not in self.supervised():
+            return  # stopped on purpose meanwhile (scale-down, down)
+        router = h is self.router
+        role = "router" if router else self._serve_role(h.role)
+        port = int(h.address.rsplit(":", 1)[1])
+
+        def args(p: int) -> list[str]:
+            if router:
+                return self._router_args(p)
+            return [*self._worker_args(h.role, h.worker_id), "--port", str(p)]
+
+        try:
+            new = self.backend.restart(h, role, args(port))
+        except StartFailed as exc:
+            if not port or "cannot bind" not in str(exc):
+                raise
+            log.warning("%s did not come back on port %d; trying a new port", h.worker_id, port)
+            new = self.backend.restart(h, role, args(0))
+        moved = new.address != h.address
+        h.adopt(new)
+        if moved and not router:
+            self._write_members()  # the router's discovery learns the new address
+        self.write_state()
+
+    def give_up(self, h: WorkerHandle, why: str) -> None:
+        """Leave a crash-looping process down: out of the members (and the router's view)."""
+        with self._lock:
+            for hs in self.workers.values():
+                if h in hs:
+                    hs.remove(h)
+        self._write_members()
+        self.write_state()
+
+    @property
+    def gave_up(self) -> dict[str, str]:
+        return dict(self._supervisor.gave_up) if self._supervisor else {}
 
     def list_workers(self) -> list[router_pb2.WorkerEntry]:
         assert self.router is not None
@@ -191,7 +253,9 @@ class Cluster:
                  "workers": [{"role": h.role, "worker_id": h.worker_id, "address": h.address, "pid": h.pid,
                               "devices": getattr(h, "devices", "")}
                              for hs in self.workers.values() for h in hs],
-                 "router_pid": self.router.pid if self.router else None, "updated": time.time()}
+                 "router_pid": self.router.pid if self.router else None, "gave_up": self.gave_up,
+                 "restarts": {h.worker_id: h.restarts for h in self.supervised() if h.restarts},
+                 "updated": time.time()}
         tmp = self.run_dir / f"{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(state, indent=2))
         os.replace(tmp, self.run_dir / STATE_FILE)
@@ -205,12 +269,14 @@ class Cluster:
             with ThreadPoolExecutor(max_workers=8) as pool:
                 plan = [(self._next_name(role), self._next_devices(role)) for _ in range(n - len(current))]
                 new = list(pool.map(lambda nd: self._start_worker(role, *nd), plan))
-            current.extend(new)
+            with self._lock:
+                current.extend(new)
             self._write_members()
             self.wait_router_sees(timeout=60)
         elif n < len(current):
             gone = current[n:]
-            del current[n:]
+            with self._lock:
+                del current[n:]
             self._write_members()
             self.wait_router_sees(timeout=60)
             for h in gone:
@@ -236,6 +302,8 @@ class Cluster:
                     (self.run_dir / f"scale-done-{req.get('id', '')}").write_text(f"error: {exc}")
 
     def down(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.stop()  # first: nothing stopped below is taken for a crash
         if self.router is not None:
             self.router.stop(10)
         hs = [h for hs in self.workers.values() for h in hs]

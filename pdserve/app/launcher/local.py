@@ -19,6 +19,7 @@ import grpc
 from pdserve.app.launcher.backends import ProcessBackend, WorkerHandle
 from pdserve.app.launcher.cluster import Cluster, ClusterSpec
 from pdserve.app.launcher.procs import ServeProcess, spawn
+from pdserve.app.launcher.supervisor import RestartPolicy
 from pdserve.settings import ucx_tls_for_tests
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -38,13 +39,14 @@ class LocalCluster:
                  drain_timeout: float = 10.0, router_args: tuple[str, ...] = (),
                  colocated: bool = False, prefill_args: tuple[str, ...] = (),
                  decode_args: tuple[str, ...] = (), http_port: int = 0, api_keys: tuple[str, ...] = (),
-                 api_keys_file: str = "") -> None:
+                 api_keys_file: str = "", restart: RestartPolicy | None = None) -> None:
         # colocated=True: ``decode`` colocated workers behind the router (``prefill`` must be 0)
         self.spec = ClusterSpec(model=str(model), num_prefill=prefill, num_decode=decode, transport=transport,
                                 worker_args=tuple(worker_args), policy=policy, drain_timeout=drain_timeout,
                                 router_args=("--stats-interval", "0.2", *router_args), colocated=colocated,
                                 prefill_args=tuple(prefill_args), decode_args=tuple(decode_args),
-                                http_port=http_port, api_keys=tuple(api_keys), api_keys_file=api_keys_file)
+                                http_port=http_port, api_keys=tuple(api_keys), api_keys_file=api_keys_file,
+                                restart=restart or RestartPolicy())
         self.env = {**QUIET_ENV, **(env or {})}
         self.cluster = Cluster(spec=self.spec, backend=ProcessBackend(Path(run_dir), self.env),
                                run_dir=Path(run_dir))

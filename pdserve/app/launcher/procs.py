@@ -24,7 +24,9 @@ _READY = re.compile(r"^pdserve (\w+) (\S+) listening on (\S+):(\d+)\s*$")
 
 
 class StartFailed(RuntimeError):
-    pass
+    def __init__(self, message: str, exit_status: int | None = None) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status  # None: it did not exit (killed for not becoming ready)
 
 
 @dataclass
@@ -98,7 +100,8 @@ def spawn(role: str, args: list[str], log_path: str | Path, *, host: str = "127.
     if not found:
         proc.wait(10)
         tail = log_path.read_text(errors="replace")[-2000:]
-        raise StartFailed(f"{role} exited with {proc.returncode} before serving; log {log_path}:\n{tail}")
+        raise StartFailed(f"{role} exited with {proc.returncode} before serving; log {log_path}:\n{tail}",
+                          proc.returncode)
     m = found[0]
     return ServeProcess(role=role, worker_id=m.group(2), address=f"{m.group(3)}:{m.group(4)}", proc=proc,
                         log_path=str(log_path))

@@ -1,0 +1,218 @@
+"""Worker deaths under load: supervised restarts and token-exact migration (process launcher).
+
+One cluster for the module: 1 prefill + 2 decode workers over TCP, the launcher's supervisor
+restarting dead processes after 0.5 s. Covers:
+
+- ``kill -9`` of a decode worker under 16 greedy + 4 seeded streams: every stream completes, token for
+  token what one in-process engine produces without a fault (the router continues each of the dead
+  worker's streams on the other decode worker from prompt + the tokens already sent, and the seeded
+  ones resume their seed's stream), the dead worker is back at its address under a new incarnation
+  (the time is printed: the supervisor adds its 0.5 s backoff to a process start), the router counted
+  the death and the restart;
+- ``kill -9`` of the only prefill worker while requests arrive: they wait for its restart and
+  complete, token-exact;
+- leak checks on every worker at the end of each test.
+
+The crash-loop test has its own 1P1D cluster: a decode worker that cannot start any more is
+restarted at most ``max_restarts`` times, then left down with the reason in state.json, and a request
+that needs it fails with UNAVAILABLE saying what was tried.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import pytest
+
+from pdserve.app.launcher.local import LocalCluster, get_stats
+from pdserve.app.launcher.supervisor import RestartPolicy
+from pdserve.client import Client
+from pdserve.probe import free_port
+from pdserve.probe import scrape_metrics as scrape
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+FAST_RESTART = RestartPolicy(backoff_s=0.5, max_backoff_s=2.0, max_restarts=5, window_s=120.0, poll_s=0.2)
+MAX_TOKENS = 48
+
+
+def prompt(i: int, n: int = 20) -> list[int]:
+    return [(i * 131 + k * 17) % 1000 + 5 for k in range(n)]
+
+
+def reference(model_dir, prompts: list[list[int]], params: list[dict]) -> list[list[int]]:
+    from engine.engine import EngineConfig, LLMEngine
+    from pdserve.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_blocks=512, device="cpu"))
+    return engine.generate(prompts, [SamplingParams(**kw) for kw in params])
+
+
+@pytest.fixture(scope="module")
+def cluster(make_checkpoint, tmp_path_factory):
+    model = make_checkpoint("llama")
+    port = free_port()
+    with LocalCluster(model, prefill=1, decode=2, transport="tcp", run_dir=tmp_path_factory.mktemp("migrate"),
+                      worker_args=("--num-blocks", "512"), restart=FAST_RESTART,
+                      # a process start takes tens of seconds on a loaded 2-core box
+                      router_args=("--metrics-port", str(port), "--retry-wait-s", "180")) as c:
+        c.model, c.metrics_port = model, port
+        c.start_free = c.free_blocks()
+        yield c
+
+
+def leak_check(c) -> None:
+    stats = c.wait_idle(c.start_free, timeout=60)
+    assert {w: s.free_blocks for w, s in stats.items()} == c.start_free
+    assert all(s.num_leased == 0 and s.num_running == 0 and s.queue_depth == 0 for s in stats.values())
+    deadline = time.monotonic() + 10
+    while scrape(c.metrics_port)["pdserve_router_inflight_requests"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert scrape(c.metrics_port)["pdserve_router_inflight_requests"] == 0
+
+
+def wait_back(c, worker, old_incarnation: str, timeout: float = 240.0) -> float:
+    """Seconds until ``worker`` answers under a new incarnation and the router places on it again.
+
+    The bound is generous on purpose (a process start on a loaded CI box); the time is printed."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            inc = get_stats(worker.address, worker.role, timeout=2).incarnation
+            with Client(c.router, timeout=5) as cl:
+                seen = {w["worker_id"]: w for w in cl.list_workers()}
+            if inc != old_incarnation and seen.get(worker.worker_id, {}).get("healthy"):
+                return time.monotonic() - t0
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{worker.worker_id} not back within {timeout:.0f}s")
+
+
+def stream_all(router: str, prompts, params, started: threading.Event, min_tokens: int):
+    """Start every stream; ``started`` is set once each has received ``min_tokens`` tokens."""
+    results: list = [None] * len(prompts)
+    got = [0] * len(prompts)
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            with Client(router, timeout=180) as c:
+                ids, final = [], None
+                for msg in c.stream(prompt_ids=prompts[i], **params[i]):
+                    ids.extend(msg.token_ids)
+                    with lock:
+                        got[i] = len(ids)
+                        if min(got) >= min_tokens:
+                            started.set()
+                    if msg.HasField("final"):
+                        final = msg.final
+                results[i] = (ids, final)
+        except grpc.RpcError as exc:
+            results[i] = exc
+            started.set()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def test_decode_worker_killed_mid_stream_streams_continue_token_exact(cluster) -> None:
+    prompts = [prompt(i) for i in range(20)]
+    params = [dict(max_tokens=MAX_TOKENS, ignore_eos=True) for _ in range(16)]
+    params += [dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, top_k=50, seed=100 + i)
+               for i in range(4)]
+    want = reference(cluster.model, prompts, params)
+    before = scrape(cluster.metrics_port)
+    started = threading.Event()
+    threads, results = stream_all(cluster.router, prompts, params, started, min_tokens=1)
+    assert started.wait(240)
+    # every stream is decoding: kill the decode worker running the most of them
+    victim = max((h for h in cluster.workers if h.role == "decode"),
+                 key=lambda h: get_stats(h.address, "decode").num_running)
+    old_inc = get_stats(victim.address, "decode").incarnation
+    cluster.kill(victim)  # SIGKILL: no drain
+    killed_at = time.monotonic()
+    for t in threads:
+        t.join(180)
+    errors = [r for r in results if isinstance(r, grpc.RpcError)]
+    assert not errors, [(e.code(), e.details()) for e in errors]
+    for (ids, final), w in zip(results, want, strict=True):
+        assert ids == w
+        assert final.usage.completion_tokens == MAX_TOKENS and final.finish_reason == "length"
+    moved = [f for _, f in results if f.facts.decode_worker != victim.worker_id]
+    after = scrape(cluster.metrics_port)
+    retried = after.get('pdserve_router_request_retries_total{stage="mid_stream"}', 0) - \
+        before.get('pdserve_router_request_retries_total{stage="mid_stream"}', 0)
+    back = wait_back(cluster, victim, old_inc)
+    print(f"\n{len(moved)}/20 streams finished on the survivor, {retried:.0f} continued mid-stream; "
+          f"{victim.worker_id} back {time.monotonic() - killed_at:.1f}s after the kill ({back:.1f}s wait)")
+    assert retried >= 1, "no stream was on the killed worker: the test proved nothing"
+    assert victim.restarts >= 1
+    after = scrape(cluster.metrics_port)
+    assert after['pdserve_router_worker_deaths_total{pool="decode"}'] >= 1
+    assert after['pdserve_router_worker_restarts_total{pool="decode"}'] >= 1
+    leak_check(cluster)
+
+
+def test_only_prefill_worker_killed_requests_complete_after_restart(cluster) -> None:
+    victim = next(h for h in cluster.workers if h.role == "prefill")
+    old_inc = get_stats(victim.address, "prefill").incarnation
+    prompts = [prompt(50 + i, 40) for i in range(6)]
+    params = [dict(max_tokens=12, ignore_eos=True) for _ in prompts]
+    want = reference(cluster.model, prompts, params)
+    results: list = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        try:
+            with Client(cluster.router, timeout=120) as c:
+                results[i] = c.generate(prompt_ids=prompts[i], **params[i]).token_ids
+        except grpc.RpcError as exc:
+            results[i] = exc
+
+    cluster.kill(victim)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(150)
+    errors = [r for r in results if isinstance(r, grpc.RpcError)]
+    assert not errors, [(e.code(), e.details()) for e in errors]
+    assert results == want
+    wait_back(cluster, victim, old_inc)
+    leak_check(cluster)
+
+
+def test_crash_looping_worker_is_left_down_and_says_why(make_checkpoint, tmp_path) -> None:
+    model = make_checkpoint("llama")
+    policy = RestartPolicy(backoff_s=0.2, max_backoff_s=0.5, max_restarts=2, window_s=120.0, poll_s=0.2)
+    with LocalCluster(model, prefill=1, decode=1, transport="tcp", run_dir=tmp_path, restart=policy,
+                      router_args=("--retry-wait-s", "2")) as c:
+        victim = next(h for h in c.workers if h.role == "decode")
+        real = c.cluster._worker_args
+        # From now on the worker cannot start: every restart exits at once with a usage error.
+        c.cluster._worker_args = lambda role, name: [*real(role, name), "--num-blocks", "0"]
+        c.kill(victim)
+        deadline = time.monotonic() + 90
+        while victim.worker_id not in c.cluster.gave_up:
+            assert time.monotonic() < deadline, "the supervisor never gave up"
+            time.sleep(0.2)
+        why = c.cluster.gave_up[victim.worker_id]
+        assert "crash loop: 3 exits" in why and "exit status 2" in why
+        state = json.loads((tmp_path / "state.json").read_text())
+        assert state["gave_up"] == {victim.worker_id: why}
+        assert victim not in c.workers
+        time.sleep(1.0)
+        assert not victim.alive()  # not restarted again
+        with Client(c.router, timeout=60) as cl:
+            with pytest.raises(grpc.RpcError) as info:
+                cl.generate(prompt_ids=[5, 6, 7], max_tokens=4)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "gave up after 2s of waiting" in info.value.details()
+        prefill = next(h for h in c.workers if h.role == "prefill")
+        s = get_stats(prefill.address, "prefill")
+        assert s.num_running == 0 and s.queue_depth == 0
