@@ -48,7 +48,8 @@ def ucx_transports(log_dir: str | Path, kind: str = "nixl") -> list[str]:
 # and posts each with one call (nixl_prebuild) and gives the transport thread a 1 ns timer slack so the
 # sender's fast-wait naps last ~20 us, not ~70 (fine_timer_slack); each _no_ row turns one of them off
 # (the before of the same run). nixl_nap_0 polls with time.sleep(0) (GIL released, no timer at all).
-# Earlier variant rows (poll floor, WROTE only, spin, progress thread) are in the result files of commit c3291d1 (git history).
+# Earlier variant rows (poll floor, WROTE only, spin, progress thread) are in the result files of
+# commit c3291d1 (git history).
 KV_VARIANTS = [
     ("nixl_no_prebuild", "nixl", {"nixl_prebuild": False}, {}),
     ("nixl_no_fine_slack", "nixl", {"fine_timer_slack": False}, {}),

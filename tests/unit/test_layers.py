@@ -8,10 +8,15 @@ contract, and the process environment read in ``pdserve/settings.py`` only.
 from __future__ import annotations
 
 import ast
-import tomllib
+import sys
 from pathlib import Path
 
 import grimp
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("pdserve", "router", "prefill_service", "decode_service", "kvtransfer", "engine")
@@ -77,9 +82,9 @@ def test_every_floor_module_is_in_the_floor_contract() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     floor = next(c for c in config if c["name"].startswith("floor"))
     listed = set(floor["source_modules"])
-    top_level = {p.stem if p.is_file() else p.name
-                 for p in (ROOT / "pdserve").iterdir()
-                 if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").exists())}
+    top_level = {p.stem if p.is_file() else p.name for p in (ROOT / "pdserve").iterdir()
+                 if (p.suffix == ".py" and p.stem != "__init__")
+                 or (p.is_dir() and (p / "__init__.py").exists())}
     actual = {f"pdserve.{name}" for name in top_level} - {"pdserve.app"}
     assert actual == listed, (
         f"pyproject.toml's floor contract must list every pdserve module but pdserve.app: "
