@@ -25,6 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from pdserve import process_stats
+from pdserve.v1 import process_pb2_grpc
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -56,10 +59,12 @@ class GrpcServer:
         self.server = grpc.aio.server(options=options, interceptors=list(interceptors) or None)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # every process reports its own CPU and boot phases (pdserve/process_stats.py)
+        process_pb2_grpc.add_ProcessServicer_to_server(process_stats.ProcessServicer(), self.server)
         self._names = list(service_full_names)
         reflection.enable_server_reflection(
             [*self._names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME], self.server)
+             process_stats.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self._bind = f"{host}:{port}"
         self.port = 0
         self.drain_timeout = drain_timeout
@@ -78,6 +83,8 @@ class GrpcServer:
 
     async def set_serving(self, serving: bool) -> None:
         self.serving = serving
+        if serving:
+            process_stats.BOOT.serving()
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", *self._names):

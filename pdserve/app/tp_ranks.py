@@ -69,6 +69,21 @@ class KVRankConfig:
                          options=self.rank_options(rank), staging_blocks=self.staging_blocks)
 
 
+def pool_tp_args(*, prefill_tp: int, decode_tp: int, colocated: bool = False) -> tuple[list[str], list[str]]:
+    """`pdserve serve` flags for a prefill pool and a decode (or colocated) pool of these TP sizes. A
+    decode pool narrower than its prefill pool takes KV in pieces (``--kv-source-tp``,
+    docs/tensor-parallel.md)."""
+    if prefill_tp < 1 or decode_tp < 1:
+        raise ValueError(f"tensor parallel sizes must be >= 1, got prefill {prefill_tp}, decode {decode_tp}")
+    if colocated and prefill_tp != 1:
+        raise ValueError("--prefill-tp needs a prefill pool; colocated workers take --decode-tp")
+    prefill = ["--tensor-parallel-size", str(prefill_tp)] if prefill_tp > 1 else []
+    decode = ["--tensor-parallel-size", str(decode_tp)] if decode_tp > 1 else []
+    if prefill_tp > decode_tp and not colocated:
+        decode += ["--kv-source-tp", str(prefill_tp)]
+    return prefill, decode
+
+
 def rank_device(device: str, rank: int) -> str:
     """Rank ``rank``'s device for a worker's ``device`` setting (``cpu``, ``cuda``, ``auto``)."""
     import torch

@@ -107,10 +107,13 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
+    from pdserve.app.loadgen import cpu
     from pdserve.app.loadgen.runner import run
     from pdserve.app.loadgen.stats import format_table, summarize
 
+    cpu_before = cpu.try_read(args.router, backend=args.backend, api_key=args.api_key)
     samples, duration = asyncio.run(run(cfg))
+    cpu_after = cpu.try_read(args.router, backend=args.backend, api_key=args.api_key)
     summary = summarize(samples, duration, ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
                         block_size=args.block_size)
     summary["config"] = {"router": args.router, "rate": args.rate, "num_requests": args.num_requests,
@@ -118,6 +121,9 @@ def _run(args: argparse.Namespace) -> int:
                          "sessions": args.sessions, "system_prompt_len": args.system_prompt_len,
                          "turns": args.turns, "seed": args.seed, "label": args.label}
     print(format_table(summary, title=args.label or f"pdserve bench {args.router}"))
+    if cpu_before and cpu_after:  # each process's own CPU over the load (pdserve/app/loadgen/cpu.py)
+        summary["cpu"] = cpu.report(cpu_before, cpu_after, summary)
+        print(cpu.format_table(summary["cpu"]))
     _write_json(args.json, summary)
     return 0 if summary["num_ok"] else 1
 

@@ -32,6 +32,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--conditional-disagg", choices=["off", "auto"],
                    help="router: let decode workers prefill short/cheap prompts locally (default off)")
     p.add_argument("--min-uncached-tokens", type=int, help="router, conditional: threshold (default 256)")
+    p.add_argument("--prefill-tp", type=int, default=1, metavar="N",
+                   help="tensor parallel size of each prefill worker: N ranks on N GPUs (default 1)")
+    p.add_argument("--decode-tp", type=int, default=1, metavar="M",
+                   help="tensor parallel size of each decode (or colocated) worker (default 1); KV moves "
+                        "rank to rank between pools of different sizes")
     p.add_argument("--gpus-per-worker", type=int, default=0,
                    help="GPUs per worker, round robin over the visible GPUs in launch order (prefill first)")
     p.add_argument("--prefill-gpus", help="GPU ids for the prefill pool, e.g. 0 or 0,1 (with --decode-gpus)")
@@ -71,6 +76,7 @@ def _run(args: argparse.Namespace) -> int:
     from pdserve.app.launcher.backends import ProcessBackend, RayBackend
     from pdserve.app.launcher.cluster import Cluster, ClusterSpec
     from pdserve.app.launcher.devices import DevicePlan, parse_ids, visible_gpus
+    from pdserve.app.tp_ranks import pool_tp_args
 
     worker_args = ["--device", args.device]
     if args.num_blocks:
@@ -85,17 +91,24 @@ def _run(args: argparse.Namespace) -> int:
     if args.served_model_name:
         router_args += ["--served-model-name", args.served_model_name]
     try:
+        prefill_tp_args, decode_tp_args = pool_tp_args(prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                                                       colocated=bool(args.colocated))
+        # A TP-N worker owns N GPUs (on a CUDA host): its ranks are cuda:0..N-1 of what it is given.
+        visible = visible_gpus(environ()) if args.device != "cpu" else ()
+        tp_gpus = bool(visible) and max(args.prefill_tp, args.decode_tp) > 1
         devices = DevicePlan(gpus_per_worker=args.gpus_per_worker, prefill_gpus=parse_ids(args.prefill_gpus),
                              decode_gpus=parse_ids(args.decode_gpus),
-                             visible=visible_gpus(environ())
-                             if args.gpus_per_worker or args.gpu_peers else (), peers=args.gpu_peers)
+                             visible=visible if args.gpus_per_worker or args.gpu_peers or tp_gpus else (),
+                             peers=args.gpu_peers,
+                             prefill_per_worker=args.prefill_tp if tp_gpus else 0,
+                             decode_per_worker=args.decode_tp if tp_gpus else 0)
         spec = ClusterSpec(model=str(Path(args.model).resolve()),
                            num_prefill=0 if args.colocated else args.prefill,
                            num_decode=args.colocated or args.decode, colocated=bool(args.colocated),
                            transport=args.transport, router_port=args.router_port,
                            worker_args=tuple(worker_args), policy=args.policy,
-                           prefill_args=tuple(shlex.split(args.prefill_args)),
-                           decode_args=tuple(shlex.split(args.decode_args)),
+                           prefill_args=(*prefill_tp_args, *shlex.split(args.prefill_args)),
+                           decode_args=(*decode_tp_args, *shlex.split(args.decode_args)),
                            drain_timeout=args.drain_timeout, router_args=tuple(router_args), devices=devices,
                            http_port=args.http_port, api_keys=tuple(args.api_key),
                            api_keys_file=(str(Path(args.api_keys_file).resolve())

@@ -11,6 +11,11 @@ or colocated), and ``DeviceAssigner.next(role)`` hands out, per worker:
                          by both pools, so 1P1D on 2 GPUs = prefill on 0, decode on 1
     nothing              ()                                   the worker inherits the environment
 
+A tensor-parallel pool (``pdserve up --prefill-tp N --decode-tp M``) takes N (M) GPUs per worker
+(``prefill_per_worker`` / ``decode_per_worker``, over ``gpus_per_worker``): the worker's ranks run on
+``cuda:0..N-1`` of its CUDA_VISIBLE_DEVICES (pdserve/app/tp_ranks.py). Under Ray such a worker's GPUs
+are one placement-group bundle (launcher/backends.py), so they are reserved together on one node.
+
 With ``peers`` (``--gpu-peers``) a worker sees its own device(s) first and then every other visible
 GPU (``CUDA_VISIBLE_DEVICES=1,0`` for the worker on GPU1): it still computes on its own (cuda:0),
 while UCX's cuda_ipc can map a peer GPU's memory for NIXL, which needs the peer to be visible.
@@ -44,34 +49,43 @@ class DevicePlan:
     decode_gpus: tuple[str, ...] = ()
     visible: tuple[str, ...] = ()  # what round robin draws from
     peers: bool = False  # append every other visible GPU after the worker's own
+    prefill_per_worker: int = 0  # GPUs per prefill worker (its TP size); 0: gpus_per_worker
+    decode_per_worker: int = 0  # GPUs per decode / colocated worker; 0: gpus_per_worker
 
     def __post_init__(self) -> None:
-        if self.gpus_per_worker < 0:
+        if min(self.gpus_per_worker, self.prefill_per_worker, self.decode_per_worker) < 0:
             raise ValueError(f"--gpus-per-worker must be >= 0, got {self.gpus_per_worker}")
+        if (self.prefill_per_worker or self.decode_per_worker) and not (self.visible or self.prefill_gpus):
+            raise ValueError("GPUs per tensor-parallel worker need GPUs: none visible")
         if bool(self.prefill_gpus) != bool(self.decode_gpus) and not self.gpus_per_worker:
             raise ValueError("give both --prefill-gpus and --decode-gpus, or --gpus-per-worker N")
         if self.gpus_per_worker and not (self.prefill_gpus and self.decode_gpus) and not self.visible:
             raise ValueError("--gpus-per-worker needs GPUs: none visible (CUDA_VISIBLE_DEVICES / torch)")
         if self.peers and not self.visible:
             raise ValueError("--gpu-peers needs the visible GPUs (CUDA_VISIBLE_DEVICES / torch)")
-        for ids in (self.prefill_gpus, self.decode_gpus):
-            if ids and len(ids) < self.per_worker:
-                raise ValueError(f"a pool list of {len(ids)} GPU(s) cannot give {self.per_worker} per worker")
+        for pool, ids in (("prefill", self.prefill_gpus), ("decode", self.decode_gpus)):
+            if ids and len(ids) < self.per(pool):
+                raise ValueError(f"a pool list of {len(ids)} GPU(s) cannot give {self.per(pool)} per worker")
 
     @property
     def enabled(self) -> bool:
-        return bool(self.gpus_per_worker or self.prefill_gpus or self.decode_gpus)
+        return bool(self.gpus_per_worker or self.prefill_gpus or self.decode_gpus or self.prefill_per_worker
+                    or self.decode_per_worker)
 
-    @property
-    def per_worker(self) -> int:
-        return self.gpus_per_worker or 1
+    def per(self, role: str) -> int:
+        """GPUs per worker of ``role``'s pool."""
+        pool = self.prefill_per_worker if role == "prefill" else self.decode_per_worker
+        return pool or self.gpus_per_worker or 1
 
     def explicit(self, role: str) -> tuple[str, ...]:
         return self.prefill_gpus if role == "prefill" else self.decode_gpus
 
     def ray_num_gpus(self, role: str) -> int:
         """GPUs to request from Ray for a worker of ``role`` (0: pass explicit ids, or none)."""
-        return 0 if self.explicit(role) or self.peers else self.gpus_per_worker
+        if self.explicit(role) or self.peers or not (self.gpus_per_worker or self.prefill_per_worker
+                                                     or self.decode_per_worker):
+            return 0
+        return self.per(role)
 
 
 class DeviceAssigner:
@@ -91,7 +105,7 @@ class DeviceAssigner:
         key = pool if ids else "shared"
         if not ids:
             ids = plan.visible
-        n = plan.per_worker
+        n = plan.per(pool)
         start = self._cursor[key]
         self._cursor[key] = start + n
         if start + n > len(ids) and not self._warned:
