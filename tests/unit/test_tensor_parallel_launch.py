@@ -14,7 +14,8 @@ from pdserve.app.tp_ranks import pool_tp_args
 
 def test_pool_flags_follow_the_tp_sizes() -> None:
     assert pool_tp_args(prefill_tp=1, decode_tp=1) == ([], [])
-    assert pool_tp_args(prefill_tp=2, decode_tp=1) == (["--tensor-parallel-size", "2"], ["--kv-source-tp", "2"])
+    assert pool_tp_args(prefill_tp=2, decode_tp=1) == (["--tensor-parallel-size", "2"],
+                                                       ["--kv-source-tp", "2"])
     assert pool_tp_args(prefill_tp=1, decode_tp=2) == ([], ["--tensor-parallel-size", "2"])
     assert pool_tp_args(prefill_tp=1, decode_tp=4, colocated=True) == ([], ["--tensor-parallel-size", "4"])
     with pytest.raises(ValueError, match="colocated"):
@@ -25,7 +26,8 @@ def test_pool_flags_follow_the_tp_sizes() -> None:
 
 def test_each_worker_gets_its_pools_gpu_count() -> None:
     plan = DevicePlan(visible=("0", "1", "2", "3", "4", "5"), prefill_per_worker=2, decode_per_worker=1)
-    assert assign(plan, ["prefill", "decode", "prefill", "decode"]) == [("0", "1"), ("2",), ("3", "4"), ("5",)]
+    assert assign(plan, ["prefill", "decode", "prefill", "decode"]) == [("0", "1"), ("2",), ("3", "4"),
+                                                                        ("5",)]
     explicit = DevicePlan(prefill_gpus=("0", "1"), decode_gpus=("2", "3", "4", "5"), prefill_per_worker=2,
                           decode_per_worker=4)
     assert assign(explicit, ["prefill", "decode"]) == [("0", "1"), ("2", "3", "4", "5")]
@@ -39,7 +41,8 @@ def test_cluster_launches_tp_workers_on_their_gpus() -> None:
     prefill, decode = pool_tp_args(prefill_tp=2, decode_tp=1)
     spec = ClusterSpec(model="m", num_prefill=1, num_decode=2, prefill_args=tuple(prefill),
                        decode_args=tuple(decode),
-                       devices=DevicePlan(visible=("0", "1", "2", "3"), prefill_per_worker=2, decode_per_worker=1))
+                       devices=DevicePlan(visible=("0", "1", "2", "3"), prefill_per_worker=2,
+                                          decode_per_worker=1))
     _, backend = _launch(spec)
     assert backend.started == [("prefill", "prefill-1", ("0", "1"), 0), ("decode", "decode-2", ("2",), 0),
                                ("decode", "decode-3", ("3",), 0)]

@@ -9,7 +9,6 @@ with a small ``num_cpus`` so it fits a laptop or a 2-core CI box.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,22 +28,12 @@ class WorkerHandle:
     backend: Any
     ref: Any  # ServeProcess (process backend) or an actor handle (ray backend)
     devices: str = ""  # CUDA_VISIBLE_DEVICES given to it ("ray:N" when Ray picked N GPUs)
-    restarts: int = 0  # how often the supervisor restarted it (launcher/supervisor.py)
 
     def stop(self, timeout: float = 30.0) -> None:
         self.backend.stop(self, timeout)
 
     def alive(self) -> bool:
         return self.backend.alive(self)
-
-    def exit_status(self) -> int | None:
-        """The exit status of its process once it exited (negative: killed by that signal)."""
-        return self.backend.exit_status(self)
-
-    def adopt(self, other: WorkerHandle) -> None:
-        """Become the restarted process ``other`` (same worker id): callers keep their handle."""
-        self.address, self.pid, self.ref = other.address, other.pid, other.ref
-        self.restarts += 1
 
 
 def device_env(env: dict[str, str], devices: tuple[str, ...]) -> dict[str, str]:
@@ -75,14 +64,11 @@ class ProcessBackend:
     def alive(self, h: WorkerHandle) -> bool:
         return h.ref.alive()
 
-    def exit_status(self, h: WorkerHandle) -> int | None:
-        return h.ref.proc.poll()
-
-    def restart(self, h: WorkerHandle, role: str, args: list[str]) -> WorkerHandle:
-        return self.start(role, args, h.worker_id, devices=tuple(d for d in h.devices.split(",") if d))
-
     def close(self) -> None:
         return None
+
+
+PLACEMENT_TIMEOUT_S = 120.0
 
 
 class RayBackend:
@@ -102,6 +88,7 @@ class RayBackend:
                 ray.init(num_cpus=num_cpus, include_dashboard=False, namespace="pdserve", log_to_driver=False)
         self.address = ray.get_runtime_context().gcs_address
         self._actor_cls = ray.remote(num_cpus=0)(ServeActor)
+        self._groups: dict[str, Any] = {}  # worker id -> the placement group holding its GPUs
 
     def start(self, role: str, args: list[str], name: str, *, devices: tuple[str, ...] = (),
               num_gpus: int = 0) -> WorkerHandle:
@@ -110,11 +97,28 @@ class RayBackend:
             # Ray reserves the GPUs and sets CUDA_VISIBLE_DEVICES in the actor; the serve process
             # inherits it, so the driver's own value must not be passed over it.
             env.pop("CUDA_VISIBLE_DEVICES", None)
-        actor = self._actor_cls.options(name=f"pdserve-{name}", max_concurrency=4, num_gpus=num_gpus).remote()
+        options: dict[str, Any] = {"name": f"pdserve-{name}", "max_concurrency": 4, "num_gpus": num_gpus}
+        if num_gpus > 1:  # a tensor-parallel worker: its ranks are child processes on these GPUs
+            options["scheduling_strategy"] = self.gpu_bundle(name, num_gpus)
+        actor = self._actor_cls.options(**options).remote()
         info = self.ray.get(actor.start.remote(role, args, str(self.run_dir / "logs" / f"{name}.log"), env))
         return WorkerHandle(role=role, worker_id=info["worker_id"], address=info["address"], pid=info["pid"],
                             backend=self, ref=actor,
                             devices=info.get("devices") or ",".join(devices))
+
+    def gpu_bundle(self, name: str, num_gpus: int) -> Any:
+        """A worker's GPUs as one placement-group bundle (STRICT_PACK: one node, reserved together before its
+        actor starts; the ranks rendezvous on 127.0.0.1); removed when the worker stops."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        old = self._groups.pop(name, None)
+        if old is not None:
+            self.ray.util.remove_placement_group(old)
+        group = placement_group([{"GPU": num_gpus}], strategy="STRICT_PACK", name=f"pdserve-{name}")
+        self.ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        self._groups[name] = group
+        return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0)
 
     def stop(self, h: WorkerHandle, timeout: float) -> None:
         try:
@@ -122,31 +126,15 @@ class RayBackend:
         except Exception:
             log.warning("stopping %s through its actor failed; killing the actor", h.worker_id, exc_info=True)
         self.ray.kill(h.ref)
+        group = self._groups.pop(h.worker_id, None)
+        if group is not None:
+            self.ray.util.remove_placement_group(group)
 
     def alive(self, h: WorkerHandle) -> bool:
         try:
             return bool(self.ray.get(h.ref.alive.remote(), timeout=10))
         except Exception:
             return False
-
-    def exit_status(self, h: WorkerHandle) -> int | None:
-        try:
-            return self.ray.get(h.ref.exit_status.remote(), timeout=10)
-        except Exception:  # the actor itself is gone (its node died)
-            return None
-
-    def restart(self, h: WorkerHandle, role: str, args: list[str]) -> WorkerHandle:
-        """A new process in the same actor (same node, same GPUs); a new actor if the actor is gone."""
-        try:
-            log_path = str(self.run_dir / "logs" / f"{h.worker_id}.log")
-            info = self.ray.get(h.ref.start.remote(role, args, log_path, dict(self.env)))
-        except Exception:
-            log.warning("actor of %s is gone; starting a new one", h.worker_id, exc_info=True)
-            with contextlib.suppress(Exception):
-                self.ray.kill(h.ref)
-            return self.start(role, args, h.worker_id)
-        return WorkerHandle(role=h.role, worker_id=info["worker_id"], address=info["address"],
-                            pid=info["pid"], backend=self, ref=h.ref, devices=h.devices)
 
     def close(self) -> None:
         self.ray.shutdown()
@@ -174,6 +162,3 @@ class ServeActor:
 
     def alive(self) -> bool:
         return bool(self.proc and self.proc.alive())
-
-    def exit_status(self) -> int | None:
-        return self.proc.proc.poll() if self.proc else None
