@@ -9,6 +9,7 @@ with a small ``num_cpus`` so it fits a laptop or a 2-core CI box.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +29,22 @@ class WorkerHandle:
     backend: Any
     ref: Any  # ServeProcess (process backend) or an actor handle (ray backend)
     devices: str = ""  # CUDA_VISIBLE_DEVICES given to it ("ray:N" when Ray picked N GPUs)
+    restarts: int = 0  # how often the supervisor restarted it (launcher/supervisor.py)
 
     def stop(self, timeout: float = 30.0) -> None:
         self.backend.stop(self, timeout)
 
     def alive(self) -> bool:
         return self.backend.alive(self)
+
+    def exit_status(self) -> int | None:
+        """The exit status of its process once it exited (negative: killed by that signal)."""
+        return self.backend.exit_status(self)
+
+    def adopt(self, other: WorkerHandle) -> None:
+        """Become the restarted process ``other`` (same worker id): callers keep their handle."""
+        self.address, self.pid, self.ref = other.address, other.pid, other.ref
+        self.restarts += 1
 
 
 def device_env(env: dict[str, str], devices: tuple[str, ...]) -> dict[str, str]:
@@ -63,6 +74,12 @@ class ProcessBackend:
 
     def alive(self, h: WorkerHandle) -> bool:
         return h.ref.alive()
+
+    def exit_status(self, h: WorkerHandle) -> int | None:
+        return h.ref.proc.poll()
+
+    def restart(self, h: WorkerHandle, role: str, args: list[str]) -> WorkerHandle:
+        return self.start(role, args, h.worker_id, devices=tuple(d for d in h.devices.split(",") if d))
 
     def close(self) -> None:
         return None
@@ -136,6 +153,25 @@ class RayBackend:
         except Exception:
             return False
 
+    def exit_status(self, h: WorkerHandle) -> int | None:
+        try:
+            return self.ray.get(h.ref.exit_status.remote(), timeout=10)
+        except Exception:  # the actor itself is gone (its node died)
+            return None
+
+    def restart(self, h: WorkerHandle, role: str, args: list[str]) -> WorkerHandle:
+        """A new process in the same actor (same node, same GPUs); a new actor if the actor is gone."""
+        try:
+            log_path = str(self.run_dir / "logs" / f"{h.worker_id}.log")
+            info = self.ray.get(h.ref.start.remote(role, args, log_path, dict(self.env)))
+        except Exception:
+            log.warning("actor of %s is gone; starting a new one", h.worker_id, exc_info=True)
+            with contextlib.suppress(Exception):
+                self.ray.kill(h.ref)
+            return self.start(role, args, h.worker_id)
+        return WorkerHandle(role=h.role, worker_id=info["worker_id"], address=info["address"],
+                            pid=info["pid"], backend=self, ref=h.ref, devices=h.devices)
+
     def close(self) -> None:
         self.ray.shutdown()
 
@@ -162,3 +198,6 @@ class ServeActor:
 
     def alive(self) -> bool:
         return bool(self.proc and self.proc.alive())
+
+    def exit_status(self) -> int | None:
+        return self.proc.proc.poll() if self.proc else None
