@@ -14,10 +14,14 @@ Lifecycle of one request on this worker::
                 are still in the prefix cache, so only the uncached suffix is computed here. Every
                 token, the first included, comes from this engine.
     release()   lease popped → receiver.release + engine.release          (idempotent)
-    reaper      every lease past its deadline is released the same way (prefill never delivered)
+    reaper      every lease past its deadline is released the same way (prefill never delivered);
+                it also names any request the engine holds that this worker does not track
+                (``untracked``: neither allocating, leased nor decoding), which would be a leak
 
 Any failure or cancellation on the way releases both the receiver registration and the engine
-blocks, so free block counts always come back.
+blocks, so free block counts always come back. That includes an Allocate cancelled (deadline,
+client gone) while its reservation waits for the engine thread behind a forward pass: the queued
+command runs all the same, so a release is queued behind it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from engine.async_engine import AsyncEngine
 from engine.errors import UnknownRequest
 
 log = logging.getLogger(__name__)
+_UNTRACKED_CHECK_TICKS = 20  # reaper ticks (0.25 s) between checks for requests nobody tracks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +61,9 @@ class DecodeWorker:
         self.default_lease_ms = default_lease_ms
         self.leases = LeaseTable()
         self.active: set[str] = set()
+        self._allocating: set[str] = set()  # between the duplicate check and the lease (or the undo)
+        self._untracked_seen: set[str] = set()  # on the last check
+        self._untracked_logged: set[str] = set()
         self._reaper: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -71,9 +79,25 @@ class DecodeWorker:
 
     async def allocate(self, request_id: str, prompt_ids: list[int], params: Any,
                        lease_ms: int = 0) -> Allocation:
-        if request_id in self.leases or request_id in self.active:
+        if request_id in self.leases or request_id in self.active or request_id in self._allocating:
             raise ValueError(f"request {request_id!r} already allocated on {self.worker_id}")
-        res = await self.engine.reserve(request_id, prompt_ids, params)
+        self._allocating.add(request_id)
+        try:
+            return await self._allocate(request_id, prompt_ids, params, lease_ms)
+        finally:
+            self._allocating.discard(request_id)
+
+    async def _allocate(self, request_id: str, prompt_ids: list[int], params: Any,
+                        lease_ms: int) -> Allocation:
+        try:
+            res = await self.engine.reserve(request_id, prompt_ids, params)
+        except asyncio.CancelledError:
+            # The reservation still runs on the engine thread (a queued command is not withdrawn)
+            # and no lease would ever own its blocks: queue their release behind it, now. Nothing
+            # else here holds this id (checked above), so this frees only what the reserve takes.
+            with contextlib.suppress(Exception):  # a stopped engine holds nothing any more
+                self.engine.release_soon(request_id).add_done_callback(_log_failed_release)
+            raise
         block_ids = [int(b) for b in res.block_ids]
         cached = int(res.num_cached_tokens)
         missing = block_ids[cached // self.block_size:]
@@ -141,13 +165,46 @@ class DecodeWorker:
         except Exception:
             log.debug("engine release of %s failed", request_id, exc_info=True)
 
+    async def untracked(self) -> dict[str, str]:
+        """Requests the engine holds (id -> waiting / running / reserved / pinned) that this worker
+        neither allocates, leases nor decodes: their blocks are lost to it. Empty when all is well;
+        a request ending right now may show up once (its release is still queued)."""
+        held = await self.engine.call(lambda e: e.request_states())
+        return {rid: state for rid, state in held.items()
+                if rid not in self.leases and rid not in self.active and rid not in self._allocating}
+
     async def _reap_forever(self) -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(0.25)
             for lease in self.leases.expired():
                 log.warning("lease of %s expired after %.1fs without KV; releasing its %d blocks",
                             lease.request_id, time.monotonic() - lease.created, len(lease.block_ids))
                 await self._free(lease.request_id, expects_kv=lease.expects_kv)
+            ticks += 1
+            if ticks % _UNTRACKED_CHECK_TICKS == 0:
+                await self._report_untracked()
+
+    async def _report_untracked(self) -> None:
+        """Log, once each, what the engine holds without an owner here when it is seen on two checks
+        in a row (one check can catch a request whose release is still queued)."""
+        try:
+            now = await self.untracked()
+        except Exception:  # a stopped engine: nothing to compare
+            return
+        lost = {rid: state for rid, state in now.items()
+                if rid in self._untracked_seen and rid not in self._untracked_logged}
+        self._untracked_logged = (self._untracked_logged | set(lost)) & set(now)
+        if lost:
+            log.error("engine holds %d request(s) that %s does not track (their KV blocks are lost "
+                      "to it): %s", len(lost), self.worker_id,
+                      ", ".join(f"{rid} ({state})" for rid, state in sorted(lost.items())[:16]))
+        self._untracked_seen = set(now)
+
+
+def _log_failed_release(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("release of a cancelled reservation failed: %r", fut.exception())
 
 
 async def _maybe_await(value: Any) -> Any:

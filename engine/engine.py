@@ -362,6 +362,11 @@ class LLMEngine:
             raise KVCacheFull(f"no memory left for the KV cache ({budget} bytes for blocks of {per_block})")
         return int(blocks)
 
+    def request_states(self) -> dict[str, str]:
+        """Every request this engine holds, by id: waiting / running / reserved / pinned. A worker
+        compares it with what it tracks itself (e.g. the decode lease table) to name lost requests."""
+        return {rid: seq.status.value for rid, seq in self._requests.items()}
+
     def leak_report(self) -> str | None:
         """None when no request holds KV blocks and nothing is queued; otherwise what is left."""
         problems = []
