@@ -144,15 +144,10 @@ class RankAgent:
             from ..errors import UnknownRequest
 
             raise UnknownRequest(f"request {request_id!r} is not expected on rank {self.rank}")
-        waits = [asyncio.ensure_future(exp.wait()) for _, _, exp in group.pieces]
-        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((w.exception() for w in waits if w.done() and w.exception() is not None), None)
+        infos, failed = await _wait_all([exp for _, _, exp in group.pieces])
         if failed is not None:
-            for w in waits:
-                w.cancel()
             await self.abort(request_id, f"rank {self.rank}: another piece failed: {failed}")
             raise failed
-        infos = [w.result() for w in waits]
         if self.k > 1:
             event = regroup(self.cache, group.blocks, self.k, self.stream)
             if event is not None:
@@ -247,16 +242,10 @@ class RankAgent:
             from ..errors import UnknownRequest
 
             raise UnknownRequest(f"request {request_id!r} is not being sent from rank {self.rank}")
-        waits = [asyncio.ensure_future(e[1].wait()) for e in group.entries]
-        if waits:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((w.exception() for w in waits if w.done() and w.exception() is not None), None)
+        infos, failed = await _wait_all([e[1] for e in group.entries])
         if failed is not None:
-            for w in waits:
-                w.cancel()
             await self.close_send(request_id, f"another piece failed: {failed}")
             raise failed
-        infos = [w.result() for w in waits]
         await self.close_send(request_id, "sent")
         return {"bytes": sum(int(i.get("bytes", 0)) for i in infos),
                 "backend": str(infos[0].get("backend", "")) if infos else ""}
@@ -296,6 +285,31 @@ class RankAgent:
 
 
 def order_from_wire(endpoint: bytes, key: str, dst: list[int], heads: tuple[int, int]) -> Order:
+async def _wait_all(handles: list) -> tuple[list[dict], BaseException | None]:
+    """Every transfer handle's result, or ([], the first failure). Each ``wait()`` runs as a task;
+    whichever way this ends (a failure, or the caller cancelled: an aborted send cancels its rank's
+    wait), the unfinished waits are cancelled and every outcome is read where the task is made, so
+    no task is left holding an exception nobody retrieves. ``wait()`` shields the transfer itself:
+    cancelling a wait never cancels a transfer."""
+    waits = [asyncio.ensure_future(h.wait()) for h in handles]
+    for w in waits:
+        w.add_done_callback(_retrieve)
+    try:
+        if waits:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for w in waits:
+            w.cancel()  # no-op for the finished ones
+    failed = next((w.exception() for w in waits if w.done() and not w.cancelled()
+                   and w.exception() is not None), None)
+    return ([], failed) if failed is not None else ([w.result() for w in waits], None)
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
     try:
         ep = json.loads(endpoint)
     except (UnicodeDecodeError, ValueError):

@@ -88,6 +88,8 @@ class RankedLink:
         if request_id not in self._expected:
             raise UnknownRequest(f"request {request_id!r} is not expected (never, or already finished)")
         tasks = [asyncio.ensure_future(r.wait_received(request_id, self.lease_s)) for r in self.ranks]
+        for t in tasks:  # every outcome read: the ones cut short by another rank's failure too
+            t.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except asyncio.CancelledError:

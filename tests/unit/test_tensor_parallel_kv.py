@@ -170,3 +170,44 @@ async def _abort_mid_stream() -> None:
 
 def test_abort_mid_stream_releases_every_rank() -> None:
     run(_abort_mid_stream())
+
+
+async def _cut_sends_leave_no_unretrieved_task() -> None:
+    """An aborted send (the prefill cancelled, the receiver released) ends every rank's waits: none
+    is left holding an exception nobody reads ("Task exception was never retrieved")."""
+    import gc
+
+    loop = asyncio.get_running_loop()
+    unretrieved = []
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context.get("message")))
+    k = 2
+    full = base(k).allocate(NB).uniform_(-1, 1)
+    p = await worker(full, k, 1)
+    d = await worker(None, k, 1)
+    for rid, streamed in (("one-piece", False), ("streamed", True)):
+        await d[0].expect(rid, DST)
+        wait = asyncio.ensure_future(d[0].wait(rid))
+        handle = p[0].open_stream(d[0].endpoint(), rid, SRC, DST) if streamed else None
+        if handle is None:
+            send = asyncio.ensure_future(p[0].send(d[0].endpoint(), rid, SRC, DST))
+            await asyncio.sleep(0)
+            send.cancel()  # the prefill was cancelled while its KV was on the way
+            with pytest.raises(asyncio.CancelledError):
+                await send
+        else:
+            handle.push_layers((0,))
+            await handle.abort("prefill cancelled")
+        await d[0].release(rid)
+        with pytest.raises((TransferError, asyncio.CancelledError)):
+            await wait
+    await close(*p)
+    await close(*d)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    gc.collect()
+    await asyncio.sleep(0)
+    assert unretrieved == []
+
+
+def test_cut_sends_leave_no_unretrieved_task() -> None:
+    run(_cut_sends_leave_no_unretrieved_task())
