@@ -9,6 +9,7 @@
 #   smoke  import flashinfer and nixl, JIT-build the attention kernels, one NIXL VRAM agent
 #   tests  pytest -m gpu tests/gpu (for real: CUDA is there)
 #   bench  python3 bench/gpu.py (writes bench/results/gpu-<device>-<date>.json)
+#   boot   process start -> SERVING on one GPU, 8B shape from tmpfs and disk, each phase (bench/gpu_boot.py)
 #   stream-8b  layer-wise KV push on vs off, llama3-8b shape, NIXL and TCP (bench.prefill_stream)
 #   frontier   goodput frontier, 2 GPUs, llama3-8b, log-normal mix: 1P1D NIXL / TCP, conditional, 2 colocated,
 #              then each at 1.5x its SLO-goodput rate (bench/gpu_frontier.py; args after -- go to it,
@@ -98,6 +99,9 @@ from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve
                     --transport $tr --lengths 1024,4096 --iters 6 --threads 1 \
                     --json "$OUT/kv-stream-layers-8b-$tr.json" 2>&1 | tee -a "$OUT/stream.log"; rc=$(( rc | $? ))
             done ;;
+        boot)  # process start -> SERVING, llama3-8b shape on ONE GPU, tmpfs / disk cold / page cache,
+               # colocated and 1P1D, beside the raw read; then decode at batch 1 vs the HBM bound
+            python3 bench/gpu_boot.py --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/boot.log"; rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         kv-concurrency)  # GPU0 -> GPU1 over TCP; on a one-GPU machine both processes share GPU0
             rx_gpu=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
             python3 -m bench.kv_bench --device cuda --rx-gpu "$rx_gpu" --backends "" --concurrency 1,4,16 --conc-tokens 2048 \

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend, BatchSpec
+from pdserve.process_stats import BOOT
 from pdserve.settings import env_switch
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ class DecodeGraphRunner:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            self._capture_all()
+            with BOOT.phase("cuda_graph_capture"):
+                self._capture_all()
         finally:
             if gc_was_enabled:
                 gc.enable()

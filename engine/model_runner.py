@@ -32,6 +32,7 @@ from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
 from engine.staging import to_device
 from engine.tp_plan import StepPlan, send_step
+from pdserve.process_stats import BOOT
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class ModelRunner:
         self.layout = layout
         self.last_phases: dict = {}  # the last step's host timings (execute; pdserve.stall_watch)
         self.launch_ahead_layers = launch_ahead_layers if device.type == "cuda" else 0
-        self.kv_cache = layout.allocate(num_blocks, device=device)
+        with BOOT.phase("kv_cache_alloc"):
+            self.kv_cache = layout.allocate(num_blocks, device=device)
         geometry = backend_geometry(cfg, block_size=layout.block_size)
         if model.shard is not None:
             geometry.update(num_heads=model.shard.local_heads, num_kv_heads=model.shard.local_kv_heads)

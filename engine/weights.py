@@ -7,9 +7,11 @@ leaves a half-loaded module behind:
    every ``*.safetensors`` in the directory), read only their headers, and compare names and shapes
    with the module's parameters. Missing, unexpected or mis-shaped tensors raise one
    ``ModelLoadError`` that names them all (up to a few dozen).
-2. **Load**: one tensor at a time through ``safe_open`` (memory-mapped), converted to the target
-   dtype/device and copied into its parameter. Peak host memory is one tensor, not the checkpoint,
-   so an 8B model loads into a GPU (or a ``meta``-initialised module) without 2x RAM.
+2. **Load**: one tensor at a time from a zero-copy view of the memory-mapped file
+   (``engine.weight_upload``): to a GPU through pinned staging buffers with several chunks in
+   flight, to the CPU in one copy; the dtype is converted on the target. No tensor is materialised
+   in host memory first, so an 8B model loads into a GPU (or a ``meta``-initialised module) without
+   a CPU copy of the checkpoint. The load is a boot phase (``pdserve.process_stats.BOOT``).
 
 Tensor parallelism: ``slices`` (``CausalLM.tp_slices()``) names the parameters that hold only a
 rank's part of a checkpoint tensor (``engine.tp_shard.TensorSlice``); those are read with
@@ -34,6 +36,8 @@ from safetensors import SafetensorError, safe_open
 from engine.errors import ModelLoadError
 from engine.kv_layout import dtype_name
 from engine.tp_shard import TensorSlice
+from engine.weight_upload import MappedFile, Uploader
+from pdserve.process_stats import BOOT
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -97,23 +101,30 @@ def load_weights(module: torch.nn.Module, path: str | Path, dtype: torch.dtype |
     slices = slices or {}
     plan = _plan(params, located, path, slices)
     total_bytes = 0
-    for file, names in plan.items():
-        with _open(file) as f:
-            for name in names:
-                param = params[name]
-                dt = target_dtype or param.dtype
-                dev = torch.device(device) if device is not None else (
-                    torch.device("cpu") if param.is_meta else param.device)
-                sl = slices.get(name)
-                stored = f.get_tensor(name) if sl is None else slice_of(f.get_slice(name), sl)
-                tensor = stored.to(device=dev, dtype=dt)
-                if param.is_meta or param.dtype != dt or param.device != dev:
-                    _replace_parameter(module, name, tensor)
-                else:
-                    with torch.no_grad():
-                        param.copy_(tensor)
-                total_bytes += tensor.numel() * tensor.element_size()
-                del tensor
+    uploaders: dict[torch.device, Uploader] = {}
+    with BOOT.phase("load_weights"):
+        for file, names in plan.items():
+            with _open(file) as f, MappedFile(file) as mapped:
+                for name in names:
+                    param = params[name]
+                    dt = target_dtype or param.dtype
+                    dev = torch.device(device) if device is not None else (
+                        torch.device("cpu") if param.is_meta else param.device)
+                    sl = slices.get(name)
+                    if sl is None:  # zero-copy view of the mapped file, staged to the device
+                        up = uploaders.get(dev) or uploaders.setdefault(dev, Uploader(dev))
+                        tensor = up.to(mapped.view(name), dt)
+                    else:
+                        tensor = slice_of(f.get_slice(name), sl).to(device=dev, dtype=dt)
+                    if param.is_meta or param.dtype != dt or param.device != dev:
+                        _replace_parameter(module, name, tensor)
+                    else:
+                        with torch.no_grad():
+                            param.copy_(tensor)
+                    total_bytes += tensor.numel() * tensor.element_size()
+                    del tensor
+        for up in uploaders.values():
+            up.finish()
     loaded = sum(len(v) for v in plan.values())
     return LoadStats(num_tensors=loaded, num_bytes=total_bytes,
                      files=tuple(sorted({p.name for p in plan})))

@@ -73,6 +73,10 @@ class BootRecord:
         """Health turned SERVING: the first time counts (a drain later does not reset it)."""
         if not self.serving_after_s:
             self.serving_after_s = time.monotonic() - self.t0
+            first = min((p.start_s for p in self.phases()), default=self.serving_after_s)
+            # interpreter start, imports (torch, grpc), settings, model construction: everything
+            # before the first timed phase, so the phases account for the whole start
+            self.add("start_to_first_phase", self.t0, self.t0 + first)
             self.mark("serving")
             log.info("boot: SERVING %.3fs after process start; %s", self.serving_after_s, self.summary())
 

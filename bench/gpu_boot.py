@@ -1,0 +1,200 @@
+"""Boot time on one GPU: process start -> SERVING for the llama3-8b shape, each phase timed, beside the
+raw read time of the same checkpoint measured in the same run.
+
+    python3 bench/gpu_boot.py --out DIR [--disk-dir /var/tmp/pdserve-boot] [--skip-roofline]
+
+Sources: the checkpoint on a RAM-backed tmpfs (/dev/shm), and a copy on local disk read cold (every
+file evicted from the page cache with posix_fadvise(DONTNEED) first, no root needed) and warm (page
+cache). Layouts on ONE GPU: ``colocated`` (one worker) and ``1p1d`` (a prefill and a decode worker
+started together, both on GPU 0; boot = until both are SERVING). Each boot is timed from Popen to
+health SERVING by this script, and each worker reports its own phases and process start -> SERVING
+(``pdserve.v1.Process/GetProcessStats``). Raw read: every checkpoint file read sequentially into one
+reused buffer (the floor a loader that reads each byte once can reach from that source).
+
+Goals (issue 19): <= 5 s start -> SERVING from page cache; cold from disk within 1.5x of the raw cold
+read. Then decode at batch 1, 1k context, next to the HBM bound (bench/gpu.py's roofline item, the
+same function). Writes boot-<device>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import grpc  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+from pdserve.app.launcher.procs import spawn  # noqa: E402
+from pdserve.v1 import process_pb2, process_pb2_grpc  # noqa: E402
+
+SHM = Path("/dev/shm/pdserve-llama3-8b")
+
+
+def files_of(model: Path) -> list[Path]:
+    return sorted(model.glob("*.safetensors"))
+
+
+def evict(model: Path) -> None:
+    """Drop the checkpoint's pages from the page cache (what a first start after boot sees)."""
+    for f in files_of(model):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_read(model: Path) -> dict:
+    buf = bytearray(64 << 20)
+    view = memoryview(buf)
+    total, t0 = 0, time.monotonic()
+    for f in files_of(model):
+        with open(f, "rb", buffering=0) as fh:
+            while n := fh.readinto(view):
+                total += n
+    s = time.monotonic() - t0
+    return {"seconds": s, "bytes": total, "GBps": total / s / 1e9}
+
+
+def fs_type(path: Path) -> str:
+    out = subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def wait_serving(address: str, deadline: float) -> None:
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.02)
+    raise TimeoutError(f"{address} not SERVING in time")
+
+
+def process_stats(address: str) -> dict:
+    with grpc.insecure_channel(address) as ch:
+        s = process_pb2_grpc.ProcessStub(ch).GetProcessStats(process_pb2.ProcessStatsRequest(), timeout=10)
+    return {"serving_after_s": s.serving_after_s, "rss_GB": s.rss_bytes / 1e9,
+            "phases": [{"name": p.name, "start_s": round(p.start_s, 3), "seconds": round(p.seconds, 3)}
+                       for p in s.boot]}
+
+
+def boot(model: Path, layout: str, logs: Path, kv_gb: float) -> dict:
+    """Start the layout's workers at once on GPU 0; seconds until every one is SERVING."""
+    roles = ["colocated"] if layout == "colocated" else ["prefill", "decode"]
+    env = {"CUDA_VISIBLE_DEVICES": os.environ.get("PDSERVE_BOOT_GPU", "0")}
+    args = ["--model", str(model), "--device", "cuda", "--kv-memory-gb", str(kv_gb)]
+    t0 = time.monotonic()
+    procs = []
+
+    def start(role: str):
+        p = spawn(role, [*args, *(["--transport", "tcp"] if role != "colocated" else [])],
+                  logs / f"{layout}-{role}-{int(t0)}.log", env=env, timeout=300)
+        procs.append(p)
+        return p
+
+    try:
+        # spawn() returns at the listening line: start every worker at once, then wait for all
+        with ThreadPoolExecutor(len(roles)) as pool:
+            started = list(pool.map(start, roles))
+        for p in started:
+            wait_serving(p.address, t0 + 300)
+        wall = time.monotonic() - t0
+        return {"wall_s": wall,
+                "workers": {r: process_stats(p.address) for r, p in zip(roles, started, strict=True)}}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _line(r: dict) -> str:
+    if "wall_s" not in r:
+        return r["error"]
+    per = "; ".join(f"{w}: " + ", ".join(f"{p['name']} {p['seconds']:.2f}" for p in s["phases"]
+                                         if p["seconds"] > 0.05) for w, s in r["workers"].items())
+    return f"{r['wall_s']:6.2f}s to SERVING  {per}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--disk-dir", default="/var/tmp/pdserve-boot", help="local disk copy of the checkpoint")
+    ap.add_argument("--kv-gb", type=float, default=8.0, help="KV cache per worker (two share one GPU)")
+    ap.add_argument("--layouts", default="colocated,1p1d")
+    ap.add_argument("--skip-roofline", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "boot-logs"
+    logs.mkdir(exist_ok=True)
+    import torch
+    from gpu_disagg import write_checkpoint
+
+    t = time.monotonic()
+    write_checkpoint(SHM, "llama3-8b")
+    disk = Path(args.disk_dir)
+    if not (disk / "config.json").exists():
+        shutil.copytree(SHM, disk, dirs_exist_ok=True)
+    print(f"checkpoints ready in {time.monotonic() - t:.0f}s: {SHM} ({fs_type(SHM)}), "
+          f"{disk} ({fs_type(disk)})", flush=True)
+    name = torch.cuda.get_device_name(0)
+    result: dict = {"device": name, "command": " ".join(sys.argv), "sources": {}, "boots": []}
+    raw_tmpfs = raw_read(SHM)
+    evict(disk)
+    raw_cold = raw_read(disk)
+    raw_warm = raw_read(disk)
+    result["sources"] = {"tmpfs": {"path": str(SHM), "fs": fs_type(SHM), "raw_read": raw_tmpfs},
+                         "disk": {"path": str(disk), "fs": fs_type(disk), "raw_read_cold": raw_cold,
+                                  "raw_read_page_cache": raw_warm}}
+    print(f"raw read: tmpfs {raw_tmpfs['seconds']:.2f}s ({raw_tmpfs['GBps']:.1f} GB/s), disk cold "
+          f"{raw_cold['seconds']:.2f}s ({raw_cold['GBps']:.1f} GB/s), "
+          f"disk page cache {raw_warm['seconds']:.2f}s", flush=True)
+    runs = [("tmpfs", SHM, False), ("disk-cold", disk, True), ("disk-page-cache", disk, False)]
+    for layout in args.layouts.split(","):
+        for label, path, cold in runs:
+            if cold:
+                evict(path)
+            try:
+                r = boot(path, layout, logs, args.kv_gb)
+            except Exception as exc:  # one failed boot must not lose the others
+                r = {"error": str(exc)}
+            r.update(layout=layout, source=label)
+            if cold and "wall_s" in r:
+                r["vs_raw_cold_read"] = r["wall_s"] / raw_cold["seconds"]
+            result["boots"].append(r)
+            (out / "boot.json").write_text(json.dumps(result, indent=1))
+            print(f"  {layout:<10} {label:<16} {_line(r)}", flush=True)
+    if not args.skip_roofline:
+        from gpu import ceilings, random_model, roofline
+
+        from engine.checkpoint import preset_config
+
+        cfg = preset_config("llama3-8b")
+        ceil = ceilings(True)
+        result["decode_b1_1k"] = roofline(random_model(cfg), cfg, ceil, True, with_prefill=False,
+                                          batches=[1], contexts=[1024])
+        print(f"decode batch 1, 1k context: {json.dumps(result['decode_b1_1k'])[:400]}", flush=True)
+    slug = name.replace(" ", "-").lower()
+    path = out / f"boot-{slug}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    (out / "boot.json").unlink(missing_ok=True)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
