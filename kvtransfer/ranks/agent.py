@@ -284,7 +284,6 @@ class RankAgent:
         await self.cache_tx.close()
 
 
-def order_from_wire(endpoint: bytes, key: str, dst: list[int], heads: tuple[int, int]) -> Order:
 async def _wait_all(handles: list) -> tuple[list[dict], BaseException | None]:
     """Every transfer handle's result, or ([], the first failure). Each ``wait()`` runs as a task;
     whichever way this ends (a failure, or the caller cancelled: an aborted send cancels its rank's
@@ -310,6 +309,7 @@ def _retrieve(task: asyncio.Task) -> None:
         task.exception()
 
 
+def order_from_wire(endpoint: bytes, key: str, dst: list[int], heads: tuple[int, int]) -> Order:
     try:
         ep = json.loads(endpoint)
     except (UnicodeDecodeError, ValueError):
