@@ -5,10 +5,17 @@ gaps, not the GPU, bound small batches. Capturing the model's forward once per b
 it removes them. Lifecycle::
 
     runner = DecodeGraphRunner(model, backend, kv_cache, max_batch=64, max_model_len=4096)
-    runner.capture()                  # at start-up, before any request: largest bucket first,
-                                      # one memory pool shared by all buckets
+    runner.capture()                  # at start-up, before any request: the buckets up to
+                                      # capture_first (largest first), one memory pool for all
     if runner.can_run(spec):          # every sequence has one query token, batch <= max_batch
         hidden = runner.run(input_ids, spec)   # [n, hidden]: fill static inputs, plan, replay
+
+Boot time: capturing every bucket of an 8B model takes seconds, and a worker serves its first
+requests at small batch. So only the buckets up to ``capture_first`` are captured before the
+worker turns SERVING; a larger bucket is captured the first time a batch needs it, inside that
+step. That capture's warm-up pass runs the step's own batch (its real tokens, positions and
+slots), so it writes exactly the K/V the replay then writes again -- never block 0 of a live
+request, which the start-up captures' dummy batch uses.
 
 ``run`` does host work and ``non_blocking`` copies from pinned staging only (token ids, positions,
 cache slots, page tables into static device buffers, then flashinfer's ``plan``), so nothing inside
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +49,13 @@ class CudaGraphConfig:
     max_batch: int = 64
     max_model_len: int = 4096
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    capture_first: int = 8  # buckets up to this are captured at start; larger ones on first use
 
     def __post_init__(self) -> None:
         if self.max_batch <= 0 or self.max_model_len <= 0:
             raise ValueError("CudaGraphConfig.max_batch and max_model_len must be positive")
+        if self.capture_first <= 0:
+            raise ValueError(f"CudaGraphConfig.capture_first must be positive, got {self.capture_first}")
         if any(b <= 0 for b in self.buckets):
             raise ValueError(f"bucket sizes must be positive, got {self.buckets}")
 
@@ -81,11 +92,15 @@ class DecodeGraphRunner:
         self.max_blocks = -(-config.max_model_len // backend.block_size)
         self.graphs: dict[int, _Graph] = {}
         self.sizes = config.sizes()
+        self.lazy_captures: list[int] = []  # buckets captured on first use, in order
+        self._pool = None
+        self._stream: torch.cuda.Stream | None = None
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first, into one shared memory pool. Run before serving:
-        the warm-up pass writes K/V of a dummy token into block 0."""
+        """Capture the buckets up to ``capture_first`` (at least the smallest), largest first, into
+        one shared memory pool. Run before serving: the warm-up pass writes K/V of a dummy token
+        into block 0."""
         # The garbage collector must not run inside a capture: collecting an earlier engine's graphs
         # (they sit in reference cycles) destroys a CUDA graph mid-capture and invalidates this one
         # (seen on an H100 when a second engine captured in the same process). torch no longer
@@ -95,37 +110,54 @@ class DecodeGraphRunner:
         gc.disable()
         try:
             with BOOT.phase("cuda_graph_capture"):
-                self._capture_all()
+                first = [b for b in self.sizes if b <= self.config.capture_first] or self.sizes[:1]
+                for b in reversed(first):
+                    self._capture_one(b, None, None)
         finally:
             if gc_was_enabled:
                 gc.enable()
+        log.info("captured decode CUDA graphs for batch sizes %s at start; %s on first use",
+                 sorted(self.graphs), [b for b in self.sizes if b not in self.graphs])
 
-    def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.backend.device)
-        for b in reversed(self.sizes):
-            state = self.backend.graph_state(b, self.max_blocks)
-            ids = torch.zeros(b, dtype=torch.int64, device=self.backend.device)
-            self.backend.plan_graph(state, None, self.dtype)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up outside the graph (lazy inits, autotuning)
-                self._forward(ids, state)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: a CUDA call another thread of this process makes meanwhile (an engine of a
-            # worker's other role, NIXL's progress, a test's leftover engine thread) must not
-            # invalidate this capture; the default "global" mode fails the capture on any of them.
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                hidden = self._forward(ids, state)
-            torch.cuda.synchronize(self.backend.device)
-            self.graphs[b] = _Graph(
-                graph=graph,
-                state=state,
-                input_ids=ids,
-                ids_host=torch.zeros(b, dtype=torch.int64).pin_memory(),
-                hidden=hidden,
-            )
-        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+    def _capture_one(self, b: int, spec: BatchSpec | None, input_ids: list[int] | None) -> None:
+        """Capture bucket ``b``; ``spec``/``input_ids``: the batch of the step that needs it (a lazy
+        capture), whose own slots the warm-up writes; None: the dummy batch on block 0 (start-up)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.backend.device)
+        stream = self._stream
+        state = self.backend.graph_state(b, self.max_blocks)
+        ids_host = torch.zeros(b, dtype=torch.int64).pin_memory()
+        if input_ids is not None:
+            ids_host.numpy()[:len(input_ids)] = input_ids
+        ids = ids_host.to(self.backend.device)
+        self.backend.plan_graph(state, spec, self.dtype)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graph (lazy inits, autotuning)
+            self._forward(ids, state)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a CUDA call another thread of this process makes meanwhile (an engine of a
+        # worker's other role, NIXL's progress, a test's leftover engine thread) must not
+        # invalidate this capture; the default "global" mode fails the capture on any of them.
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+            hidden = self._forward(ids, state)
+        torch.cuda.synchronize(self.backend.device)
+        self.graphs[b] = _Graph(graph=graph, state=state, input_ids=ids, ids_host=ids_host, hidden=hidden)
+
+    def _capture_lazily(self, b: int, input_ids: list[int], spec: BatchSpec) -> None:
+        t0 = time.monotonic()
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_one(b, spec, input_ids)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        self.lazy_captures.append(b)
+        log.info("captured the decode CUDA graph for batch size %d on first use in %.3fs", b,
+                 time.monotonic() - t0)
 
     def _forward(self, ids: torch.Tensor, state) -> torch.Tensor:
         meta = state.meta
@@ -148,7 +180,10 @@ class DecodeGraphRunner:
         """Replay the bucket's graph for a decode batch; returns ``hidden [n, hidden]`` (a view of
         the graph's static output, valid until the next ``run``)."""
         n = spec.num_seqs
-        g = self.graphs[self.bucket(n)]
+        b = self.bucket(n)
+        if b not in self.graphs:
+            self._capture_lazily(b, input_ids, spec)
+        g = self.graphs[b]
         self.backend.plan_graph(g.state, spec, self.dtype)
         host = g.ids_host.numpy()
         host[:n] = input_ids

@@ -35,8 +35,11 @@ def model(request):
     return build_model(cfg, device=DEV, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("capture_first", [8, 1], ids=["all-at-start", "lazy"])
 @pytest.mark.parametrize("batch", [3, 8, 1])
-def test_graph_decode_equals_eager(model, batch):
+def test_graph_decode_equals_eager(model, batch, capture_first):
+    """capture_first=1: only bucket 1 is captured at start; a larger batch's bucket is captured in
+    the first step that needs it (its warm-up on the live cache), then replayed token-exact."""
     cfg = model.config
     kw = dict(backend_geometry(cfg, block_size=BLOCK), device=DEV, dtype=torch.bfloat16)
     eager, graphed = FlashInferAttentionBackend(**kw), FlashInferAttentionBackend(**kw)
@@ -54,7 +57,8 @@ def test_graph_decode_equals_eager(model, batch):
         model,
         graphed,
         None,
-        CudaGraphConfig(max_batch=8, max_model_len=per_seq * BLOCK, buckets=(1, 2, 4, 8)),
+        CudaGraphConfig(max_batch=8, max_model_len=per_seq * BLOCK, buckets=(1, 2, 4, 8),
+                        capture_first=capture_first),
     )
     with torch.inference_mode():
         spec = BatchSpec(query_lens=lens, context_lens=[0] * batch, block_tables=tables)
@@ -83,6 +87,8 @@ def test_graph_decode_equals_eager(model, batch):
             assert torch.equal(tok_e, tok_g), f"step {step}: greedy tokens differ"
     torch.cuda.synchronize()
     assert _rel(cache_g[:, 1:].float(), cache_e[:, 1:].float()) < 1e-2
+    lazy = [runner.bucket(batch)] if runner.bucket(batch) > capture_first else []
+    assert runner.lazy_captures == lazy
 
 
 def test_can_run_only_decode_batches_within_limits(model):
