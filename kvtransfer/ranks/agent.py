@@ -76,11 +76,12 @@ class _Expecting:
 
 class RankAgent:
     def __init__(self, *, layout: KVLayout, shape: WorkerShape, rank: int, cache: torch.Tensor,
-                 kind: str = "auto", options: dict | None = None, staging_blocks: int = 0) -> None:
+                 kind: str = "auto", options: dict | None = None, staging_blocks: int = 0,
+                 piece_port: int = 0) -> None:
         """``layout``: the model's whole KV layout; ``shape``: the worker's (receiving) shape;
         ``cache``: this rank's KV tensor; ``options``: TransportConfig fields (kvtransfer.make_transport);
         ``staging_blocks``: a staging area's size, in cache blocks' worth of memory (0: a quarter of
-        the cache)."""
+        the cache); ``piece_port``: the piece transport's port (0: any free one)."""
         self.layout, self.shape, self.rank = layout, shape, rank
         self.heads = shape.heads(rank)
         self.cache = cache
@@ -94,7 +95,7 @@ class RankAgent:
             view = cache.view(cache.shape[0], cache.shape[1] * self.k, *cache.shape[2:4], shape.piece_heads,
                               cache.shape[5])
             self.view_tx = make_transport(kind, rank_layout(layout, shape.piece_heads), view,
-                                          **self._extra_options())
+                                          **{**self.options, "listen_port": piece_port})
         self.stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
         self._staging: dict[int, StagingArea] = {}
         self._staging_lock = asyncio.Lock()
@@ -102,7 +103,7 @@ class RankAgent:
         self._sending: dict[str, _Sending] = {}
 
     def _extra_options(self) -> dict:
-        """A rank's further transports listen on a port of their own (any free one)."""
+        """Staging transports only send (peers never dial them): any free port."""
         return {**self.options, "listen_port": 0}
 
     async def start(self) -> RankAgent:

@@ -56,9 +56,15 @@ class KVRankConfig:
                    staging_blocks=settings.kv_staging_blocks)
 
     def rank_options(self, rank: int) -> dict:
-        """A fixed --kv-port is rank 0's; rank r listens on the next r-th port (0 stays 0: any)."""
+        """A fixed --kv-port P is rank 0's; rank r listens on P + r (0 stays 0: any free port)."""
         base = int(self.options.get("listen_port", 0))
         return {**self.options, "listen_port": base + rank if base else 0}
+
+    def piece_port(self, rank: int, size: int) -> int:
+        """Rank r's piece transport (a receiver taking pieces): P + size + r, so a worker's KV ports are
+        the range [P, P + 2 * size) (what the chart's NetworkPolicy opens)."""
+        base = int(self.options.get("listen_port", 0))
+        return base + size + rank if base else 0
 
     def agent(self, *, layout, num_kv_heads: int, tp: int, rank: int, cache):
         from kvtransfer.ranks.agent import RankAgent
@@ -66,7 +72,8 @@ class KVRankConfig:
 
         shape = WorkerShape.receiving(num_kv_heads=num_kv_heads, tp=tp, source_tp=self.source_tp)
         return RankAgent(layout=layout, shape=shape, rank=rank, cache=cache, kind=self.kind,
-                         options=self.rank_options(rank), staging_blocks=self.staging_blocks)
+                         options=self.rank_options(rank), staging_blocks=self.staging_blocks,
+                         piece_port=self.piece_port(rank, tp))
 
 
 def pool_tp_args(*, prefill_tp: int, decode_tp: int, colocated: bool = False) -> tuple[list[str], list[str]]:

@@ -22,6 +22,8 @@ VALUES = {
     "default": [],
     "kind": [REPO / "deploy" / "helm" / "values-kind.yaml"],
     "gpu": [REPO / "deploy" / "helm" / "values-gpu.yaml"],
+    "gpu-70b": [REPO / "deploy" / "helm" / "values-gpu.yaml",
+                REPO / "deploy" / "helm" / "values-gpu-70b.yaml"],
 }
 RELEASE = "pdserve"
 NAMESPACE = "pdserve"

@@ -9,7 +9,7 @@ from test_launcher_devices import _launch
 
 from pdserve.app.launcher.cluster import ClusterSpec
 from pdserve.app.launcher.devices import DevicePlan, assign
-from pdserve.app.tp_ranks import pool_tp_args
+from pdserve.app.tp_ranks import KVRankConfig, pool_tp_args
 
 
 def test_pool_flags_follow_the_tp_sizes() -> None:
@@ -22,6 +22,14 @@ def test_pool_flags_follow_the_tp_sizes() -> None:
         pool_tp_args(prefill_tp=2, decode_tp=2, colocated=True)
     with pytest.raises(ValueError, match=">= 1"):
         pool_tp_args(prefill_tp=0, decode_tp=1)
+
+
+def test_a_workers_kv_ports_are_one_range() -> None:
+    fixed = KVRankConfig(options={"listen_port": 7000})
+    assert [fixed.rank_options(r)["listen_port"] for r in range(2)] == [7000, 7001]
+    assert [fixed.piece_port(r, 2) for r in range(2)] == [7002, 7003]  # the chart opens [7000, 7004)
+    anywhere = KVRankConfig(options={"listen_port": 0})
+    assert anywhere.rank_options(1)["listen_port"] == 0 and anywhere.piece_port(1, 2) == 0
 
 
 def test_each_worker_gets_its_pools_gpu_count() -> None:

@@ -15,6 +15,9 @@ pool's objects: `helm upgrade --set decode.replicas=4` never restarts prefill po
 {{- $service := printf "pdserve.v1.%s" (title $role) }}
 {{- $t := $v.kvTransport }}
 {{- $rdma := and (eq $t.type "nixl") $t.rdma.enabled (not $t.simulatedRdma) }}
+{{- $tp := include "pdserve.poolTP" (dict "root" $root "role" $role) | int }}
+{{- $sourceTP := include "pdserve.kvSourceTP" $root | int }}
+{{- $gpus := and (gt $tp 1) (ne $v.engine.device "cpu") }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -93,6 +96,14 @@ spec:
               value: {{ $v.engine.blockSize | quote }}
             - name: PDSERVE_MAX_NUM_SEQS
               value: {{ $pool.maxNumSeqs | quote }}
+            {{- if gt $tp 1 }}
+            - name: PDSERVE_TENSOR_PARALLEL_SIZE
+              value: {{ $tp | quote }}
+            {{- end }}
+            {{- if and (eq $role "decode") (gt $sourceTP $tp) }}
+            - name: PDSERVE_KV_SOURCE_TP
+              value: {{ $sourceTP | quote }}
+            {{- end }}
             {{- if not (kindIs "invalid" $pool.maxNumBatchedTokens) }}
             - name: PDSERVE_MAX_NUM_BATCHED_TOKENS
               value: {{ $pool.maxNumBatchedTokens | quote }}
@@ -155,12 +166,24 @@ spec:
             {{- toYaml $v.securityContext | nindent 12 }}
             {{- end }}
           resources:
-            {{- if $rdma }}
+            {{- if or $rdma $gpus }}
             {{- $res := deepCopy $pool.resources }}
             {{- $req := $res.requests | default dict }}
             {{- $lim := $res.limits | default dict }}
+            {{- if $rdma }}
             {{- $_ := set $req $t.rdma.resourceName $t.rdma.count }}
             {{- $_ := set $lim $t.rdma.resourceName $t.rdma.count }}
+            {{- end }}
+            {{- if $gpus }}
+            {{- $g := $v.engine.gpuResource }}
+            {{- range $given := list (index $req $g) (index $lim $g) }}
+            {{- if and $given (ne (int $given) $tp) }}
+            {{- fail (printf "%s.resources asks for %v %s but %s.tensorParallelSize is %d (one per rank)" $role $given $g $role $tp) }}
+            {{- end }}
+            {{- end }}
+            {{- $_ := set $req $g $tp }}
+            {{- $_ := set $lim $g $tp }}
+            {{- end }}
             {{- toYaml (dict "requests" $req "limits" $lim) | nindent 12 }}
             {{- else }}
             {{- toYaml $pool.resources | nindent 12 }}
@@ -261,4 +284,26 @@ spec:
     {{- with $a.metrics }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+{{- end }}
+
+{{/* A pool's tensor parallel size: (dict "root" $ "role" "prefill"|"decode") */}}
+{{- define "pdserve.poolTP" -}}
+{{- (index .root.Values .role).tensorParallelSize | default 1 | int -}}
+{{- end }}
+
+{{/* The prefill TP size the decode pool takes KV from: decode.kvSourceTensorParallelSize, else the prefill
+pool's when it is larger than the decode pool's (then each decode rank receives its heads in pieces). */}}
+{{- define "pdserve.kvSourceTP" -}}
+{{- $given := .Values.decode.kvSourceTensorParallelSize | default 0 | int }}
+{{- $p := include "pdserve.poolTP" (dict "root" . "role" "prefill") | int }}
+{{- $d := include "pdserve.poolTP" (dict "root" . "role" "decode") | int }}
+{{- if gt $given 0 }}{{ $given }}{{ else if gt $p $d }}{{ $p }}{{ else }}{{ $d }}{{ end -}}
+{{- end }}
+
+{{/* The decode pods' KV ports end (inclusive): rank r listens on kv + r, its piece transport on
+kv + TP + r (pdserve/app/tp_ranks.py), so a TP-N decode worker taking pieces uses [kv, kv + 2N). */}}
+{{- define "pdserve.decodeKvPortEnd" -}}
+{{- $d := include "pdserve.poolTP" (dict "root" . "role" "decode") | int }}
+{{- $src := include "pdserve.kvSourceTP" . | int }}
+{{- if gt $src $d }}{{ add .Values.ports.kv (mul 2 $d) -1 }}{{ else }}{{ add .Values.ports.kv $d -1 }}{{ end -}}
 {{- end }}
