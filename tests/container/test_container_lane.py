@@ -15,6 +15,10 @@ chart's decode replica count (``chart_replicas``), so none leans on what another
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import grpc
 import pytest
 import test_e2e as e2e
@@ -44,6 +48,9 @@ def chart_replicas(target):
                    f"the router to see exactly {sorted(live)}")
 
 
+# Where the lane keeps what it measured (deploy/container/common.sh's $STATE).
+STATE = Path(os.environ.get("PDSERVE_LANE_STATE",
+                            Path(__file__).resolve().parents[2] / ".run" / "container-lane"))
 STUBS = {"decode": decode_pb2_grpc.DecodeStub, "prefill": prefill_pb2_grpc.PrefillStub}
 
 
@@ -119,9 +126,13 @@ def test_docker_stop_drains_a_decode_container_under_load(target) -> None:
     after_stop = [o for _, o in load.results[at_sigterm["results"]:] if not isinstance(o, str)]
     assert len(after_stop) >= 4 and all(r.finish_reason in e2e.OK_FINISH for r in after_stop)
     finished_on_victim = [r for r in after_stop if r.final["decode_worker"] == victim]
-    print(f"{target.name}: {at_sigterm['running']} streams on {victim} at SIGTERM; "
-          f"{len(finished_on_victim)} finished there after it; stop took {stop['seconds']:.1f} s "
-          f"of a {stop['grace_s']} s grace period; {len(load.errors())} UNAVAILABLE")
+    report = {"lane": target.name, "victim": victim, "streams_at_sigterm": at_sigterm["running"],
+              "finished_on_victim_after_sigterm": len(finished_on_victim),
+              "unavailable": len(load.errors()), "ok_after_sigterm": len(after_stop),
+              "exit_code": stop["exit_code"], "stop_seconds": round(stop["seconds"], 1),
+              "grace_seconds": stop["grace_s"]}
+    (STATE / f"drain-{target.transport}.json").write_text(json.dumps(report, indent=1))
+    print(report)
     new = [e2e.generate(target.router, p) for p in e2e.PROMPTS]
     assert all(r.finish_reason in e2e.OK_FINISH and r.final["decode_worker"] != victim for r in new)
     # No KV block left taken on the workers that stayed.
