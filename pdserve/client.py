@@ -8,6 +8,12 @@
 ``stream()`` yields ``Chunk``s as they arrive (the first one carries the first token, straight from
 prefill); ``generate()`` collects them into a ``Result`` with TTFT and inter-token latencies. Errors
 surface as ``grpc.RpcError`` with the router's status code. ``AsyncClient`` is the asyncio twin.
+
+TLS: ``Client(address, tls_dir=DIR)`` (the directory of ``pdserve certs init``) verifies the router
+against the cluster CA in ``DIR/ca.crt``, expecting a certificate for ``server_name`` (default
+``"router"``, which every router certificate of ``certs init`` carries; ``""`` checks the address's
+host name instead), and presents ``DIR/client.crt`` when there is one. ``set_default_tls(DIR)``
+makes that the default of every client created afterwards (tools that create clients inside).
 """
 
 from __future__ import annotations
@@ -16,13 +22,28 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
-import grpc
 from google.protobuf.json_format import MessageToDict
 
+from pdserve.tls import TlsDir, open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.wire import report
 
 _OPTIONS = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20)]
+_DEFAULT_TLS: list[str | None] = [None]
+
+
+def set_default_tls(tls_dir: str | None) -> None:
+    """The ``tls_dir`` of every client created without one (``pdserve bench --tls-dir``)."""
+    _DEFAULT_TLS[0] = tls_dir
+
+
+def _channel(address: str, tls_dir: str | None, server_name: str, aio: bool):
+
+    tls_dir = tls_dir if tls_dir is not None else _DEFAULT_TLS[0]
+    tls = TlsDir(tls_dir) if tls_dir else None
+    identity = "client" if tls is not None and tls.has("client") else None
+    return open_channel(address, tls=tls, identity=identity, server_role=server_name, options=_OPTIONS,
+                        aio=aio)
 
 
 @dataclass(frozen=True)
@@ -122,8 +143,9 @@ class _Collector:
 
 
 class Client:
-    def __init__(self, address: str, *, timeout: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+    def __init__(self, address: str, *, timeout: float | None = None, tls_dir: str | None = None,
+                 server_name: str = "router") -> None:
+        self.channel = _channel(address, tls_dir, server_name, aio=False)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.timeout = timeout
 
@@ -156,8 +178,9 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str, *, timeout: float | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+    def __init__(self, address: str, *, timeout: float | None = None, tls_dir: str | None = None,
+                 server_name: str = "router") -> None:
+        self.channel = _channel(address, tls_dir, server_name, aio=True)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.timeout = timeout
 

@@ -51,7 +51,10 @@ CHANNEL_OPTIONS = [
 class GrpcServer:
     def __init__(self, *, host: str, port: int, service_full_names: Sequence[str],
                  drain_timeout: float = 30.0, max_receive_bytes: int = MAX_MESSAGE_BYTES,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 credentials: grpc.ServerCredentials | None = None) -> None:
+        # credentials: TLS (pdserve/tls.py, --tls-dir); None serves plaintext
+        self.credentials = credentials
         # gRPC refuses a larger request (RESOURCE_EXHAUSTED) before it is parsed: the public port's
         # --max-request-bytes is enforced here, ahead of any work.
         options = [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v)
@@ -73,12 +76,16 @@ class GrpcServer:
         self.serving = False  # what health says; the router's HTTP door reports the same
 
     async def start(self) -> int:
-        self.port = self.server.add_insecure_port(self._bind)
+        if self.credentials is not None:
+            self.port = self.server.add_secure_port(self._bind, self.credentials)
+        else:
+            self.port = self.server.add_insecure_port(self._bind)
         if self.port == 0:
             raise RuntimeError(f"cannot bind gRPC server to {self._bind}")
         await self.set_serving(False)
         await self.server.start()
-        log.info("gRPC listening on %s (port %d)", self._bind, self.port)
+        log.info("gRPC listening on %s (port %d%s)", self._bind, self.port,
+                 ", TLS" if self.credentials else "")
         return self.port
 
     async def set_serving(self, serving: bool) -> None:

@@ -129,6 +129,8 @@ class ServeSettings:
     # router / colocated: the largest GenerateRequest accepted on the public port, in bytes; gRPC
     # refuses a larger one (RESOURCE_EXHAUSTED) before it is read into memory or tokenized
     max_request_bytes: int = 16 * 1024 * 1024
+    # TLS on every gRPC port (pdserve/tls.py): ca.crt + <role>.crt/.key; workers require client certs
+    tls_dir: str | None = None
     # router: continue a request on another worker when its worker dies (router/migration.py): at most
     # this many failed attempts per request, and this long waiting for a usable worker
     migration: str = "on"
@@ -335,6 +337,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       "blocks (default 10; 0 = the worker's answer stands)")
     a("--max-request-bytes", type=int, help="router / colocated: largest request accepted on the public port "
       "(bytes, default 16 MiB); a larger one is refused with RESOURCE_EXHAUSTED before any work")
+    a("--tls-dir", help="TLS from this directory (`pdserve certs init DIR`): the router's port over TLS, "
+      "mutual TLS on every worker port and from the router to the workers (default: plaintext)")
     a("--migration", choices=ON_OFF, help="router: continue a request on another worker when its worker "
       "dies, token-exact (default on)")
     a("--max-request-retries", type=int, help="router: attempts per request that may fail on a worker "

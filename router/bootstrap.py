@@ -54,6 +54,14 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
     directory = WorkerDirectory(placer, interval=settings.stats_interval,
                                 drain_timeout_s=max(settings.drain_timeout, 1.0) * 4)
     directory.lifecycle = WorkerLifecycle(metrics.registry)
+    if settings.tls_dir:  # mutual TLS to every worker: present router.crt, check the worker's role
+        from pdserve.server import CHANNEL_OPTIONS
+        from pdserve.tls import TlsDir, open_channel
+
+        tls = TlsDir(settings.tls_dir)
+        served_as = {"prefill": "prefill", "decode": "decode" if prefill_pool else "colocated"}
+        directory.open_channel = lambda addr, role: open_channel(
+            addr, tls=tls, identity="router", server_role=served_as[role], options=CHANNEL_OPTIONS, aio=True)
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(directory.poll_forever())]
     if settings.discovery == "static":

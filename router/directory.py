@@ -88,11 +88,15 @@ class WorkerDirectory:
             self._publish()  # out of the placer's view before anything else can place on it
         for addr in wanted:
             if addr not in self._by_addr:
-                channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+                channel = self.open_channel(addr, role)
                 stub = (prefill_pb2_grpc.PrefillStub(channel) if role == "prefill"
                         else decode_pb2_grpc.DecodeStub(channel))
                 self._by_addr[addr] = WorkerHandle(address=addr, role=role, channel=channel, stub=stub)
         await self.poll_once()
+
+    def open_channel(self, address: str, role: str) -> grpc.aio.Channel:
+        """Plaintext; under --tls-dir bootstrap replaces it with mutual TLS (pdserve/tls.py)."""
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
     def _retire(self, h: WorkerHandle) -> None:
         self.lifecycle.forget(h.address)

@@ -46,6 +46,16 @@ MIGRATABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 @dataclass(frozen=True, kw_only=True)
+class EventKinds:
+    """The pipeline's event and error types (router/pipeline.py), handed in: this module stays below it."""
+    first: type     # FirstToken(token_id, logprob)
+    tokens: type    # Tokens(token_ids, logprobs)
+    done: type      # Done(finish_reason, completion_tokens, meta)
+    failed: type    # RequestFailed(code, message), .extra_worker: the worker it failed on
+    meta: type      # ServingMeta()
+
+
+@dataclass(frozen=True, kw_only=True)
 class MigrationConfig:
     enabled: bool = True
     max_retries: int = 3     # attempts that failed on a worker, per request
@@ -73,9 +83,9 @@ class Migration:
 
     async def run(self, req: Admitted, timeout: float | None,
                   attempt: Callable[[Admitted, float | None], AsyncIterator[object]],
-                  ) -> AsyncIterator[object]:
+                  kinds: EventKinds) -> AsyncIterator[object]:
         """Events of ``attempt(req)``, then of its continuations after worker failures."""
-        from router.pipeline import Done, FirstToken, RequestFailed, ServingMeta, Tokens
+        FirstToken, Tokens, Done, RequestFailed = kinds.first, kinds.tokens, kinds.done, kinds.failed
 
         cfg = self.config
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -124,7 +134,7 @@ class Migration:
                     backoff = min(backoff * 2, cfg.max_backoff_s)
                     await asyncio.sleep(pause)
                 if len(sent) >= req.params.max_tokens:  # everything was sent; only the end was lost
-                    yield Done("length", len(sent), ServingMeta())
+                    yield Done("length", len(sent), kinds.meta())
                     return
                 cur = continuation(req, sent, n)
 

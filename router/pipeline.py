@@ -39,7 +39,7 @@ from pdserve.wire import sampling_to_proto
 from router.admission import Admitted
 from router.conditional import ConditionalConfig, Decision, PrefillModePolicy
 from router.directory import WorkerDirectory
-from router.migration import Migration
+from router.migration import EventKinds, Migration
 from router.placement import NoWorkersAvailable, Outcome, Placement, PlacementRequest, Placer
 from router.shedding import Admission, AdmissionConfig, Refused
 
@@ -84,6 +84,9 @@ class Done:
     meta: ServingMeta
 
 
+_EVENTS = EventKinds(first=FirstToken, tokens=Tokens, done=Done, failed=RequestFailed, meta=ServingMeta)
+
+
 class Pipeline:
     def __init__(self, directory: WorkerDirectory, placer: Placer, *, block_size: int, lease_ms: int,
                  conditional: ConditionalConfig | None = None) -> None:
@@ -100,7 +103,7 @@ class Pipeline:
 
     async def run(self, req: Admitted, timeout: float | None) -> AsyncIterator[object]:
         """Events of one request, continued on other workers when one fails under it."""
-        async for event in self.migration.run(req, timeout, self._run_once):
+        async for event in self.migration.run(req, timeout, self._run_once, _EVENTS):
             yield event
 
     async def _run_once(self, req: Admitted, timeout: float | None) -> AsyncIterator[object]:

@@ -76,6 +76,7 @@ async def run_role(settings: ServeSettings) -> None:
                         service_full_names=SERVICE_NAMES[settings.role],
                         drain_timeout=settings.drain_timeout,
                         **({"max_receive_bytes": settings.max_request_bytes} if public else {}),
+                        credentials=_server_credentials(settings),
                         interceptors=_key_interceptors(keys))
     setup = {"prefill": _prefill, "decode": _decode, "router": functools.partial(_router, keys=keys),
              "colocated": _colocated}[settings.role]
@@ -106,6 +107,17 @@ def _key_interceptors(keys) -> list:
     from router.api_keys import ApiKeyInterceptor
 
     return [ApiKeyInterceptor(keys)]
+
+
+def _server_credentials(settings: ServeSettings):
+    """TLS of this process's gRPC port under --tls-dir: the router's public port takes any TLS client;
+    every worker port requires a client certificate of the cluster CA (mutual TLS)."""
+    if not settings.tls_dir:
+        return None
+    from pdserve.tls import TlsDir
+
+    return TlsDir(settings.tls_dir).server_credentials(settings.role,
+                                                       require_client_cert=settings.role != "router")
 
 
 def _with_port(settings: ServeSettings, port: int) -> ServeSettings:

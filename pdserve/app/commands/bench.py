@@ -56,6 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline (s)")
     p.add_argument("--label", default="", help="name of this run in the table / JSON")
     p.add_argument("--json", help="write the summary JSON here")
+    p.add_argument("--tls-dir", help="TLS: verify the router against DIR/ca.crt (and present DIR/client.crt)")
     s = p.add_argument_group("sweep (--sweep)")
     s.add_argument("--sweep", action="store_true", help="rate sweep: the goodput frontier")
     s.add_argument("--rates", default="geom:1:1.5:8", help="2,4,8 or geom:START:FACTOR:COUNT")
@@ -98,6 +99,10 @@ def _base_config(args: argparse.Namespace, router: str):
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.tls_dir:
+        from pdserve.client import set_default_tls
+
+        set_default_tls(args.tls_dir)
     try:
         if args.sweep:
             return _sweep(args)

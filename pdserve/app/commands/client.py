@@ -29,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds (default 120)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--tls-dir", help="TLS: verify the router against DIR/ca.crt (and present DIR/client.crt)")
     p.set_defaults(func=_run)
 
 
@@ -59,7 +60,7 @@ def _run(args: argparse.Namespace) -> int:
                         top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     col = _Collector()
     try:
-        with Client(args.router) as client:
+        with Client(args.router, tls_dir=args.tls_dir) as client:
             for msg in client.stream(req, timeout=args.timeout):
                 chunk = col.add(msg)
                 if not args.json and chunk.text:

@@ -67,6 +67,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-args", default="", metavar="FLAGS",
                    help="extra `pdserve serve` flags for decode (and colocated) workers only "
                         "(e.g. \"--kv-memory-gb 100\": a memory-tuned decode pool)")
+    p.add_argument("--tls-dir", help="TLS from this directory (`pdserve certs init DIR`): the router's port "
+                   "over TLS, mutual TLS on every worker port and internal channel (default: plaintext)")
+    p.add_argument("--host", help="every listener of the cluster binds this address (default: 127.0.0.1 for "
+                   "--launcher process, each Ray node's IP for ray)")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restart a process that exits unexpectedly at most this often within 5 minutes, then "
+                        "leave it down (crash loop); 0 = never restart (default 5)")
     p.add_argument("--run-dir", default=DEFAULT_RUN_DIR)
     p.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_run)
@@ -76,6 +83,7 @@ def _run(args: argparse.Namespace) -> int:
     from pdserve.app.launcher.backends import ProcessBackend, RayBackend
     from pdserve.app.launcher.cluster import Cluster, ClusterSpec
     from pdserve.app.launcher.devices import DevicePlan, parse_ids, visible_gpus
+    from pdserve.app.launcher.supervisor import RestartPolicy
     from pdserve.app.tp_ranks import pool_tp_args
 
     worker_args = ["--device", args.device]
@@ -110,6 +118,9 @@ def _run(args: argparse.Namespace) -> int:
                            prefill_args=(*prefill_tp_args, *shlex.split(args.prefill_args)),
                            decode_args=(*decode_tp_args, *shlex.split(args.decode_args)),
                            drain_timeout=args.drain_timeout, router_args=tuple(router_args), devices=devices,
+                           tls_dir=str(Path(args.tls_dir).resolve()) if args.tls_dir else "",
+                           restart=RestartPolicy(enabled=args.max_restarts > 0,
+                                                 max_restarts=max(args.max_restarts, 0)),
                            http_port=args.http_port, api_keys=tuple(args.api_key),
                            api_keys_file=(str(Path(args.api_keys_file).resolve())
                                           if args.api_keys_file else ""))
@@ -124,6 +135,8 @@ def _run(args: argparse.Namespace) -> int:
         backend = RayBackend(run_dir, env=env, address=args.ray_address, num_cpus=args.ray_num_cpus)
     else:
         backend = ProcessBackend(run_dir, env=env)
+    if args.host:
+        backend.host = args.host
     cluster = Cluster(spec=spec, backend=backend, run_dir=run_dir)
     try:
         address = cluster.up()

@@ -57,6 +57,7 @@ def device_env(env: dict[str, str], devices: tuple[str, ...]) -> dict[str, str]:
 
 class ProcessBackend:
     name = "process"
+    host = "127.0.0.1"  # every listener of the cluster binds this (`pdserve up --host`)
 
     def __init__(self, run_dir: Path, env: dict[str, str] | None = None) -> None:
         self.run_dir = run_dir
@@ -65,7 +66,7 @@ class ProcessBackend:
     def start(self, role: str, args: list[str], name: str, *, devices: tuple[str, ...] = (),
               num_gpus: int = 0) -> WorkerHandle:
         env = device_env(self.env, devices)
-        p = spawn(role, args, self.run_dir / "logs" / f"{name}.log", env=env)
+        p = spawn(role, args, self.run_dir / "logs" / f"{name}.log", env=env, host=self.host)
         return WorkerHandle(role=role, worker_id=p.worker_id, address=p.address, pid=p.pid, backend=self,
                             ref=p, devices=",".join(devices))
 
@@ -90,6 +91,7 @@ PLACEMENT_TIMEOUT_S = 120.0
 
 class RayBackend:
     name = "ray"
+    host = ""  # bind address of every process; "" = its node's IP (one interface, reachable by the others)
 
     def __init__(self, run_dir: Path, env: dict[str, str] | None = None, address: str | None = None,
                  num_cpus: int = 2) -> None:
@@ -118,7 +120,8 @@ class RayBackend:
         if num_gpus > 1:  # a tensor-parallel worker: its ranks are child processes on these GPUs
             options["scheduling_strategy"] = self.gpu_bundle(name, num_gpus)
         actor = self._actor_cls.options(**options).remote()
-        info = self.ray.get(actor.start.remote(role, args, str(self.run_dir / "logs" / f"{name}.log"), env))
+        info = self.ray.get(actor.start.remote(role, args, str(self.run_dir / "logs" / f"{name}.log"), env,
+                                                host=self.host))
         return WorkerHandle(role=role, worker_id=info["worker_id"], address=info["address"], pid=info["pid"],
                             backend=self, ref=actor,
                             devices=info.get("devices") or ",".join(devices))
@@ -163,7 +166,7 @@ class RayBackend:
         """A new process in the same actor (same node, same GPUs); a new actor if the actor is gone."""
         try:
             log_path = str(self.run_dir / "logs" / f"{h.worker_id}.log")
-            info = self.ray.get(h.ref.start.remote(role, args, log_path, dict(self.env)))
+            info = self.ray.get(h.ref.start.remote(role, args, log_path, dict(self.env), host=self.host))
         except Exception:
             log.warning("actor of %s is gone; starting a new one", h.worker_id, exc_info=True)
             with contextlib.suppress(Exception):
@@ -182,12 +185,15 @@ class ServeActor:
     def __init__(self) -> None:
         self.proc: ServeProcess | None = None
 
-    def start(self, role: str, args: list[str], log_path: str, env: dict[str, str]) -> dict:
+    def start(self, role: str, args: list[str], log_path: str, env: dict[str, str], host: str = "") -> dict:
         import ray
 
-        # Bind everywhere, advertise the node's IP: pools may live on different Ray nodes.
-        self.proc = spawn(role, args, log_path, env=env, host="0.0.0.0",
-                          advertise_host=ray.util.get_node_ip_address())
+        # Bind the node's IP (not every interface) unless told otherwise, advertise what others dial:
+        # pools may live on different Ray nodes.
+        node_ip = ray.util.get_node_ip_address()
+        bind = host or node_ip
+        self.proc = spawn(role, args, log_path, env=env, host=bind,
+                          advertise_host=node_ip if bind in ("0.0.0.0", "::") else bind)
         from pdserve.settings import environ
 
         return {"worker_id": self.proc.worker_id, "address": self.proc.address, "pid": self.proc.pid,

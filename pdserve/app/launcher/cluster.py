@@ -35,6 +35,7 @@ from pdserve.app.launcher.backends import WorkerHandle
 from pdserve.app.launcher.devices import DeviceAssigner, DevicePlan
 from pdserve.app.launcher.procs import StartFailed
 from pdserve.app.launcher.supervisor import RestartPolicy, Supervisor
+from pdserve.tls import TlsDir, open_channel
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from router.file_discovery import write_workers_file
 
@@ -69,6 +70,8 @@ class ClusterSpec:
     api_keys_file: str = ""
     # restart a process that exits unexpectedly (launcher/supervisor.py)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # TLS on every gRPC port (pdserve/tls.py: `pdserve certs init DIR`); "" = plaintext
+    tls_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.colocated and (self.num_prefill != 0 or self.num_decode < 1):
@@ -118,7 +121,15 @@ class Cluster:
                 self.spec.model, "--policy", self.spec.policy, "--port", str(port),
                 "--drain-timeout", str(self.spec.drain_timeout),
                 *(("--mode", "colocated") if self.spec.colocated else ()), *self._http_args(),
-                *self.spec.router_args]
+                *self._tls_args(), *self.spec.router_args]
+
+    def _tls_args(self) -> list[str]:
+        return ["--tls-dir", self.spec.tls_dir] if self.spec.tls_dir else []
+
+    def channel(self, address: str, server_role: str) -> grpc.Channel:
+        """The launcher's own channel to a process of the cluster (TLS as the client identity)."""
+        tls = TlsDir(self.spec.tls_dir) if self.spec.tls_dir else None
+        return open_channel(address, tls=tls, identity="client", server_role=server_role)
 
     def _http_args(self) -> list[str]:
         args = ["--http-port", str(self.spec.http_port)] if self.spec.http_port else []
@@ -160,7 +171,7 @@ class Cluster:
 
     def _worker_args(self, role: str, name: str) -> list[str]:
         return ["--model", self.spec.model, "--transport", self.spec.transport, "--worker-id", name,
-                "--drain-timeout", str(self.spec.drain_timeout), *self.spec.worker_args,
+                "--drain-timeout", str(self.spec.drain_timeout), *self._tls_args(), *self.spec.worker_args,
                 *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args)]
 
     def _start_worker(self, role: str, name: str, devices: tuple[str, ...] = ()) -> WorkerHandle:
@@ -227,7 +238,7 @@ class Cluster:
 
     def list_workers(self) -> list[router_pb2.WorkerEntry]:
         assert self.router is not None
-        with grpc.insecure_channel(self.router.address) as ch:
+        with self.channel(self.router.address, "router") as ch:
             resp = router_pb2_grpc.RouterStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5,
                                                               metadata=self.auth_metadata() or None)
         return list(resp.workers)
@@ -280,7 +291,8 @@ class Cluster:
             self._write_members()
             self.wait_router_sees(timeout=60)
             for h in gone:
-                _wait_idle(h, timeout=self.spec.drain_timeout)
+                ch = self.channel(h.address, self._serve_role(h.role))
+                _wait_idle(h, ch, timeout=self.spec.drain_timeout)
                 h.stop(self.spec.drain_timeout)
         self.write_state()
         log.info("scaled %s to %d", role, n)
@@ -313,11 +325,11 @@ class Cluster:
         (self.run_dir / STATE_FILE).unlink(missing_ok=True)
 
 
-def _wait_idle(h: WorkerHandle, timeout: float) -> None:
+def _wait_idle(h: WorkerHandle, channel: grpc.Channel, timeout: float) -> None:
     """Until a worker being removed has nothing running, queued or leased (or the timeout)."""
     stub_cls = prefill_pb2_grpc.PrefillStub if h.role == "prefill" else decode_pb2_grpc.DecodeStub
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(h.address) as ch:
+    with channel as ch:
         stub = stub_cls(ch)
         while time.monotonic() < deadline:
             try:

@@ -14,20 +14,20 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import grpc
-
 from pdserve.app.launcher.backends import ProcessBackend, WorkerHandle
 from pdserve.app.launcher.cluster import Cluster, ClusterSpec
 from pdserve.app.launcher.procs import ServeProcess, spawn
 from pdserve.app.launcher.supervisor import RestartPolicy
 from pdserve.settings import ucx_tls_for_tests
+from pdserve.tls import TlsDir, open_channel
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 QUIET_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def get_stats(address: str, role: str, timeout: float = 10.0) -> common_pb2.WorkerStats:
-    with grpc.insecure_channel(address) as ch:
+def get_stats(address: str, role: str, timeout: float = 10.0, tls_dir: str = "") -> common_pb2.WorkerStats:
+    tls = TlsDir(tls_dir) if tls_dir else None
+    with open_channel(address, tls=tls, identity="client", server_role=role) as ch:
         stub = prefill_pb2_grpc.PrefillStub(ch) if role == "prefill" else decode_pb2_grpc.DecodeStub(ch)
         return stub.GetStats(common_pb2.StatsRequest(), timeout=timeout)
 
@@ -39,14 +39,14 @@ class LocalCluster:
                  drain_timeout: float = 10.0, router_args: tuple[str, ...] = (),
                  colocated: bool = False, prefill_args: tuple[str, ...] = (),
                  decode_args: tuple[str, ...] = (), http_port: int = 0, api_keys: tuple[str, ...] = (),
-                 api_keys_file: str = "", restart: RestartPolicy | None = None) -> None:
+                 api_keys_file: str = "", restart: RestartPolicy | None = None, tls_dir: str = "") -> None:
         # colocated=True: ``decode`` colocated workers behind the router (``prefill`` must be 0)
         self.spec = ClusterSpec(model=str(model), num_prefill=prefill, num_decode=decode, transport=transport,
                                 worker_args=tuple(worker_args), policy=policy, drain_timeout=drain_timeout,
                                 router_args=("--stats-interval", "0.2", *router_args), colocated=colocated,
                                 prefill_args=tuple(prefill_args), decode_args=tuple(decode_args),
                                 http_port=http_port, api_keys=tuple(api_keys), api_keys_file=api_keys_file,
-                                restart=restart or RestartPolicy())
+                                restart=restart or RestartPolicy(), tls_dir=str(tls_dir or ""))
         self.env = {**QUIET_ENV, **(env or {})}
         self.cluster = Cluster(spec=self.spec, backend=ProcessBackend(Path(run_dir), self.env),
                                run_dir=Path(run_dir))
@@ -73,7 +73,8 @@ class LocalCluster:
         return [h for hs in self.cluster.workers.values() for h in hs]
 
     def stats(self) -> dict[str, common_pb2.WorkerStats]:
-        return {h.worker_id: get_stats(h.address, h.role) for h in self.workers if h.alive()}
+        return {h.worker_id: get_stats(h.address, self.cluster._serve_role(h.role), tls_dir=self.spec.tls_dir)
+                for h in self.workers if h.alive()}
 
     def free_blocks(self) -> dict[str, int]:
         return {wid: s.free_blocks for wid, s in self.stats().items()}
