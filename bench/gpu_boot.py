@@ -94,10 +94,10 @@ def process_stats(address: str) -> dict:
                        for p in s.boot]}
 
 
-def boot(model: Path, layout: str, logs: Path, kv_gb: float) -> dict:
-    """Start the layout's workers at once on GPU 0; seconds until every one is SERVING."""
+def boot(model: Path, layout: str, logs: Path, kv_gb: float, gpu: str) -> dict:
+    """Start the layout's workers at once on one GPU; seconds until every one is SERVING."""
     roles = ["colocated"] if layout == "colocated" else ["prefill", "decode"]
-    env = {"CUDA_VISIBLE_DEVICES": os.environ.get("PDSERVE_BOOT_GPU", "0")}
+    env = {"CUDA_VISIBLE_DEVICES": gpu}
     args = ["--model", str(model), "--device", "cuda", "--kv-memory-gb", str(kv_gb)]
     t0 = time.monotonic()
     procs = []
@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--disk-dir", default="/var/tmp/pdserve-boot", help="local disk copy of the checkpoint")
     ap.add_argument("--kv-gb", type=float, default=8.0, help="KV cache per worker (two share one GPU)")
     ap.add_argument("--layouts", default="colocated,1p1d")
+    ap.add_argument("--gpu", default="0", help="the one GPU every worker runs on")
     ap.add_argument("--skip-roofline", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
@@ -147,6 +148,7 @@ def main() -> None:
 
     t = time.monotonic()
     write_checkpoint(SHM, "llama3-8b")
+    torch.cuda.empty_cache()  # the weights were drawn on the GPU: give the workers that memory back
     disk = Path(args.disk_dir)
     if not (disk / "config.json").exists():
         shutil.copytree(SHM, disk, dirs_exist_ok=True)
@@ -170,7 +172,7 @@ def main() -> None:
             if cold:
                 evict(path)
             try:
-                r = boot(path, layout, logs, args.kv_gb)
+                r = boot(path, layout, logs, args.kv_gb, args.gpu)
             except Exception as exc:  # one failed boot must not lose the others
                 r = {"error": str(exc)}
             r.update(layout=layout, source=label)
