@@ -37,7 +37,7 @@ class Run:
 
     @property
     def green(self) -> bool:
-        return self.returncode == 0 and not self.failed and not self.errors
+        return self.returncode == 0 and not self.failed and not self.errors and self.passed > 0
 
     def row(self) -> str:
         return (f"{self.index:>3}  {self.seed:>10}  {self.passed:>6}  {self.failed:>6}  {self.errors:>6}  "
@@ -81,6 +81,8 @@ def run_once(index: int, pytest_args: list[str], out: Path) -> Run:
     _read_junit(xml, run)
     if proc.returncode not in (0, 1) and not run.bad:  # usage error, interrupted, collection failed
         run.bad.append(f"pytest exited {proc.returncode}: see {log}")
+    if proc.returncode == 5:  # no tests collected: nothing was checked
+        run.bad.append("no tests were collected")
     return run
 
 
@@ -104,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         print(run.row(), flush=True)
         for line in run.bad:
             print(f"       {line}", flush=True)
+        if run.returncode in (2, 3, 4):  # a collection, internal or usage error: each run would repeat it
+            print(f"pytest exited {run.returncode} (not a test outcome): stopping; see {out}/run-{i:02d}.log")
+            break
     red = [r for r in runs if not r.green]
     total = sum(r.seconds for r in runs)
     print(f"\n{len(runs) - len(red)}/{len(runs)} runs green, {total:.0f} s in all "
