@@ -14,6 +14,9 @@
 #   frontier   goodput frontier, 2 GPUs, llama3-8b, log-normal mix: 1P1D NIXL / TCP, conditional, 2 colocated,
 #              then each at 1.5x its SLO-goodput rate (bench/gpu_frontier.py; args after -- go to it,
 #              e.g. `frontier -- --size small`, ~8 minutes)
+#   tp         one worker at TP 2 vs TP 1 (llama3-8b decode b1/b64 x 4k, 4k prefill; llama3-70b-short at TP 2), 2 GPUs
+#   tp-serving 1P(TP1) -> 1D(TP1) vs one TP-2 colocated worker, log-normal mix, 2 GPUs (bench.gpu_tp --serving)
+#   tp4        1P(TP2) -> 1D(TP2), hetero 1P(TP1) -> 1D(TP2), beside the 2-GPU modes; needs 4 GPUs (bench.gpu_tp4)
 #   kv-concurrency  TCP KV transfers GPU0 -> GPU1, 1/4/16 in flight (2k tokens, llama3-8b layout), each
 #              beside a raw socket over the same connections; mutual TLS vs plaintext at 1 and 16 (bench.kv_bench)
 # Everything worth keeping goes to $OUT (logs, JSON, the compiled JIT kernels as one .tar.xz).
@@ -89,6 +92,10 @@ for step in "${steps[@]}"; do
         bench) python3 bench/gpu.py --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/bench.log"; rc=$(( rc | $? )) ;;
         frontier) python3 bench/gpu_frontier.py --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/frontier.log"
                   rc=$(( rc | ${PIPESTATUS[0]} )) ;;
+        tp) python3 -m bench.gpu_tp --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/tp.log"; rc=$(( rc | ${PIPESTATUS[0]} )) ;;
+        tp-serving) python3 -m bench.gpu_tp --serving --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/tp-serving.log"
+                    rc=$(( rc | ${PIPESTATUS[0]} )) ;;
+        tp4) python3 -m bench.gpu_tp4 --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/tp4.log"; rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         disagg-small) python3 bench/gpu_disagg.py "$OUT" small 2>&1 | tee "$OUT/disagg.log"; rc=$(( rc | $? ))
                       tail -n 30 "$OUT"/disagg-logs/*.log ;;
         stream-8b)  # layer-wise KV push on vs off on the llama3-8b shape (bench/prefill_stream.py)

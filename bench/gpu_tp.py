@@ -2,6 +2,8 @@
 
     python -m bench.gpu_tp                       # 2 GPUs: llama3-8b at TP 1 and 2, llama3-70b-short at TP 2
     python -m bench.gpu_tp --cpu-check           # the same path on CPU (gloo), tiny model, small shapes
+    python -m bench.gpu_tp --serving             # 2 GPUs: 1P(TP1) -> 1D(TP1) vs one TP-2 colocated worker
+    python -m bench.gpu_tp --serving --cpu-check # the serving comparison on CPU (bench/tp_serving.py)
 
 For each (preset, TP size) one engine (rank 0 in this process, ranks 1.. as child processes, exactly
 as ``pdserve serve --tensor-parallel-size N`` runs them) is timed through the engine API:
@@ -16,6 +18,11 @@ Each time is reported next to its bound on this rank's share of the work (decode
 over the measured copy bandwidth; prefill: linear-layer FLOPs over the measured bf16 matmul rate)
 and, for TP > 1, as the speed-up over TP 1 of the same preset. Checkpoints are random, written once
 under ``--models`` (the 70B-wide short preset is ~32 GB in bf16). Writes JSON under ``--out``.
+
+``--serving`` instead runs both 2-GPU serving configurations of the llama3-8b shape under the log-normal
+mixed workload, side by side behind one router each (``bench/tp_serving.py``: the mode catalogue of
+``pdserve.app.loadgen.modes``, ``1p1d`` over NIXL vs ``colocated-tp2``; SLO goodput, TTFT / ITL
+percentiles per rate, goodput per GPU). The runs that need 4 GPUs are ``bench/gpu_tp4.py``.
 """
 
 from __future__ import annotations
@@ -168,7 +175,15 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
     ap.add_argument("--cpu-check", action="store_true", help="tiny model on CPU (gloo), small shapes")
+    ap.add_argument("--serving", action="store_true",
+                    help="1P(TP1) -> 1D(TP1) vs one TP-2 colocated worker under the log-normal workload")
     args = ap.parse_args()
+    if args.serving:
+        from bench.tp_serving import run as run_serving
+
+        run_serving(["1p1d", "colocated-tp2"], name="gpu-tp-serving", cpu_check=args.cpu_check,
+                    out=Path(args.out), models=Path(args.models), tag=args.tag)
+        return
     if args.cpu_check:
         args.runs, args.batches, args.context, args.prefill, args.steps, args.device = \
             "tiny:1,tiny:2,tiny:4", "1,4", 64, 64, 3, "cpu"

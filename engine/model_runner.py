@@ -31,7 +31,7 @@ from engine.model import CausalLM
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
 from engine.staging import to_device
-from engine.tp_plan import StepPlan, send_step
+from engine.tp_plan import FLAG_GRAPH, StepPlan, send_step
 from pdserve.process_stats import BOOT
 
 
@@ -70,7 +70,7 @@ class ModelRunner:
         """Capture decode CUDA graphs when the backend can be captured on CUDA (see engine.cuda_graphs)."""
         from engine.cuda_graphs import maybe_runner
 
-        if self.tp is not None:  # the followers replay no graphs: every rank runs eager steps
+        if self.tp is not None and not tp_graphs():  # every rank runs eager steps
             return
         self.cuda_graphs = maybe_runner(self.model, self.backend, self.kv_cache, max_batch=max_batch,
                                         max_model_len=max_model_len)
@@ -100,13 +100,15 @@ class ModelRunner:
         after_layer = self._layer_hook(batch)
         ends = np.cumsum(spec.query_lens) - 1
         rows = [int(ends[i]) for i, s in enumerate(batch) if s.samples]
-        if self.tp is not None:
-            send_step(self.tp, StepPlan(input_ids=input_ids, spec=spec, rows=rows))
+        replay = after_layer is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(spec)
+        if self.tp is not None:  # the other ranks replay their graph exactly when this one does
+            send_step(self.tp, StepPlan(input_ids=input_ids, spec=spec, rows=rows,
+                                        flags=FLAG_GRAPH if replay else 0))
         t0 = time.monotonic()
         throttle = (launch_throttle(self.launch_ahead_layers)
                     if self.launch_ahead_layers and len(input_ids) >= LAUNCH_THROTTLE_MIN_TOKENS else None)
         hook = chain(after_layer, throttle)
-        if after_layer is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(spec):
+        if replay:
             hidden = self.cuda_graphs.run(input_ids, spec)  # a replayed decode graph: [n, hidden]
         elif hook is None:
             meta = self.backend.plan(spec)
@@ -150,8 +152,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> None:
-        """A non-zero rank's share of rank 0's step: the same forward, then the logits gather."""
-        meta = self.backend.plan(plan.spec)
-        hidden = self.model(self._to_device(plan.input_ids), meta.positions, self.kv_cache, meta)
+        """A non-zero rank's share of rank 0's step: the same forward (a replay of the same bucket's graph
+        when rank 0 replays one: their all-reduces must match in size), then the logits gather."""
+        if plan.flags & FLAG_GRAPH:
+            if self.cuda_graphs is None:
+                raise RuntimeError("rank 0 replays a decode CUDA graph but this rank captured none "
+                                   "(PDSERVE_TP_CUDA_GRAPHS / PDSERVE_CUDA_GRAPHS differ between ranks?)")
+            hidden = self.cuda_graphs.run(plan.input_ids, plan.spec)
+        else:
+            meta = self.backend.plan(plan.spec)
+            hidden = self.model(self._to_device(plan.input_ids), meta.positions, self.kv_cache, meta)
         if plan.rows:
             self.model.compute_logits(self._rows(hidden, plan.rows))
+
+
+def tp_graphs() -> bool:
+    """Decode CUDA graphs at tensor parallel size > 1 (``PDSERVE_TP_CUDA_GRAPHS=1``; off by default until
+    measured on GPUs): every rank captures the same buckets in the same order at start-up (each capture's
+    forward carries the ranks' all-reduces) and replays a bucket in the same step (``FLAG_GRAPH``), so the
+    NCCL all-reduces recorded in the graphs pair up. docs/tensor-parallel.md."""
+    from pdserve.settings import env_switch
+
+    return env_switch("PDSERVE_TP_CUDA_GRAPHS", False)

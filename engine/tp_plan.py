@@ -21,6 +21,7 @@ import torch
 from engine.attention.base import BatchSpec
 
 OP_STOP, OP_STEP = 0, 1
+FLAG_GRAPH = 1  # rank 0 replays its decode CUDA graph for this step: the followers replay theirs
 _HEADER = 6
 
 

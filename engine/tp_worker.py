@@ -129,6 +129,11 @@ class TPFollower:
         self.runner = ModelRunner(model, rank_layout(self.kv_layout, model), num_blocks, device=self.device,
                                   attention_backend=config.attention_backend, seed=config.seed,
                                   launch_ahead_layers=config.launch_ahead_layers)
+        # the same buckets as rank 0's, captured in the same order (LLMEngine.__init__ does this right after
+        # the block count too): each capture's forward carries the all-reduces
+        cfg = model.config
+        max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.runner.enable_cuda_graphs(max_batch=config.max_num_seqs, max_model_len=max_model_len)
         self.steps = 0
 
     @property

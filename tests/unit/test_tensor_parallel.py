@@ -174,3 +174,25 @@ def test_70b_presets_split_over_2_4_8_ranks():
         shard = TPShard.for_model(full, rank=size - 1, size=size)
         assert (shard.local_heads, shard.local_kv_heads, shard.local_intermediate) == \
             (64 // size, 8 // size, 28672 // size)
+
+
+def test_step_plan_carries_rank_zeros_graph_decision(monkeypatch) -> None:
+    """A follower replays its decode graph exactly when rank 0 does (FLAG_GRAPH travels in the plan); graphs
+    at TP > 1 stay off unless PDSERVE_TP_CUDA_GRAPHS=1 (and on CPU nothing is captured anyway)."""
+    from engine.model_runner import tp_graphs
+    from engine.tp_plan import FLAG_GRAPH, StepPlan, receive, send_step
+
+    spec = BatchSpec(query_lens=[1, 1], context_lens=[5, 9], block_tables=[[3], [4, 7]])
+
+    def rank(group):
+        if group.rank == 0:
+            send_step(group, StepPlan(input_ids=[11, 12], spec=spec, rows=[0, 1], flags=FLAG_GRAPH))
+            return None
+        return receive(group)
+
+    got = run_ranks(2, rank)[1]
+    assert got.flags == FLAG_GRAPH and got.spec == spec and got.input_ids == [11, 12]
+    monkeypatch.delenv("PDSERVE_TP_CUDA_GRAPHS", raising=False)
+    assert not tp_graphs()
+    monkeypatch.setenv("PDSERVE_TP_CUDA_GRAPHS", "1")
+    assert tp_graphs()

@@ -10,6 +10,10 @@ router, placement, admission control and metrics are the same code in each; only
     conditional    1P1D (``opts.transport``) with ``--conditional-disagg auto``
     colocated      ``opts.colocated_workers`` colocated workers behind the router (``--mode colocated``)
     colocated-chunk512   the same with a 512-token chunked-prefill budget (the latency-tuned setting)
+    colocated-tp2  one colocated worker at tensor parallel size 2 (GPUs 0-1), behind the router
+    1p1d-tp2       1 prefill at TP 2 (GPUs 0-1) + 1 decode at TP 2 (GPUs 2-3), KV rank to rank
+    1p1d-tp1-tp2   1 prefill at TP 1 (GPU 0) + 1 decode at TP 2 (GPUs 1-2): each decode rank gets its
+                   KV heads from the prefill rank's staging (docs/tensor-parallel.md)
 
 ``prefill_args`` go to the prefill pool only (compute-tuned, e.g. ``--max-num-batched-tokens 8192``);
 ``router_args`` to every mode's router (admission flags: the same in every mode). Devices: ``gpus=0``
@@ -30,7 +34,10 @@ from pdserve.app.launcher.cluster import Cluster, ClusterSpec
 from pdserve.app.launcher.devices import DevicePlan, assign
 from pdserve.app.launcher.local import QUIET_ENV, get_stats
 
-MODES = ("1p1d", "1p1d-nixl", "1p1d-tcp", "1p1d-oneshot", "conditional", "colocated", "colocated-chunk512")
+MODES = ("1p1d", "1p1d-nixl", "1p1d-tcp", "1p1d-oneshot", "conditional", "colocated", "colocated-chunk512",
+         "colocated-tp2", "1p1d-tp2", "1p1d-tp1-tp2")
+# (prefill TP, decode TP) of the tensor-parallel modes; the prefill TP of a colocated mode is unused
+TP_MODES = {"colocated-tp2": (1, 2), "1p1d-tp2": (2, 2), "1p1d-tp1-tp2": (1, 2)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +73,8 @@ def cluster_spec(mode: str, opts: ModeOptions) -> ClusterSpec:
     gpus = tuple(str(i) for i in range(opts.gpus))
     common = dict(model=opts.model, worker_args=opts.worker_args, policy=opts.policy,
                   drain_timeout=opts.drain_timeout, router_args=opts.router_args)
+    if mode in TP_MODES:
+        return _tp_spec(mode, opts, gpus, common)
     if mode.startswith("colocated"):
         n = min(opts.colocated_workers, len(gpus)) if gpus else opts.colocated_workers
         decode = (*opts.decode_args, *(("--max-num-batched-tokens", "512") if mode == "colocated-chunk512"
@@ -85,6 +94,28 @@ def cluster_spec(mode: str, opts: ModeOptions) -> ClusterSpec:
         common["router_args"] = (*opts.router_args, "--conditional-disagg", "auto")
     return ClusterSpec(num_prefill=1, num_decode=1, transport=transport, devices=devices,
                        prefill_args=prefill, decode_args=opts.decode_args, **common)
+
+
+def _tp_spec(mode: str, opts: ModeOptions, gpus: tuple[str, ...], common: dict) -> ClusterSpec:
+    """A tensor-parallel mode: each worker's ranks on consecutive GPUs of its own (each seeing the others
+    after them, for UCX's cuda_ipc), or everything on this host's CPU (gloo) without GPUs."""
+    from pdserve.app.tp_ranks import pool_tp_args
+
+    p_tp, d_tp = TP_MODES[mode]
+    colocated = mode.startswith("colocated")
+    prefill, decode = pool_tp_args(prefill_tp=1 if colocated else p_tp, decode_tp=d_tp, colocated=colocated)
+    need = d_tp + (0 if colocated else p_tp)
+    if gpus and len(gpus) < need:
+        raise ValueError(f"mode {mode} needs {need} GPUs, {len(gpus)} given")
+    devices = DevicePlan()
+    if gpus:
+        devices = DevicePlan(prefill_gpus=gpus[:p_tp] if not colocated else gpus[:d_tp],
+                             decode_gpus=gpus[0 if colocated else p_tp:need], visible=gpus[:need], peers=True,
+                             prefill_per_worker=p_tp, decode_per_worker=d_tp)
+    transport = "tcp" if colocated else opts.transport
+    return ClusterSpec(num_prefill=0 if colocated else 1, num_decode=1, colocated=colocated,
+                       transport=transport, devices=devices, prefill_args=(*prefill, *opts.prefill_args),
+                       decode_args=(*decode, *opts.decode_args), **common)
 
 
 def describe(specs: dict[str, ClusterSpec]) -> dict:
