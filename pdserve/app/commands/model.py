@@ -17,14 +17,29 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**1
                "GIB": 2**30}
 
 
+class _Presets:
+    """The checkpoint presets, looked up only when ``model init`` checks one or lists them: importing
+    engine.checkpoint imports torch (seconds), which every other command -- the router's ``serve``,
+    ``bench``, ``client`` -- would otherwise pay while building the parser."""
+
+    def __contains__(self, name: object) -> bool:
+        from engine.checkpoint import PRESETS
+
+        return name in PRESETS
+
+    def __iter__(self):
+        from engine.checkpoint import PRESETS
+
+        return iter(PRESETS)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("model", help="create or inspect model directories")
     sub = parser.add_subparsers(dest="model_command", metavar="ACTION")
 
     init = sub.add_parser("init", help="write a random-weight checkpoint (HF layout)")
-    from engine.checkpoint import PRESETS
-
-    init.add_argument("--preset", required=True, choices=PRESETS)
+    init.add_argument("--preset", required=True, choices=_Presets(), metavar="PRESET",
+                      help="tiny, small, llama3-8b, ... (engine/checkpoint.py PRESETS)")
     init.add_argument("--out", required=True, help="directory to write (created if missing)")
     init.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     init.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2"])
