@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help="the first is the baseline of the ratios")
     ap.add_argument("--rates", default="", help="req/s, e.g. 4,8,12 (default: bench/tp_serving.py's)")
     ap.add_argument("--seconds", type=float, default=0.0, help="seconds of arrivals per rate")
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="device seconds for all modes, start-up included (split evenly)")
     ap.add_argument("--models", default="/tmp/pdserve-models")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rates = tuple(float(r) for r in args.rates.split(",") if r)
     res = run(modes, name="gpu-tp4", cpu_check=args.cpu_check, out=Path(args.out), models=Path(args.models),
-              tag=args.tag, rates=rates, seconds=args.seconds)
+              tag=args.tag, rates=rates, seconds=args.seconds, budget_s=args.budget_s)
     return 0 if all("points" in r for r in res["results"].values()) else 1
 
 

@@ -75,9 +75,10 @@ def table(results: dict[str, dict], summary: dict) -> str:
 
 
 def run(modes: list[str], *, name: str, cpu_check: bool, out: Path, models: Path, tag: str = "",
-        rates: tuple[float, ...] = (), seconds: float = 0.0) -> dict:
+        rates: tuple[float, ...] = (), seconds: float = 0.0, budget_s: float = 480.0) -> dict:
     """Sweep ``modes`` (the first is the baseline); prints the table and writes
-    ``<name>-<device>-<date>.json``."""
+    ``<name>-<device>-<date>.json``. ``budget_s`` (split evenly between the modes, start-up included)
+    keeps one device command under its 10-minute limit: a mode past its share sweeps no further rate."""
     from gpu_frontier import INPUT_LEN, OUTPUT_LEN, SLO
 
     from pdserve.app.launcher.local import ucx_tcp_env
@@ -120,7 +121,8 @@ def run(modes: list[str], *, name: str, cpu_check: bool, out: Path, models: Path
 
     opts = _options(cpu_check, model, n_gpus)
     run_modes(modes, opts, base, cfg, run_dir=out / f"{name}-logs", env=env, progress=False,
-              warm_input_lens=(16,) if cpu_check else (64, 2048, 8000), on_mode=save)
+              warm_input_lens=(16,) if cpu_check else (64, 2048, 8000), on_mode=save,
+              budget_s=float("inf") if cpu_check else budget_s)
     save()
     print(table(res["results"], res["summary"]))
     print(f"wrote {path} in {time.monotonic() - t0:.0f} s")
