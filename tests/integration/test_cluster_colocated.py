@@ -122,3 +122,19 @@ def test_sigterm_drains_in_flight_request_then_exits_0(make_checkpoint, tmp_path
         assert "draining" in open(proc.log_path).read()
     finally:
         proc.kill()
+
+
+def test_boot_report_every_phase_serving_last(server) -> None:
+    """The worker's own boot report (Process/GetProcessStats): every phase timed, and SERVING marked
+    only after the weights and the KV cache were ready (the other tests serve from it then)."""
+    from pdserve.v1 import process_pb2, process_pb2_grpc
+
+    with grpc.insecure_channel(server.address) as ch:
+        s = process_pb2_grpc.ProcessStub(ch).GetProcessStats(process_pb2.ProcessStatsRequest(), timeout=10)
+    phases = {p.name: p for p in s.boot}
+    assert {"start_to_first_phase", "load_weights", "kv_cache_alloc", "serving"} <= set(phases)
+    timed = [p for n, p in phases.items() if n not in ("serving", "start_to_first_phase")]
+    assert phases["start_to_first_phase"].seconds == pytest.approx(min(p.start_s for p in timed), abs=1e-3)
+    assert phases["serving"].start_s >= max(p.start_s + p.seconds for p in timed)
+    assert s.serving_after_s == pytest.approx(phases["serving"].start_s, abs=1e-3)
+    assert s.cpu_seconds > 0 and s.uptime_s >= s.serving_after_s
