@@ -36,10 +36,12 @@ from .blocks import pair_runs, validate_layers
 from .errors import InvalidTransfer, TransferAborted, TransferError, TransferTimeout
 from .future_result import FutureResult
 from .protocol import Msg
+from .send_ops import FINISH
+from .sender_nixl import NixlPath
+from .sender_tcp import TcpPath
 from .trace import emit
 
 log = logging.getLogger("kvtransfer.tx")
-FINISH = ("finish",)  # the op that finish() queues
 
 
 class SendPath(Protocol):
@@ -237,9 +239,6 @@ class SendHandle(FutureResult):
             self.t._sends.pop(self.request_id, None)
 
     async def _body(self) -> None:
-        from .sender_nixl import NixlPath  # noqa: PLC0415  (both import this module)
-        from .sender_tcp import TcpPath  # noqa: PLC0415
-
         peer = self.peer = await self.t._peer_for(self.endpoint)
         if self.request_id in peer.handles:
             raise InvalidTransfer(f"request {self.request_id!r} is already being sent to {peer.name}")

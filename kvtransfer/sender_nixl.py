@@ -26,7 +26,7 @@ from .blocks import merge_regions
 from .errors import PeerUnavailable
 from .protocol import CAP_WROTE, Msg, notif_message
 from .rx_nixl import poll_pause
-from .sender import FINISH
+from .send_ops import FINISH
 
 log = logging.getLogger("kvtransfer.tx")
 # Fixed part of the fast-wait budget (post, completion, a few polls), on top of bytes / nixl_fast_wait_gbps.

@@ -10,7 +10,7 @@ import zlib
 
 from .blocks import plan_segments
 from .protocol import Msg
-from .sender import FINISH
+from .send_ops import FINISH
 
 
 class TcpPath:
