@@ -27,7 +27,7 @@ help:
 	@echo "make bench  - CPU benchmarks (tables printed, JSON under bench/results/)"
 	@echo "make soak   - 30 min of mixed traffic while workers are killed and restarted (SOAK_SECONDS=N)"
 	@echo "make proto  - regenerate Python code from proto/"
-	@echo "make lint   - ruff, the layer contracts (import-linter)"
+	@echo "make lint   - ruff, the layer contracts (import-linter), dead code (vulture)"
 	@echo "make kind-test - kind cluster, CPU image, helm install, e2e suite (needs docker + kind)"
 	@echo "make container-test - build the image, run the e2e suite against the chart's pods as containers"
 
@@ -73,10 +73,17 @@ run: setup $(MODEL)/config.json
 proto: setup
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/pdserve/v1/*.proto
 
-# ruff; the layer contracts (import-linter, pyproject.toml).
+# ruff; the layer contracts (import-linter, pyproject.toml); dead code (vulture: tests and benches count
+# as users; tests/dead_code_allow.py lists the few names only a library or framework reads).
+VULTURE_IGNORE_DECORATORS := @pytest.fixture,@*.get,@*.post,@*.exception_handler,@*.middleware,@app.*,@*.on_event
+VULTURE_IGNORE_NAMES := pytest_*,collect_ignore*,do_GET,do_POST,log_message,protocol_version,daemon_threads,\
+connection_made,connection_lost,get_buffer,buffer_updated,eof_received,data_received,sizehint,\
+intercept_service,capture_signals,should_exit
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/vulture $(LIBRARY) bench tests tests/dead_code_allow.py --min-confidence 60 --exclude pdserve/v1 \
+	    --ignore-decorators "$(VULTURE_IGNORE_DECORATORS)" --ignore-names "$(VULTURE_IGNORE_NAMES)"
 
 test: setup tools lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -56,10 +56,6 @@ class BlockManager:
     def num_cached_free_blocks(self) -> int:
         return len(self._evictable)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 

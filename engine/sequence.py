@@ -57,10 +57,6 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.tokens) - self.num_prompt_tokens
 
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt_tokens:]
-
     def full_block_hashes(self, block_size: int, upto_tokens: int | None = None) -> list[int]:
         """Chained hashes of (at least) the full blocks among the first ``upto_tokens`` tokens (default:
         all), computed once and cached; index it, or slice to ``upto_tokens // block_size``."""

@@ -55,10 +55,6 @@ class KVLink:
         config = getattr(self.transport, "config", None)
         return bool(getattr(config, "trace", False))
 
-    @property
-    def num_expected(self) -> int:
-        return len(self._expected)
-
     # ---- sender (prefill) -----------------------------------------------------------------------
     @property
     def can_stream_layers(self) -> bool:
@@ -111,14 +107,3 @@ def _parse_endpoint(endpoint: bytes) -> dict:
     except (UnicodeDecodeError, ValueError):
         raise ValueError("kv_endpoint is not a kvtransfer endpoint (bad JSON)") from None
 
-
-async def make_kv_link(settings: Any, engine: Any, *, sender: bool) -> KVLink:
-    """The worker's transport, configured from its ServeSettings (pdserve/settings.py derives every
-    option, environment included: kv_transport_options)."""
-    from kvtransfer.transport import make_transport
-    from pdserve.settings import kv_transport_options
-
-    transport = make_transport(settings.transport, engine.kv_layout, engine.kv_cache,
-                               **kv_transport_options(settings))
-    await transport.start()
-    return KVLink(transport, lease_s=settings.lease_ms / 1000.0)

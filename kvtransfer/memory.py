@@ -147,7 +147,3 @@ class KVMemory:
             event = torch.cuda.Event()
             event.record(stream)
         return event
-
-    def region_bytes(self, offset: int, nbytes: int) -> bytes:
-        """A copy of a region (checksums, tests)."""
-        return bytes(self._flat[offset:offset + nbytes].cpu().numpy())

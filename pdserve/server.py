@@ -100,9 +100,6 @@ class GrpcServer:
     def on_stop(self, callback: Callable[[], Awaitable[None]]) -> None:
         self._stop_callbacks.append(callback)
 
-    def request_stop(self) -> None:
-        self._stopping.set()
-
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

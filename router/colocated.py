@@ -12,7 +12,7 @@ import grpc
 
 from engine.async_engine import AsyncEngine
 from pdserve.server import abort_from
-from pdserve.v1 import common_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.wire import first_logprob, worker_stats
 from router.admission import ModelLimits
 from router.pipeline import Done, ServingMeta
@@ -60,10 +60,3 @@ class ColocatedServicer(router_pb2_grpc.RouterServicer):
                             engine=self.engine.engine, snapshot=self.engine.snapshot, transports=[],
                             kv_endpoint=b"", address=self.address)
 
-
-class ColocatedStats(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, servicer: ColocatedServicer) -> None:
-        self.servicer = servicer
-
-    async def GetStats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext):
-        return self.servicer.stats()

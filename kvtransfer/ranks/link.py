@@ -71,10 +71,6 @@ class RankedLink:
     def endpoint(self) -> bytes:
         return self._endpoint
 
-    @property
-    def num_expected(self) -> int:
-        return len(self._expected)
-
     async def expect(self, request_id: str, block_ids: list[int]) -> None:
         results = await asyncio.gather(*(r.expect(request_id, list(block_ids), self.lease_s)
                                          for r in self.ranks), return_exceptions=True)

@@ -64,10 +64,6 @@ def _worker_hash(worker_id: str) -> int:
     return h
 
 
-def tie_key(worker_id: str, salt: int) -> int:
-    return ((_worker_hash(worker_id) ^ salt) * 0x9E3779B1) & 0xFFFFFFFF  # the salt permutes the order
-
-
 def load_cap(loads: Sequence[int], epsilon: float) -> int:
     """Largest load a worker may reach by taking one more request (bounded-loads bound)."""
     n = len(loads)
