@@ -24,6 +24,8 @@ How Kubernetes concepts map onto one Docker host (user-defined bridge network):
 * volumes -> an emptyDir at /dev/shm is ``--shm-size``; other emptyDirs are tmpfs mounts (world-writable,
   as emptyDirs are), except those named in ``shared_volumes``, which mount a Docker volume (the model
   volume the init container fills). hostPath / PVC volumes are not supported.
+* restartPolicy (Always by default) -> ``--restart always``: a container that exits by itself is started
+  again; `docker stop` / `docker kill` (a deleted pod) are not undone.
 * lifecycle preStop exec -> ``pre_stop`` (the caller runs it with ``docker exec`` before ``docker stop``);
   terminationGracePeriodSeconds -> ``--stop-timeout``, so a plain ``docker stop`` gives the chart's grace.
 * scheduling fields (node selectors, affinity, tolerations, spread, priority), service-account token
@@ -40,11 +42,14 @@ POD_FIELDS_IGNORED = {"automountServiceAccountToken", "enableServiceLinks", "ser
                       "nodeSelector", "affinity", "tolerations", "topologySpreadConstraints",
                       "priorityClassName", "imagePullSecrets"}
 POD_FIELDS = {"terminationGracePeriodSeconds", "securityContext", "initContainers", "containers", "volumes",
-              *POD_FIELDS_IGNORED}
+              "restartPolicy", *POD_FIELDS_IGNORED}
 CONTAINER_FIELDS = {"name", "image", "imagePullPolicy", "command", "args", "env", "ports", "startupProbe",
                     "livenessProbe", "readinessProbe", "lifecycle", "securityContext", "resources",
                     "volumeMounts"}
 PULL = {"Never": "never", "IfNotPresent": "missing", "Always": "always"}
+# Docker's "always" is not applied after `docker stop` / `docker kill`, as Kubernetes does not restart
+# a deleted pod; a container that exits by itself is restarted, as the kubelet would.
+RESTART = {"Always": "always", "OnFailure": "on-failure", "Never": "no"}
 HEALTHCHECK = "pdserve-healthcheck"
 
 
@@ -87,6 +92,7 @@ class ContainerSpec:
     probes: dict[str, Probe] = field(default_factory=dict)  # startup / liveness / readiness
     stop_timeout: int | None = None
     pre_stop: tuple[str, ...] | None = None
+    restart: str = "no"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,7 +262,8 @@ def container_spec(tpl: PodTemplate, container: dict, *, pod: str, pod_ip: str, 
         cpu_shares=max(2, int(_quantity(requests["cpu"]) * 1024)) if "cpu" in requests else None,
         memory_reservation=int(_quantity(requests["memory"])) if "memory" in requests else None,
         shm_size=shm_size, tmpfs=tmpfs, volumes=tuple(mounts), probes=probes,
-        stop_timeout=int(grace) if grace is not None else None, pre_stop=pre_stop)
+        stop_timeout=int(grace) if grace is not None else None, pre_stop=pre_stop,
+        restart=RESTART[tpl.spec.get("restartPolicy", "Always")])
 
 
 def health_args(spec: ContainerSpec) -> list[str]:
@@ -278,8 +285,8 @@ def run_args(spec: ContainerSpec, *, container_name: str, network: str, ip: str 
              detach: bool = True, health: bool = True) -> list[str]:
     """``docker run`` arguments (without the leading ``docker run``) for ``spec``."""
     a = ["--name", container_name, "--hostname", spec.pod, "--pull", spec.pull, "--network", network]
-    if detach:
-        a.append("--detach")
+    if detach:  # a foreground run is a one-shot (an init container): no restarts
+        a += ["--detach", "--restart", spec.restart]
     if ip:
         a += ["--ip", ip]
     for alias in aliases:

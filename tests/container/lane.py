@@ -90,15 +90,16 @@ def logs_tail(name: str, lines: int = 40) -> str:
 
 
 def wait_healthy(name: str, timeout: float) -> None:
-    """Until Docker's health check passes. A container that exits fails at once; an unhealthy one is
-    waited for like a pod failing readiness (it may recover) until ``timeout``."""
+    """Until Docker's health check passes. A container that exits for good fails at once; one that
+    Docker restarts (the pod's restartPolicy) or that is unhealthy is waited for, like a pod in
+    CrashLoopBackOff or failing readiness, until ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         state = container_state(name)
         health = (state.get("Health") or {}).get("Status")
         if health == "healthy":
             return
-        if not state.get("Running"):
+        if not state.get("Running") and not state.get("Restarting"):
             code = state.get("ExitCode")
             raise RuntimeError(f"container {name} exited (exit code {code}):\n{logs_tail(name)}")
         if time.monotonic() > deadline:

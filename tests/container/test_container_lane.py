@@ -84,6 +84,7 @@ def test_lane_cluster_is_the_chart(target) -> None:
             assert cfg["HostConfig"]["ReadonlyRootfs"] is spec.read_only
             assert cfg["Config"]["Image"] == spec.image
             assert list(cfg["Config"]["Cmd"] or []) == list(spec.args)
+            assert cfg["HostConfig"]["RestartPolicy"]["Name"] == spec.restart == "always"
 
 
 def test_every_chart_probe_passes_in_every_container(target) -> None:

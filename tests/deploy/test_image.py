@@ -212,6 +212,7 @@ def test_docker_translation_carries_every_rendered_setting(transport: str) -> No
         assert spec.read_only is sc["readOnlyRootFilesystem"] is True
         assert spec.no_new_privileges and spec.cap_drop == ("ALL",) and spec.cap_add == ()
         assert spec.stop_timeout == tpl.spec.get("terminationGracePeriodSeconds")
+        assert spec.restart == "always"  # restartPolicy: Always, the default of Deployments / StatefulSets
         hooks = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
         assert spec.pre_stop == (tuple(hooks) if hooks else None)
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
