@@ -24,6 +24,7 @@ VALUES = {
     "gpu": [REPO / "deploy" / "helm" / "values-gpu.yaml"],
     "gpu-70b": [REPO / "deploy" / "helm" / "values-gpu.yaml",
                 REPO / "deploy" / "helm" / "values-gpu-70b.yaml"],
+    "tls": [REPO / "deploy" / "helm" / "values-tls.yaml"],
 }
 RELEASE = "pdserve"
 NAMESPACE = "pdserve"

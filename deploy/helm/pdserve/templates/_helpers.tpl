@@ -194,30 +194,66 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
-{{/* Native gRPC probes; readiness checks the role's own service. (dict "root" $ "service" "pdserve.v1.Decode") */}}
+{{/* gRPC health probes; readiness checks the role's own service. Native gRPC probes, or with tls.enabled
+the image's pdserve-healthcheck over TLS with the pod's own certificate (the kubelet's gRPC probes speak
+plaintext only), so readiness still reads the role's serving status.
+(dict "root" $ "role" "decode" "service" "pdserve.v1.Decode") */}}
 {{- define "pdserve.probes" -}}
 {{- $p := .root.Values.probes }}
-startupProbe:
+{{- $root := .root }}
+{{- $role := .role }}
+{{- range $kind := list "startup" "liveness" "readiness" }}
+{{- $service := ternary $.service "" (eq $kind "readiness") }}
+{{- $k := index $p $kind }}
+{{ $kind }}Probe:
+  {{- if $root.Values.tls.enabled }}
+  exec:
+    command: ["pdserve-healthcheck", "--port", {{ $root.Values.ports.grpc | quote }}, "--service", {{ $service | quote }}, "--timeout", {{ $k.timeoutSeconds | quote }}, "--tls-dir", {{ $root.Values.tls.mountPath | quote }}, "--tls-name", {{ $role | quote }}]
+  {{- else }}
   grpc:
-    port: {{ .root.Values.ports.grpc }}
-    service: ""
-  periodSeconds: {{ $p.startup.periodSeconds }}
-  failureThreshold: {{ $p.startup.failureThreshold }}
-  timeoutSeconds: {{ $p.startup.timeoutSeconds }}
-livenessProbe:
-  grpc:
-    port: {{ .root.Values.ports.grpc }}
-    service: ""
-  periodSeconds: {{ $p.liveness.periodSeconds }}
-  failureThreshold: {{ $p.liveness.failureThreshold }}
-  timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
-readinessProbe:
-  grpc:
-    port: {{ .root.Values.ports.grpc }}
-    service: {{ .service | quote }}
-  periodSeconds: {{ $p.readiness.periodSeconds }}
-  failureThreshold: {{ $p.readiness.failureThreshold }}
-  timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+    port: {{ $root.Values.ports.grpc }}
+    service: {{ $service | quote }}
+  {{- end }}
+  periodSeconds: {{ $k.periodSeconds }}
+  failureThreshold: {{ $k.failureThreshold }}
+  timeoutSeconds: {{ $k.timeoutSeconds }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding a role's certificates: (dict "root" $ "role" "decode"). */}}
+{{- define "pdserve.tlsSecretName" -}}
+{{- (index .root.Values.tls.secrets .role) | default (printf "%s-%s-tls" (include "pdserve.fullname" .root) .role) }}
+{{- end }}
+
+{{/* PDSERVE_TLS_DIR when TLS is on (the KV plane reads the same directory through settings.tls_dir). */}}
+{{- define "pdserve.tlsEnv" -}}
+{{- if .Values.tls.enabled }}
+- name: PDSERVE_TLS_DIR
+  value: {{ .Values.tls.mountPath | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* A role's kubernetes.io/tls Secret laid out as `pdserve certs init` writes it: ca.crt, <role>.crt,
+<role>.key (a directory mount, so cert-manager's renewals reach the files). (dict "root" $ "role" r) */}}
+{{- define "pdserve.tlsVolume" -}}
+{{- if .root.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "pdserve.tlsSecretName" . }}
+    defaultMode: 0440
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: tls.crt, path: {{ printf "%s.crt" .role }}}
+      - {key: tls.key, path: {{ printf "%s.key" .role }}}
+{{- end }}
 {{- end }}
 
 {{/* preStop sleep + grace period check (drain must fit inside the grace period). */}}

@@ -140,6 +140,9 @@ spec:
             {{- . | nindent 12 }}
             {{- end }}
             {{- end }}
+            {{- with (include "pdserve.tlsEnv" $root | trim) }}
+            {{- . | nindent 12 }}
+            {{- end }}
             {{- with $pool.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -155,7 +158,7 @@ spec:
               containerPort: {{ $v.metrics.port }}
               protocol: TCP
             {{- end }}
-          {{- include "pdserve.probes" (dict "root" $root "service" $service) | trim | nindent 10 }}
+          {{- include "pdserve.probes" (dict "root" $root "role" $role "service" $service) | trim | nindent 10 }}
           {{- include "pdserve.lifecycle" $root | trim | nindent 10 }}
           securityContext:
             {{- if and $rdma $t.rdma.ipcLock }}
@@ -194,6 +197,9 @@ spec:
               mountPath: /tmp
             - name: shm
               mountPath: /dev/shm
+            {{- with (include "pdserve.tlsMount" $root | trim) }}
+            {{- . | nindent 12 }}
+            {{- end }}
       volumes:
         {{- include "pdserve.modelVolume" $root | trim | nindent 8 }}
         - name: tmp
@@ -202,6 +208,9 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $pool.shmSize }}
+        {{- with (include "pdserve.tlsVolume" (dict "root" $root "role" $role) | trim) }}
+        {{- . | nindent 8 }}
+        {{- end }}
 ---
 # Headless: the router dials each worker pod directly (discovered through its pods / EndpointSlices).
 apiVersion: v1
