@@ -51,3 +51,10 @@ def target(request: pytest.FixtureRequest, image: str, tmp_path_factory: pytest.
         yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture
+def own_target(target):
+    """For a test that breaks its deployment: the shared cluster, as in the kind lane (before every test
+    of the module, ``chart_replicas`` starts new containers for lost pods, as Kubernetes replaces them)."""
+    return target

@@ -162,6 +162,9 @@ class ContainerCluster:
                          for _ in range(self.templates[comp].replicas)])
             router = self.specs[self.pods["router"][0]]
             self.router = f"{self.ips[router.pod]}:{router.env['PDSERVE_PORT']}"
+            # the router's OpenAI-compatible HTTP door, where the chart turns it on
+            http_port = router.env.get("PDSERVE_HTTP_PORT")
+            self.http = f"{self.ips[router.pod]}:{http_port}" if http_port else ""
         except BaseException:
             self.close()
             raise

@@ -1,16 +1,17 @@
 """The e2e suite against the Helm chart's pods running as Docker containers, once per KV transport.
 
-The four tests of tests/e2e/test_e2e.py run here unchanged against ``target`` (a ContainerCluster:
-see lane.py): token-exact output through the router, session affinity, scaling the decode pool while
-requests flow, losing a decode container (SIGKILL) under load. Then what only a container deployment
-shows: every probe the chart declares passes inside every container, and `docker stop` of a decode
-container under load (the chart's preStop hook, then SIGTERM with the rest of its grace period) drains:
-its in-flight streams finish or end UNAVAILABLE, it exits by itself before the grace period runs out, the
-router keeps serving, and no KV block stays taken on the other workers.
+Every test of tests/e2e/test_e2e.py runs here unchanged against ``target`` (a ContainerCluster: see
+lane.py): token-exact output through the router (gRPC and the OpenAI-compatible HTTP door), session
+affinity, scaling the decode pool while requests flow, losing a decode container (SIGKILL) under load.
+Then what only a container deployment shows: every probe the chart declares passes inside every
+container, and `docker stop` of a decode container under load (the chart's preStop hook, then SIGTERM
+with the rest of its grace period) drains: its in-flight streams finish or end UNAVAILABLE, it exits by
+itself before the grace period runs out, the router keeps serving, and no KV block stays taken on the
+other workers.
 
-The tests share one cluster per transport. The lane runs them in file order (the e2e tests first, in their
-own order), which restarts the fewest containers; in any other order each test still starts from the
-chart's decode replica count (``chart_replicas``), so none leans on what another left behind.
+The tests share one cluster per transport. The lane runs them in file order (the e2e tests first, in
+their own order), which restarts the fewest containers; in any other order each test still starts from
+the chart's decode replica count (``chart_replicas``), so none leans on what another left behind.
 """
 
 from __future__ import annotations
@@ -27,13 +28,10 @@ from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 pytestmark = pytest.mark.timeout(1200)
 
-# The e2e suite, collected in this module against the container target (explicit, ordered assignments:
-# the kill test shrinks the pool, so it runs last of the four).
+# The e2e suite, collected in this module against the container target: every test of test_e2e.py, in
+# its order, with its fixtures (``reference``).
 reference = e2e.reference
-test_greedy_output_matches_single_engine_reference = e2e.test_greedy_output_matches_single_engine_reference
-test_session_affinity_same_decode_worker_every_turn = e2e.test_session_affinity_same_decode_worker_every_turn
-test_scale_decode_pool_while_requests_flow = e2e.test_scale_decode_pool_while_requests_flow
-test_losing_a_decode_worker_under_load = e2e.test_losing_a_decode_worker_under_load
+globals().update({name: fn for name, fn in vars(e2e).items() if name.startswith("test_") and callable(fn)})
 
 
 @pytest.fixture(autouse=True)
