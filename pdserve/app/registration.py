@@ -56,6 +56,7 @@ class WorkerRegistration:
         self.load_fn = load_fn
         self.on_reincarnate = on_reincarnate
         self.conflict = False
+        self.registered = False
         self._task: asyncio.Task | None = None
 
     @property
@@ -64,6 +65,7 @@ class WorkerRegistration:
 
     async def register(self) -> None:
         await self.store.register(self.info, self.ttl_s)
+        self.registered = True
 
     async def heartbeat(self) -> bool:
         """One beat; True if the lease is held (possibly under a new incarnation)."""
@@ -94,6 +96,10 @@ class WorkerRegistration:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
+                if not self.registered:
+                    await self.register()
+                    log.info("lease of %s registered (incarnation %s)", self.info.worker_id,
+                             self.info.incarnation)
                 await self.heartbeat()
             except LeaseConflict:
                 log.error("stopping heartbeats: %s", self.info.worker_id)
@@ -102,7 +108,13 @@ class WorkerRegistration:
                 log.warning("heartbeat failed (will retry): %s", e)
 
     async def start(self) -> None:
-        await self.register()
+        """Register, or when the store cannot be reached keep trying from the heartbeat loop: a worker
+        (re)started during a Redis outage serves (the router may know it another way) instead of exiting."""
+        try:
+            await self.register()
+        except (StoreUnavailable, OSError, asyncio.TimeoutError) as e:
+            log.warning("lease registration of %s failed, retrying every %.1fs: %s", self.info.worker_id,
+                        self.interval_s, e)
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self, unregister: bool = True) -> None:
@@ -111,6 +123,6 @@ class WorkerRegistration:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if unregister and not self.conflict:
+        if unregister and self.registered and not self.conflict:
             with contextlib.suppress(StoreUnavailable, OSError):
                 await self.store.unregister(self.info)
