@@ -59,18 +59,9 @@ class Tokenizer:
             hf = _HFTokenizer.from_file(str(file))
         except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
             raise ModelLoadError(f"cannot load {file}: {exc}") from None
-        bos = eos = add_bos = None
-        cfg_file = path / TOKENIZER_CONFIG_FILE
-        if cfg_file.is_file():
-            try:
-                cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ModelLoadError(f"{cfg_file} is not valid JSON: {exc}") from None
-            if not isinstance(cfg, dict):
-                raise ModelLoadError(f"{cfg_file} must hold a JSON object")
-            bos, eos = _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token"))
-            add_bos = cfg.get("add_bos_token")
-        return cls(hf, bos_token=bos, eos_token=eos, add_bos_token=add_bos)
+        cfg = read_tokenizer_config(path)
+        return cls(hf, bos_token=token_str(cfg.get("bos_token")), eos_token=token_str(cfg.get("eos_token")),
+                   add_bos_token=cfg.get("add_bos_token"))
 
     @property
     def vocab_size(self) -> int:
@@ -162,8 +153,22 @@ class IncrementalDecoder:
             self._read_offset -= cut
 
 
-def _token_str(value: object) -> str | None:
-    # tokenizer_config.json stores either "<s>" or {"content": "<s>", ...} (AddedToken form).
+def read_tokenizer_config(path: str | Path) -> dict:
+    """A model directory's tokenizer_config.json as a dict ({} without one); ModelLoadError if malformed."""
+    cfg_file = Path(path) / TOKENIZER_CONFIG_FILE
+    if not cfg_file.is_file():
+        return {}
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{cfg_file} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{cfg_file} must hold a JSON object")
+    return cfg
+
+
+def token_str(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: "<s>" or {"content": "<s>", ...} (AddedToken)."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None

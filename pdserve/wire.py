@@ -12,6 +12,8 @@ from pdserve.sampling import SamplingParams
 from pdserve.v1 import common_pb2, router_pb2
 
 DEFAULT_MAX_TOKENS = 16
+# A refusal's retry hint (router/shedding.py): trailing metadata, milliseconds as a decimal string.
+RETRY_AFTER_KEY = "retry-after-ms"
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 INT32_MAX = 2**31 - 1
@@ -79,6 +81,17 @@ def report(final: router_pb2.FinalInfo) -> dict:
     out["usage"] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                     "cached_tokens": u.cached_tokens}
     return out
+
+
+def retry_after_ms(trailing_metadata) -> float | None:
+    """The router's ``retry-after-ms`` hint in a refusal's trailing metadata (pairs of key, value), if any."""
+    for key, value in trailing_metadata or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 def validate_token_ids(ids: list[int], vocab_size: int) -> list[int]:

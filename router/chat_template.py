@@ -25,8 +25,10 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from engine.errors import ModelLoadError
+from engine.tokenizer import TOKENIZER_CONFIG_FILE, read_tokenizer_config, token_str
+
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -101,17 +103,13 @@ class ChatTemplate:
     def from_model_dir(cls, path: str | Path) -> ChatTemplate | None:
         """The directory's template, or None when it has none; ValueError on a malformed one."""
         path = Path(path)
-        config: dict = {}
         cfg_file = path / TOKENIZER_CONFIG_FILE
-        if cfg_file.is_file():
-            try:
-                config = json.loads(cfg_file.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from None
-            if not isinstance(config, dict):
-                raise ValueError(f"{cfg_file} must hold a JSON object")
+        try:
+            config = read_tokenizer_config(path)
+        except ModelLoadError as exc:
+            raise ValueError(str(exc)) from None
         specials = {name: tok for name in SPECIAL_TOKEN_NAMES
-                    if (tok := _token_str(config.get(name))) is not None}
+                    if (tok := token_str(config.get(name))) is not None}
         jinja_file = path / CHAT_TEMPLATE_FILE
         if jinja_file.is_file():
             return cls(jinja_file.read_text(encoding="utf-8"), special_tokens=specials)
@@ -140,10 +138,3 @@ class ChatTemplate:
                                     f"{type(exc).__name__}: {exc}") from None
 
 
-def _token_str(value) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None

@@ -35,10 +35,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pdserve.wire import RETRY_AFTER_KEY
 from router.allocate_queue import AllocateQueue, QueueRefused
 
 T = TypeVar("T")
-RETRY_AFTER_KEY = "retry-after-ms"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 
 from pdserve.v1 import common_pb2, router_pb2
+from pdserve.wire import retry_after_ms
 from router.admission import SESSION_METADATA_KEY, Admitted, ModelLimits, admit_async
 from router.chat_template import ChatTemplate, ChatTemplateError
 from router.http.errors import OpenAIError, bad_request
@@ -37,7 +38,6 @@ from router.pipeline import Pipeline, RequestFailed
 from router.service import generate_messages
 
 REUSABLE_PREFIX_HEADER = "x-reusable-prefix-len"
-RETRY_AFTER_KEY = "retry-after-ms"  # router/shedding.py's hint, as gRPC trailing metadata
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 INLINE_ENCODE_CHARS = 16 * 1024  # longer rendered chats are tokenized on the tokenize pool
@@ -86,22 +86,14 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, RequestFailed):
-        return OpenAIError.from_grpc(exc.code, exc.message, retry_after_ms=_retry_after_ms(exc))
+        hint = retry_after_ms(getattr(exc, "trailing_metadata", None))
+        return OpenAIError.from_grpc(exc.code, exc.message, retry_after_ms=hint)
     from pdserve.server import status_for
 
     code, message = status_for(exc)
     return OpenAIError.from_grpc(code, message)
 
 
-def _retry_after_ms(exc: RequestFailed) -> float | None:
-    """The router's retry hint of a refusal (the ``retry-after-ms`` entry gRPC sends as trailing metadata)."""
-    for key, value in getattr(exc, "trailing_metadata", None) or ():
-        if key == RETRY_AFTER_KEY:
-            try:
-                return float(value)
-            except (TypeError, ValueError):
-                return None
-    return None
 
 
 class OpenAIFrontend:

@@ -26,6 +26,7 @@ from pdserve.app.loadgen.dist import Dist
 from pdserve.app.loadgen.openai_backend import make_client
 from pdserve.app.loadgen.stats import Sample
 from pdserve.client import AsyncClient, build_request
+from pdserve.wire import retry_after_ms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +73,7 @@ async def _one(client: AsyncClient, cfg: RunConfig, prompt: list[int], out_len: 
         r = await client.generate(req, timeout=cfg.timeout_s)
     except grpc.aio.AioRpcError as exc:
         return Sample(ok=False, error=exc.code().name, prompt_tokens=len(prompt), session=session,
-                      turn=turn, retry_after_ms=retry_after_ms(exc)), []
+                      turn=turn, retry_after_ms=retry_after_ms(exc.trailing_metadata())), []
     return Sample(ok=True, ttft_s=r.ttft_s, itl_s=r.itl_s, tpot_s=r.tpot_s, e2e_s=r.e2e_s,
                   prompt_tokens=len(prompt), output_tokens=len(r.token_ids), session=session, turn=turn,
                   final=r.final), r.token_ids
@@ -87,18 +88,8 @@ def length_source(cfg: RunConfig, rng: random.Random) -> Callable[[], tuple[int,
     return lambda: (cfg.input_len.sample(rng), cfg.output_len.sample(rng))
 
 
-def retry_after_ms(exc: grpc.aio.AioRpcError) -> float | None:
-    """The router's ``retry-after-ms`` hint of a refused request, if it sent one."""
-    for key, value in exc.trailing_metadata() or ():
-        if key == RETRY_AFTER_KEY:
-            try:
-                return float(value)
-            except (TypeError, ValueError):
-                return None
-    return None
 
 
-RETRY_AFTER_KEY = "retry-after-ms"
 
 
 async def run(cfg: RunConfig, on_done: Callable[[Sample], None] | None = None) -> tuple[list[Sample], float]:
