@@ -7,7 +7,7 @@ import grpc
 from decode_service.worker import DecodeWorker
 from pdserve.server import abort_from
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
-from pdserve.wire import sampling_from_proto, worker_stats
+from pdserve.wire import sampling_from_proto, top_logprobs, worker_stats
 
 DEFAULT_KV_WAIT_MS = 30_000
 
@@ -50,6 +50,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     msg.token_ids.extend(out.new_token_ids)
                     if out.new_logprobs:
                         msg.logprobs.extend(_logprob_list(out.new_logprobs))
+                        # alternatives ride one entry per token, beside token_ids (logprobs > 0)
+                        msg.top_logprobs.extend(t for t in map(top_logprobs, out.new_logprobs) if t)
                     if out.finished:
                         msg.finish_reason = out.finish_reason or "stop"
                 completion += len(msg.token_ids)

@@ -26,7 +26,7 @@ from google.protobuf.json_format import MessageToDict
 
 from pdserve.tls import TlsDir, open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from pdserve.wire import report
+from pdserve.wire import report, top_pairs
 
 _OPTIONS = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20)]
 _DEFAULT_TLS: list[str | None] = [None]
@@ -52,6 +52,8 @@ class Chunk:
     text: str
     at: float  # time.perf_counter() when received
     final: router_pb2.FinalInfo | None = None
+    logprobs: list[float] = field(default_factory=list)  # per token (logprobs requested)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token (logprobs > 0)
 
 
 @dataclass
@@ -59,6 +61,9 @@ class Result:
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    # with logprobs=N: each token's logprob, and (N > 0) its N most likely (token_id, logprob)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str = ""
     final: dict = field(default_factory=dict)
     start: float = 0.0
@@ -102,10 +107,13 @@ def build_request(*, prompt: str | None = None, prompt_ids: Sequence[int] | None
                   session_id: str = "", request_id: str = "", temperature: float | None = None,
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                   stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                  reusable_prefix_len: int | None = None) -> router_pb2.GenerateRequest:
+                  reusable_prefix_len: int | None = None, logprobs: int | None = None,
+                  ) -> router_pb2.GenerateRequest:
+    """``logprobs``: None = off, 0 = each token's logprob, N = also its N most likely alternatives."""
     sampling = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids),
                                          ignore_eos=ignore_eos)
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+                        ("logprobs", logprobs)):
         if value is not None:
             setattr(sampling, name, value)
     req = router_pb2.GenerateRequest(request_id=request_id, sampling=sampling, max_tokens=max_tokens,
@@ -134,12 +142,16 @@ class _Collector:
         r.token_ids.extend(msg.token_ids)
         r.token_times.extend([now] * len(msg.token_ids))
         r.text += msg.text
+        lps = list(msg.logprobs)
+        top = [top_pairs(t) for t in msg.top_logprobs]
+        r.logprobs.extend(lps)
+        r.top_logprobs.extend(top)
         final = msg.final if msg.HasField("final") else None
         if final is not None:
             r.final = _final_dict(final)
             r.finish_reason = final.finish_reason
             r.end = now
-        return Chunk(list(msg.token_ids), msg.text, now, final)
+        return Chunk(list(msg.token_ids), msg.text, now, final, lps, top)
 
 
 class Client:

@@ -119,6 +119,22 @@ def first_logprob(out: object) -> float | None:
     return None
 
 
+def top_logprobs(pairs: object) -> common_pb2.TopLogprobs | None:
+    """One token's alternatives ((token_id, logprob) pairs, most likely first: a model_runner
+    TokenLogprob's ``top``, or that entry itself) as the wire message; None when the request asked
+    for none (logprobs unset or 0)."""
+    pairs = getattr(pairs, "top", pairs)
+    if not pairs or not isinstance(pairs, (tuple, list)):
+        return None
+    return common_pb2.TopLogprobs(entries=[common_pb2.TopLogprob(token_id=int(t), logprob=float(lp))
+                                           for t, lp in pairs])
+
+
+def top_pairs(msg: common_pb2.TopLogprobs) -> list[tuple[int, float]]:
+    """A TopLogprobs message as (token_id, logprob) pairs, in the order sent (most likely first)."""
+    return [(e.token_id, e.logprob) for e in msg.entries]
+
+
 def worker_stats(*, worker_id: str, role: str, incarnation: str, engine: object, snapshot: object,
                  transports: list[str], kv_endpoint: bytes, address: str, num_leased: int = 0,
                  queue_depth: int | None = None, num_running: int | None = None) -> common_pb2.WorkerStats:

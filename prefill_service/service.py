@@ -6,7 +6,7 @@ import grpc
 
 from pdserve.server import abort_from
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from pdserve.wire import sampling_from_proto, worker_stats
+from pdserve.wire import sampling_from_proto, top_logprobs, worker_stats
 from prefill_service.worker import PrefillWorker, Target
 
 
@@ -36,6 +36,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         msg = prefill_pb2.PrefillResponse(first_token_id=res.first_token_id, facts=facts)
         if res.first_logprob is not None:
             msg.first_logprob = res.first_logprob
+        if (top := top_logprobs(res.first_top)) is not None:
+            msg.first_top_logprobs.CopyFrom(top)
         return msg
 
     async def Abort(self, request: prefill_pb2.AbortRequest, context: grpc.aio.ServicerContext):

@@ -56,6 +56,7 @@ class Target:
 class PrefillResult:
     first_token_id: int
     first_logprob: float | None
+    first_top: tuple[tuple[int, float], ...] = ()  # token 1's alternatives (token_id, logprob)
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_blocks_sent: int
@@ -160,6 +161,7 @@ class PrefillWorker:
                                     max_stage_wait=max(b - a for a, b, _ in frames))
             return PrefillResult(
                 first_token_id=int(out.new_token_ids[0]), first_logprob=first_logprob(out),
+                first_top=tuple(getattr(out.new_logprobs[0], "top", ())) if out.new_logprobs else (),
                 num_prompt_tokens=len(prompt_ids), num_cached_tokens=int(out.num_cached_tokens or 0),
                 kv_blocks_sent=len(src), kv_bytes_sent=int(nbytes), transport=backend,
                 kv_transfer_s=transfer_s, kv_streamed=streamed, kv_wait_s=t_ack - t_out if src else 0.0,

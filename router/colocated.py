@@ -13,7 +13,7 @@ import grpc
 from engine.async_engine import AsyncEngine
 from pdserve.server import abort_from
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from pdserve.wire import first_logprob, worker_stats
+from pdserve.wire import first_logprob, top_logprobs, worker_stats
 from router.admission import ModelLimits
 from router.pipeline import Done, ServingMeta
 from router.service import GenerateStream, admit_or_abort
@@ -43,7 +43,8 @@ class ColocatedServicer(router_pb2_grpc.RouterServicer):
                     meta.cached_tokens = int(step.num_cached_tokens)
                 if step.new_token_ids:
                     lp = first_logprob(step)
-                    yield out.tokens(list(step.new_token_ids), [lp] if lp is not None else None)
+                    top = [t for t in map(top_logprobs, step.new_logprobs or ()) if t]
+                    yield out.tokens(list(step.new_token_ids), [lp] if lp is not None else None, top)
                 if step.finished:
                     yield out.final(Done(step.finish_reason or "stop", out.num_generated, meta))
                     return

@@ -48,8 +48,8 @@ MIGRATABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 @dataclass(frozen=True, kw_only=True)
 class EventKinds:
     """The pipeline's event and error types (router/pipeline.py), handed in: this module stays below it."""
-    first: type     # FirstToken(token_id, logprob)
-    tokens: type    # Tokens(token_ids, logprobs)
+    first: type     # FirstToken(token_id, logprob, top)
+    tokens: type    # Tokens(token_ids, logprobs, top): top is one alternatives entry per token, or none
     done: type      # Done(finish_reason, completion_tokens, meta)
     failed: type    # RequestFailed(code, message), .extra_worker: the worker it failed on
     meta: type      # ServingMeta()
@@ -102,7 +102,8 @@ class Migration:
             try:
                 async for event in attempt(cur, remaining):
                     if isinstance(event, FirstToken) and sent:  # a continuation's token 1: the next one
-                        event = Tokens([event.token_id], [] if event.logprob is None else [event.logprob])
+                        event = Tokens([event.token_id], [] if event.logprob is None else [event.logprob],
+                                       [] if event.top is None else [event.top])
                     if isinstance(event, FirstToken):
                         sent.append(event.token_id)
                     elif isinstance(event, Tokens):

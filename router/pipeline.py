@@ -60,12 +60,14 @@ class RequestFailed(Exception):
 class FirstToken:
     token_id: int
     logprob: float | None
+    top: common_pb2.TopLogprobs | None = None  # its alternatives (sampling.logprobs > 0)
 
 
 @dataclass(frozen=True)
 class Tokens:
     token_ids: list[int]
     logprobs: list[float]
+    top: list[common_pb2.TopLogprobs] = field(default_factory=list)  # one per token, or none
 
 
 @dataclass(kw_only=True)
@@ -196,9 +198,10 @@ class Pipeline:
                         first_at = time.monotonic()
                         self.placer.prefill_done(req.request_id, answered=True)
                         lps = event.logprobs
-                        yield FirstToken(event.token_ids[0], lps[0] if lps else None)
+                        top = event.top
+                        yield FirstToken(event.token_ids[0], lps[0] if lps else None, top[0] if top else None)
                         if len(event.token_ids) > 1:
-                            yield Tokens(event.token_ids[1:], lps[1:])
+                            yield Tokens(event.token_ids[1:], lps[1:], top[1:])
                     else:
                         yield event
                     generated.extend(event.token_ids)
@@ -281,7 +284,8 @@ class Pipeline:
         f.prefill_rpc_ms = (time.monotonic() - t1) * 1e3
         f.MergeFrom(got)  # the prefill worker's share: what it set overrides
         meta.cached_tokens = max(got.prefill_cached_tokens, alloc.num_cached_tokens)
-        return FirstToken(res.first_token_id, res.first_logprob if res.HasField("first_logprob") else None)
+        return FirstToken(res.first_token_id, res.first_logprob if res.HasField("first_logprob") else None,
+                          res.first_top_logprobs if res.HasField("first_top_logprobs") else None)
 
     async def _decode_phase(self, req: Admitted, d, first_token_id: int, timeout: float | None,
                             local: bool = False) -> AsyncIterator[object]:
@@ -291,7 +295,7 @@ class Pipeline:
         try:
             async for msg in call:
                 if msg.token_ids:
-                    yield Tokens(list(msg.token_ids), list(msg.logprobs))
+                    yield Tokens(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs))
                 if msg.finish_reason:
                     yield (msg.finish_reason, msg.completion_tokens)
                     return

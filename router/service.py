@@ -31,13 +31,16 @@ class GenerateStream:
         self.text = TextAssembler(tokenizer if req.want_text else None, req.params.stop)
         self.num_generated = 0
 
-    def tokens(self, token_ids: list[int],
-               logprobs: list[float] | None = None) -> router_pb2.GenerateResponse:
+    def tokens(self, token_ids: list[int], logprobs: list[float] | None = None,
+               top: list[common_pb2.TopLogprobs] | None = None) -> router_pb2.GenerateResponse:
+        """``top``: one alternatives entry per token of ``token_ids`` (sampling.logprobs > 0), or none."""
         self.num_generated += len(token_ids)
         msg = router_pb2.GenerateResponse(request_id=self.req.request_id, token_ids=token_ids,
                                           text=self.text.push(token_ids))
         if logprobs:
             msg.logprobs.extend(logprobs)
+        if top:
+            msg.top_logprobs.extend(top)
         return msg
 
     def final(self, done: Done) -> router_pb2.GenerateResponse:
@@ -62,9 +65,9 @@ async def generate_messages(pipeline: Pipeline, req: Admitted, tokenizer: object
     async for event in pipeline.run(req, timeout):
         if isinstance(event, FirstToken):
             lps = [event.logprob] if event.logprob is not None else None
-            yield out.tokens([event.token_id], lps)
+            yield out.tokens([event.token_id], lps, [event.top] if event.top is not None else None)
         elif isinstance(event, Tokens):
-            yield out.tokens(event.token_ids, event.logprobs)
+            yield out.tokens(event.token_ids, event.logprobs, event.top)
         elif isinstance(event, Done):
             yield out.final(event)
 

@@ -34,14 +34,16 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "facts")
+    __slots__ = ("first_token_id", "first_logprob", "facts", "first_top_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FACTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
     facts: _common_pb2.RequestFacts
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., facts: _Optional[_Union[_common_pb2.RequestFacts, _Mapping]] = ...) -> None: ...
+    first_top_logprobs: _common_pb2.TopLogprobs
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., facts: _Optional[_Union[_common_pb2.RequestFacts, _Mapping]] = ..., first_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -39,6 +39,8 @@ from router.service import generate_messages
 
 REUSABLE_PREFIX_HEADER = "x-reusable-prefix-len"
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+MAX_COMPLETION_LOGPROBS = 5   # OpenAI's limits on the alternatives per token (the engine's is 20)
+MAX_CHAT_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 INLINE_ENCODE_CHARS = 16 * 1024  # longer rendered chats are tokenized on the tokenize pool
 _END = object()
@@ -122,9 +124,9 @@ class OpenAIFrontend:
         else:
             req.token_ids.ids.extend(prompt)
         if body.logprobs is not None:
-            if body.logprobs > 0:
-                raise bad_request("logprobs > 0 is not supported: the cluster returns the sampled "
-                                  "token's logprob only (send logprobs=0)", param="logprobs")
+            if not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:  # OpenAI's limit
+                raise bad_request(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got "
+                                  f"{body.logprobs}", param="logprobs")
             req.sampling.logprobs = body.logprobs
         max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
         return await self._admit(req, max_tokens, headers)
@@ -138,9 +140,12 @@ class OpenAIFrontend:
         tok = self.limits.tokenizer
         if tok is None:
             raise bad_request("this model has no tokenizer.json: chat needs one", param="messages")
-        if body.top_logprobs:
-            raise bad_request("top_logprobs > 0 is not supported: the cluster returns the sampled token's "
-                              "logprob only", param="top_logprobs")
+        if body.top_logprobs is not None:
+            if not 0 <= body.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:  # OpenAI's limit
+                raise bad_request(f"top_logprobs must be between 0 and {MAX_CHAT_TOP_LOGPROBS}, got "
+                                  f"{body.top_logprobs}", param="top_logprobs")
+            if body.top_logprobs and not body.logprobs:
+                raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         messages = _chat_messages(body)
         try:
             text = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
@@ -154,7 +159,7 @@ class OpenAIFrontend:
         req = self._generate_request(body, headers)
         req.token_ids.ids.extend(ids)
         if body.logprobs:
-            req.sampling.logprobs = 0
+            req.sampling.logprobs = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI: as long as the context allows
             max_tokens = max(1, self.limits.max_model_len - len(ids))

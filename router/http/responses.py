@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from pdserve.v1 import router_pb2
-from pdserve.wire import report
+from pdserve.wire import report, top_pairs
 
 # FinalInfo fields also sent as x-pdserve-<name> headers on a non-streamed answer
 HEADER_FIELDS = ("prefill_worker", "decode_worker", "transport", "kv_bytes_sent", "prefill_mode")
@@ -46,6 +46,7 @@ class Collector:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.token_logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []  # each token's alternatives (logprobs > 0)
         self.finish_reason: str | None = None
         self.usage: dict | None = None
         self.report: dict | None = None
@@ -56,6 +57,7 @@ class Collector:
         self.text.append(msg.text)
         self.token_ids.extend(msg.token_ids)
         self.token_logprobs.extend(msg.logprobs)
+        self.top.extend(top_pairs(t) for t in msg.top_logprobs)
         if msg.HasField("final"):
             f = msg.final
             self.finish_reason = f.finish_reason
@@ -68,7 +70,7 @@ class Collector:
     # ---- whole answers ----------------------------------------------------------------------------
     def response(self) -> dict:
         text = "".join(self.text)
-        lps = self._logprobs(self.token_ids, self.token_logprobs) if self.logprobs else None
+        lps = self._logprobs(self.token_ids, self.token_logprobs, self.top) if self.logprobs else None
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
                       "finish_reason": self.finish_reason}
@@ -90,7 +92,8 @@ class Collector:
         """The chunks for one router message: its text (if any), then the final ones."""
         self.add(msg)
         out = []
-        lps = (self._logprobs(list(msg.token_ids), list(msg.logprobs))
+        lps = (self._logprobs(list(msg.token_ids), list(msg.logprobs),
+                              [top_pairs(t) for t in msg.top_logprobs])
                if self.logprobs and msg.token_ids else None)
         final = msg.HasField("final")
         if msg.text or lps or (self.return_token_ids and msg.token_ids):
@@ -126,14 +129,27 @@ class Collector:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, ids: list[int], lps: list[float]) -> dict:
+    def _logprobs(self, ids: list[int], lps: list[float], top: list[list[tuple[int, float]]]) -> dict:
+        """OpenAI's logprobs object for ``ids``; ``top``: each token's alternatives, or empty when none
+        were asked (chat then gives empty lists, completions ``top_logprobs: null``)."""
         tokens = [self._token_text(t) for t in ids]
+        alts = [[(self._token_text(t), lp) for t, lp in pairs] for pairs in top]
         if self.chat:
-            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                                for tok, lp in zip(tokens, lps, strict=False)]}
+            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                                 "top_logprobs": [{"token": t, "logprob": a, "bytes": list(t.encode())}
+                                                  for t, a in (alts[i] if i < len(alts) else ())]}
+                                for i, (tok, lp) in enumerate(zip(tokens, lps, strict=False))]}
         offsets = []
         for tok in tokens:
             offsets.append(self._text_offset)
             self._text_offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": lps[:len(tokens)], "top_logprobs": None,
+        top_dicts = None
+        if alts:  # OpenAI: the sampled token is always there too (so up to logprobs + 1 entries)
+            top_dicts = [{} for _ in alts]
+            for d, pairs in zip(top_dicts, alts, strict=True):
+                for t, a in pairs:  # two ids of one text: the likelier one's value
+                    d.setdefault(t, a)
+            for d, tok, lp in zip(top_dicts, tokens, lps, strict=False):
+                d.setdefault(tok, lp)
+        return {"tokens": tokens, "token_logprobs": lps[:len(tokens)], "top_logprobs": top_dicts,
                 "text_offset": offsets}

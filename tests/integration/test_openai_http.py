@@ -144,6 +144,52 @@ def test_logprobs_match_grpc(http_cluster) -> None:
     assert len(content) == 4 and all(c.logprob <= 0 for c in content)
 
 
+def test_top_logprobs_match_grpc(http_cluster) -> None:
+    """The alternatives travel prefill (token 1) -> decode (the rest, several per message) -> router:
+    OpenAI's shapes over HTTP carry exactly what the gRPC API returns for the same greedy request."""
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(http_cluster.model)
+    text = lambda t: tok.decode([t], skip_special_tokens=False)  # noqa: E731
+    client = openai_client(http_cluster)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, logprobs=5, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    with Client(http_cluster.router, timeout=120) as c:
+        g = c.generate(build_request(prompt=PROMPT, max_tokens=6, ignore_eos=True, temperature=0, logprobs=5),
+                       metadata=AUTH)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].model_extra["token_ids"] == g.token_ids and len(g.top_logprobs) == 6
+    for i, (tid, pairs) in enumerate(zip(g.token_ids, g.top_logprobs, strict=True)):
+        assert len(pairs) == 5 and pairs[0][0] == tid  # greedy: the sampled token is the likeliest
+        assert pairs[0][1] == pytest.approx(g.logprobs[i], abs=1e-6)
+        expected: dict[str, float] = {}
+        for t, a in pairs:
+            expected.setdefault(text(t), a)
+        assert lp.top_logprobs[i] == pytest.approx(expected, abs=1e-6)
+        assert lp.tokens[i] in lp.top_logprobs[i]
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, logprobs=5, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    streamed = [d for ch in stream if ch.choices and ch.choices[0].logprobs
+                for d in ch.choices[0].logprobs.top_logprobs]
+    assert streamed == lp.top_logprobs
+
+    messages = [{"role": "user", "content": "Name a fox."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True})
+    prompt_ids = tok.encode(ChatTemplate.from_model_dir(http_cluster.model).render(
+        messages, add_generation_prompt=True), add_special_tokens=False)
+    with Client(http_cluster.router, timeout=120) as c:
+        g = c.generate(build_request(prompt_ids=prompt_ids, max_tokens=4, ignore_eos=True, logprobs=3),
+                       metadata=AUTH)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == len(g.top_logprobs) == 4
+    for entry, tid, pairs in zip(content, g.token_ids, g.top_logprobs, strict=True):
+        assert entry.token == text(tid) == entry.top_logprobs[0].token
+        assert [(a.token, a.logprob) for a in entry.top_logprobs] == [
+            (text(t), pytest.approx(v, abs=1e-6)) for t, v in pairs]
+        assert entry.top_logprobs[0].bytes == list(entry.token.encode())
+
+
 def test_session_affinity_header_and_prefix_hint(http_cluster) -> None:
     client = openai_client(http_cluster)
     headers = {"x-session-affinity": "http-session-1", "x-reusable-prefix-len": "8"}

@@ -52,7 +52,7 @@ def test_services_and_key_fields_exist() -> None:
     for msg in (decode_pb2.AllocateRequest, prefill_pb2.PrefillRequest):
         assert not {"max_tokens", "session_id"} & set(msg.DESCRIPTOR.fields_by_name), msg
     assert set(prefill_pb2.PrefillResponse.DESCRIPTOR.fields_by_name) == {"first_token_id", "first_logprob",
-                                                                          "facts"}
+                                                                          "first_top_logprobs", "facts"}
     stats = common_pb2.WorkerStats.DESCRIPTOR.fields_by_name
     for name in ("worker_id", "role", "incarnation", "layout_hash", "model_fingerprint", "queue_depth",
                  "num_running", "free_blocks", "total_blocks", "block_size", "transports", "kv_endpoint"):
