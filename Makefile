@@ -76,9 +76,10 @@ proto: setup
 # ruff; the layer contracts (import-linter, pyproject.toml); dead code (vulture: tests and benches count
 # as users; tests/dead_code_allow.py lists the few names only a library or framework reads).
 VULTURE_IGNORE_DECORATORS := @pytest.fixture,@*.get,@*.post,@*.exception_handler,@*.middleware,@app.*,@*.on_event
-VULTURE_IGNORE_NAMES := pytest_*,collect_ignore*,do_GET,do_POST,log_message,protocol_version,daemon_threads,\
-connection_made,connection_lost,get_buffer,buffer_updated,eof_received,data_received,sizehint,\
-intercept_service,capture_signals,should_exit
+VULTURE_IGNORE_NAMES := pytest_*,collect_ignore*,do_GET,do_POST,log_message,protocol_version,daemon_threads
+VULTURE_IGNORE_NAMES := $(VULTURE_IGNORE_NAMES),connection_made,connection_lost,get_buffer,buffer_updated
+VULTURE_IGNORE_NAMES := $(VULTURE_IGNORE_NAMES),eof_received,data_received,sizehint,intercept_service
+VULTURE_IGNORE_NAMES := $(VULTURE_IGNORE_NAMES),capture_signals,should_exit
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
