@@ -273,6 +273,14 @@ class Pipeline:
                 timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             self.placer.prefill_done(req.request_id)  # no sample: the call failed
+            if exc.code() == grpc.StatusCode.ABORTED:
+                # The prefill worker's KV push was aborted by the decode worker (it released the
+                # request: drained, restarted, lease gone). The prompt is fine; the destination is not:
+                # blame D so the request is placed again elsewhere, like a dead decode worker.
+                err = RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                                    f"prefill on {p.worker_id} failed: {exc.details() or 'ABORTED'}")
+                err.extra_worker = d.worker_id  # type: ignore[attr-defined]
+                raise err from None
             raise _failed(exc, p.worker_id, "prefill") from None
         except BaseException:  # cancelled (client gone, deadline): out of the queue estimate all the same
             self.placer.prefill_done(req.request_id)
