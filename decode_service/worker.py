@@ -38,6 +38,7 @@ from typing import Any
 from decode_service.leases import Lease, LeaseTable
 from engine.async_engine import AsyncEngine
 from engine.errors import UnknownRequest
+from pdserve.settings import DEFAULT_LEASE_MS
 
 log = logging.getLogger(__name__)
 _UNTRACKED_CHECK_TICKS = 20  # reaper ticks (0.25 s) between checks for requests nobody tracks
@@ -52,7 +53,7 @@ class Allocation:
 
 class DecodeWorker:
     def __init__(self, *, engine: AsyncEngine, kv: Any, worker_id: str, block_size: int,
-                 default_lease_ms: int = 30_000) -> None:
+                 default_lease_ms: int = DEFAULT_LEASE_MS) -> None:
         self.engine = engine
         self.kv = kv  # kvtransfer adapter: endpoint(), expect(rid, blocks), wait(rid, timeout), release(rid)
         self.worker_id = worker_id

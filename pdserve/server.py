@@ -26,6 +26,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from pdserve import process_stats
+from pdserve.settings import DEFAULT_DRAIN_TIMEOUT_S
 from pdserve.v1 import process_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ CHANNEL_OPTIONS = [
 
 class GrpcServer:
     def __init__(self, *, host: str, port: int, service_full_names: Sequence[str],
-                 drain_timeout: float = 30.0, max_receive_bytes: int = MAX_MESSAGE_BYTES,
+                 drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, max_receive_bytes: int = MAX_MESSAGE_BYTES,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  credentials: grpc.ServerCredentials | None = None) -> None:
         # credentials: TLS (pdserve/tls.py, --tls-dir); None serves plaintext

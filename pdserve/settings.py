@@ -26,6 +26,10 @@ ROUTER_MODES = ("disagg", "colocated")
 CONDITIONAL = ("off", "auto")
 ON_OFF = ("on", "off")
 ENV_PREFIX = "PDSERVE_"
+# Defaults more than one component needs: a decode reservation's lease (also how long a Decode waits
+# for its KV) and the graceful drain of a serving process.
+DEFAULT_LEASE_MS = 30_000
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 def _split_addrs(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
@@ -85,7 +89,7 @@ class ServeSettings:
     kv_connections: int = 4
     # prefill: push each layer's KV while the next one computes (when the transport supports it)
     kv_stream_layers: str = "on"
-    drain_timeout: float = 30.0
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     # router only
     discovery: str = "static"
     prefill: tuple[str, ...] = ()
@@ -103,7 +107,7 @@ class ServeSettings:
     # (the launcher's way of telling its router about `pdserve scale`)
     workers_file: str | None = None
     # how long a decode reservation waits for its KV before it is released
-    lease_ms: int = 30_000
+    lease_ms: int = DEFAULT_LEASE_MS
     stats_interval: float = 0.5
     # router: "colocated" fronts colocated workers (listed as --decode / the workers file's decode
     # pool) with no prefill pool: every request prefills on the worker that decodes it

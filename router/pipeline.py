@@ -298,7 +298,7 @@ class Pipeline:
     async def _decode_phase(self, req: Admitted, d, first_token_id: int, timeout: float | None,
                             local: bool = False) -> AsyncIterator[object]:
         call = d.stub.Decode(decode_pb2.DecodeRequest(
-            request_id=req.request_id, first_token_id=first_token_id, kv_wait_ms=30_000,
+            request_id=req.request_id, first_token_id=first_token_id, kv_wait_ms=self.lease_ms,
             prefill_locally=local), timeout=timeout)
         try:
             async for msg in call:

@@ -18,6 +18,8 @@ import socket
 
 import uvicorn
 
+from pdserve.settings import DEFAULT_DRAIN_TIMEOUT_S
+
 log = logging.getLogger(__name__)
 
 
@@ -41,7 +43,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 class HttpServer:
-    def __init__(self, app, *, host: str, port: int, drain_timeout: float = 30.0) -> None:
+    def __init__(self, app, *, host: str, port: int, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         self.host = host
         self.sock = bind_socket(host, port)
         self.port = self.sock.getsockname()[1]

@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pdserve.settings import POLICIES, environ
+from pdserve.settings import DEFAULT_DRAIN_TIMEOUT_S, POLICIES, environ
 
 DEFAULT_RUN_DIR = ".run/cluster"
 _PASS_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "UCX_TLS", "CUDA_VISIBLE_DEVICES", "PDSERVE_LEASE_MS")
@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, help="KV blocks per worker")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S)
     p.add_argument("--prefill-args", default="", metavar="FLAGS",
                    help="extra `pdserve serve` flags for prefill workers only, one quoted string "
                         "(e.g. \"--max-num-batched-tokens 8192\": a compute-tuned prefill pool)")

@@ -35,6 +35,7 @@ from pdserve.app.launcher.backends import WorkerHandle
 from pdserve.app.launcher.devices import DeviceAssigner, DevicePlan
 from pdserve.app.launcher.procs import StartFailed
 from pdserve.app.launcher.supervisor import RestartPolicy, Supervisor
+from pdserve.settings import DEFAULT_DRAIN_TIMEOUT_S
 from pdserve.tls import TlsDir, open_channel
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from router.file_discovery import write_workers_file
@@ -59,7 +60,7 @@ class ClusterSpec:
     decode_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     policy: str = "prefix"
-    drain_timeout: float = 30.0
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     # num_decode colocated workers behind the router, no prefill pool (the baseline, same router)
     colocated: bool = False
     devices: DevicePlan = field(default_factory=DevicePlan)

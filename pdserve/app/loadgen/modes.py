@@ -33,6 +33,7 @@ from pdserve.app.launcher.backends import ProcessBackend
 from pdserve.app.launcher.cluster import Cluster, ClusterSpec
 from pdserve.app.launcher.devices import DevicePlan, assign
 from pdserve.app.launcher.local import QUIET_ENV, get_stats
+from pdserve.settings import DEFAULT_DRAIN_TIMEOUT_S
 
 MODES = ("1p1d", "1p1d-nixl", "1p1d-tcp", "1p1d-oneshot", "conditional", "colocated", "colocated-chunk512",
          "colocated-tp2", "1p1d-tp2", "1p1d-tp1-tp2")
@@ -51,7 +52,7 @@ class ModeOptions:
     colocated_workers: int = 2
     transport: str = "tcp"  # of "1p1d" and "conditional"
     policy: str = "prefix"
-    drain_timeout: float = 30.0
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.gpus < 0 or self.colocated_workers < 1:
