@@ -161,9 +161,12 @@ def test_decode_worker_errors_on_the_local_path_free_the_reservation(cluster, cl
             list(stub.Decode(decode_pb2.DecodeRequest(request_id="never", prefill_locally=True), timeout=10))
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         # Aborted by the worker side while it generates (Release/Abort from a router that gave
-        # up): the stream ends, the reservation-turned-request is freed.
+        # up): the stream ends, the reservation-turned-request is freed. The whole context's worth
+        # of tokens: with 400, a test process starved on a loaded machine found the request already
+        # finished when it sent the Release (found=False).
         stub.Allocate(decode_pb2.AllocateRequest(request_id="aborted", prompt_ids=ids(14, 20),
-                                                 sampling=common_pb2.SamplingParams(max_tokens=400),
+                                                 sampling=common_pb2.SamplingParams(max_tokens=2048 - 20,
+                                                                                    ignore_eos=True),
                                                  lease_ms=30_000), timeout=10)
         stream = stub.Decode(decode_pb2.DecodeRequest(request_id="aborted", prefill_locally=True), timeout=60)
         first = next(stream)
