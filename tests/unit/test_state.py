@@ -105,12 +105,12 @@ def test_worker_view_fencing_health_and_loads():
 def test_link_stats_learn_bandwidth_and_block_size():
     ls = LinkStats(default_Bps=1e9, alpha=0.5, min_sample_bytes=1000, bytes_per_block=100)
     ls.observe("p", "d", bytes_sent=500, seconds=1.0, blocks_sent=1)  # too small for bandwidth
-    assert not ls.measured("p", "d") and ls.bytes_per_block == 300
+    assert not ls.measured_from("p") and ls.bytes_per_block == 300
     ls.observe("p", "d", bytes_sent=4000, seconds=2.0, blocks_sent=10)
     ls.observe("p", "d", bytes_sent=8000, seconds=2.0, blocks_sent=20)
     assert ls.bandwidth("p", "d") == 3000 and ls.bandwidth("p", "x") == 1e9
     ls.forget("d")
-    assert not ls.measured("p", "d") and ls.rows == {}
+    assert not ls.measured_from("p") and ls.rows == {}
 
 
 def test_memory_store_leases_sessions_and_loads():
