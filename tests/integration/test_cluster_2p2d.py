@@ -2,9 +2,10 @@
 
 Greedy output through the cluster equals the in-process engine for concurrent requests spread
 over both pools (round robin, named explicitly); and, on a cluster of its own (1 prefill + 2
-decode, so that no other test runs on what it breaks, in whatever order they run), a decode worker
-is SIGKILLed while it serves a request: that request ends with UNAVAILABLE (no hang) and the
-cluster keeps serving on the remaining workers.
+decode, so that no other test runs on what it breaks, in whatever order they run; migration and
+restarts off, so the failure itself is what is seen: tests/integration/test_faults_*.py cover both),
+a decode worker is SIGKILLed while it serves a request: that request ends with UNAVAILABLE (no hang)
+and the cluster keeps serving on the remaining workers.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ import pytest
 from test_cluster_1p1d import MAX_TOKENS, prompts, reference, run_concurrently
 
 from pdserve.app.launcher.local import LocalCluster, get_stats, ucx_tcp_env
+from pdserve.app.launcher.supervisor import RestartPolicy
 from pdserve.client import Client
 
 pytestmark = pytest.mark.slow
 
 
 @contextlib.contextmanager
-def nixl_cluster(model, run_dir, *, prefill: int, decode: int):
+def nixl_cluster(model, run_dir, *, prefill: int, decode: int, **kw):
     with LocalCluster(model, prefill=prefill, decode=decode, transport="nixl", env=ucx_tcp_env(),
-                      policy="round_robin", run_dir=run_dir) as c:
+                      policy="round_robin", run_dir=run_dir, **kw) as c:
         c.model = model
         c.start_free = c.free_blocks()
         yield c
@@ -40,7 +42,8 @@ def cluster(make_checkpoint, tmp_path_factory):
 
 @pytest.fixture
 def doomed_cluster(make_checkpoint, tmp_path):
-    with nixl_cluster(make_checkpoint("llama"), tmp_path, prefill=1, decode=2) as c:
+    with nixl_cluster(make_checkpoint("llama"), tmp_path, prefill=1, decode=2,
+                      router_args=("--migration", "off"), restart=RestartPolicy(enabled=False)) as c:
         yield c
 
 
