@@ -53,9 +53,10 @@ def checkpoint(preset: str, root: Path) -> Path:
     return path
 
 
-def open_engine(path: Path, size: int, device: str, *, num_blocks: int, max_tokens: int):
+def open_engine(path: Path, size: int, device: str, *, num_blocks: int, max_tokens: int,
+                dtype: str | None = None):
     config = EngineConfig(model=str(path), device=rank_device(device, 0), num_blocks=num_blocks,
-                          max_num_seqs=128, max_num_batched_tokens=max_tokens, block_size=16)
+                          max_num_seqs=128, max_num_batched_tokens=max_tokens, block_size=16, dtype=dtype)
     if size == 1:
         return LLMEngine(config), None
     ranks = start_ranks(config, size)
@@ -134,8 +135,9 @@ def run_one(preset: str, size: int, args, ceil: dict, reference: dict) -> dict:
     blocks = max(batches) * -(-(args.context + args.steps + 8) // 16) + 64
     t0 = time.perf_counter()
     engine, ranks = open_engine(path, size, args.device, num_blocks=blocks,
-                                max_tokens=max(args.prefill, 128))
-    row = {"preset": preset, "tp": size, "load_s": round(time.perf_counter() - t0, 1)}
+                                max_tokens=max(args.prefill, 128), dtype=args.dtype or None)
+    row = {"preset": preset, "tp": size, "dtype": engine.model_config.dtype,
+           "load_s": round(time.perf_counter() - t0, 1)}
     try:
         rng = random.Random(0)
         prompts = [_prompt(rng, 24 + 8 * i, cfg.vocab_size) for i in range(GREEDY_PROMPTS)]
@@ -157,6 +159,10 @@ def run_one(preset: str, size: int, args, ceil: dict, reference: dict) -> dict:
         reference[preset] = row
     else:
         row["greedy_match"] = sum(a == b for a, b in zip(row["greedy"], base["greedy"], strict=True))
+        # Where each prompt's tokens first part from the reference's (None: identical): in bf16 a
+        # reduction in another order may flip a near tie, and everything after it differs.
+        row["greedy_first_diff"] = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+                                    for a, b in zip(row["greedy"], base["greedy"], strict=True)]
         for key in [k for k in row if k.endswith("_ms") and "bound" not in k]:
             row[key.replace("_ms", "_speedup")] = base[key] / row[key]
     return row
@@ -171,6 +177,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="", help="override the checkpoint's dtype (float32: exact TP checks)")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="--serving: device seconds for both modes")
     ap.add_argument("--models", default="/tmp/pdserve-models")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
@@ -182,7 +190,7 @@ def main() -> None:
         from bench.tp_serving import run as run_serving
 
         run_serving(["1p1d", "colocated-tp2"], name="gpu-tp-serving", cpu_check=args.cpu_check,
-                    out=Path(args.out), models=Path(args.models), tag=args.tag)
+                    out=Path(args.out), models=Path(args.models), tag=args.tag, budget_s=args.budget_s)
         return
     if args.cpu_check:
         args.runs, args.batches, args.context, args.prefill, args.steps, args.device = \
@@ -199,8 +207,11 @@ def main() -> None:
         cells = [f"{k}={v:.2f}" for k, v in r.items() if isinstance(v, float)]
         match = f"  greedy {r['greedy_match']}/{GREEDY_PROMPTS} same" if "greedy_match" in r else ""
         print(f"  load {r['load_s']} s  " + "  ".join(cells) + match, flush=True)
+    from engine.model_runner import tp_graphs
+
     result = {"benchmark": "gpu-tp", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-              "settings": {k: v for k, v in vars(args).items()}, "ceilings": ceil,
+              "settings": {k: v for k, v in vars(args).items()}, "tp_cuda_graphs": tp_graphs(),
+              "ceilings": ceil,
               "devices": torch.cuda.device_count() if torch.cuda.is_available() else 0, "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
