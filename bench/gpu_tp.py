@@ -136,7 +136,7 @@ def run_one(preset: str, size: int, args, ceil: dict, reference: dict) -> dict:
     t0 = time.perf_counter()
     engine, ranks = open_engine(path, size, args.device, num_blocks=blocks,
                                 max_tokens=max(args.prefill, 128), dtype=args.dtype or None)
-    row = {"preset": preset, "tp": size, "dtype": engine.model_config.dtype,
+    row = {"preset": preset, "tp": size, "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
            "load_s": round(time.perf_counter() - t0, 1)}
     try:
         rng = random.Random(0)

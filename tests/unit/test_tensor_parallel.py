@@ -178,7 +178,7 @@ def test_70b_presets_split_over_2_4_8_ranks():
 
 def test_step_plan_carries_rank_zeros_graph_decision(monkeypatch) -> None:
     """A follower replays its decode graph exactly when rank 0 does (FLAG_GRAPH travels in the plan); graphs
-    at TP > 1 stay off unless PDSERVE_TP_CUDA_GRAPHS=1 (and on CPU nothing is captured anyway)."""
+    at TP > 1 are on unless PDSERVE_TP_CUDA_GRAPHS=0 (and on CPU nothing is captured anyway)."""
     from engine.model_runner import tp_graphs
     from engine.tp_plan import FLAG_GRAPH, StepPlan, receive, send_step
 
@@ -193,6 +193,6 @@ def test_step_plan_carries_rank_zeros_graph_decision(monkeypatch) -> None:
     got = run_ranks(2, rank)[1]
     assert got.flags == FLAG_GRAPH and got.spec == spec and got.input_ids == [11, 12]
     monkeypatch.delenv("PDSERVE_TP_CUDA_GRAPHS", raising=False)
-    assert not tp_graphs()
-    monkeypatch.setenv("PDSERVE_TP_CUDA_GRAPHS", "1")
     assert tp_graphs()
+    monkeypatch.setenv("PDSERVE_TP_CUDA_GRAPHS", "0")
+    assert not tp_graphs()
