@@ -136,7 +136,8 @@ def run_one(preset: str, size: int, args, ceil: dict, reference: dict) -> dict:
     t0 = time.perf_counter()
     engine, ranks = open_engine(path, size, args.device, num_blocks=blocks,
                                 max_tokens=max(args.prefill, 128), dtype=args.dtype or None)
-    row = {"preset": preset, "tp": size, "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
+    dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+    row = {"preset": preset, "tp": size, "dtype": dtype,
            "load_s": round(time.perf_counter() - t0, 1)}
     try:
         rng = random.Random(0)
@@ -161,8 +162,9 @@ def run_one(preset: str, size: int, args, ceil: dict, reference: dict) -> dict:
         row["greedy_match"] = sum(a == b for a, b in zip(row["greedy"], base["greedy"], strict=True))
         # Where each prompt's tokens first part from the reference's (None: identical): in bf16 a
         # reduction in another order may flip a near tie, and everything after it differs.
-        row["greedy_first_diff"] = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-                                    for a, b in zip(row["greedy"], base["greedy"], strict=True)]
+        row["greedy_first_diff"] = [
+            next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+            for a, b in zip(row["greedy"], base["greedy"], strict=True)]
         for key in [k for k in row if k.endswith("_ms") and "bound" not in k]:
             row[key.replace("_ms", "_speedup")] = base[key] / row[key]
     return row

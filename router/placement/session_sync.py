@@ -4,6 +4,10 @@
   each bounded by ``store_timeout_s``. A failure returns a sentinel instead of raising, and the
   Placer decides from its local view (serving continues while Redis is down).
 - ``refresh_later``: TTL refresh of an unchanged binding, fire-and-forget.
+- A binding whose write failed (the store was down or timed out) is kept as unwritten and written
+  again by the background task until the store takes it, so a store that comes back empty, or a
+  replica that restarts, learns the bindings decided while it was away without waiting for each
+  session's next turn; a later decision for the same session replaces the pending one.
 - A background task (``start``) every ``sync_interval_s`` publishes load reports this replica
   received and pulls every worker's latest report, so all replicas see the same loads.
 Store errors are counted in the ``redis_errors`` metric; reconnect/backoff is the store's job.
@@ -40,6 +44,7 @@ class SessionSync:
         self._task: asyncio.Task | None = None
         self._bg: set[asyncio.Task] = set()
         self._loads_out: dict[str, WorkerLoad] = {}
+        self._unwritten: dict[str, SessionBinding] = {}
 
     def _err(self, op: str, exc: BaseException | None = None) -> None:
         # A store with its own error hook counts its failures itself; here only what it cannot see:
@@ -60,14 +65,51 @@ class SessionSync:
         return b
 
     async def write(self, session_id: str, binding: SessionBinding, *, only_if_absent: bool) -> bool | None:
+        """True/False as the store answered (False: set-if-absent lost), None if it could not answer:
+        then the binding waits in ``unwritten`` for the background task (``_write_unwritten``)."""
+        self._unwritten.pop(session_id, None)  # a newer decision replaces an older pending one
+        self._unwritten[session_id] = binding
+        while len(self._unwritten) > self.config.max_sessions:  # a long outage: the oldest go first
+            del self._unwritten[next(iter(self._unwritten))]
         try:
-            return await asyncio.wait_for(
+            ok = await asyncio.wait_for(
                 self.store.put_session(session_id, binding, self.config.session_ttl_s,
-                                          only_if_absent=only_if_absent),
+                                       only_if_absent=only_if_absent),
                 self.config.store_timeout_s)
         except _STORE_ERRORS as e:
             self._err("put_session", e)
             return None
+        if self._unwritten.get(session_id) is binding:
+            del self._unwritten[session_id]
+        return ok
+
+    @property
+    def unwritten(self) -> int:
+        """Bindings decided while the store could not take them, not yet written."""
+        return len(self._unwritten)
+
+    async def _write_unwritten(self) -> None:
+        now = self._wall()
+        for sid, binding in list(self._unwritten.items()):
+            if self._unwritten.get(sid) is not binding:
+                continue  # replaced meanwhile by a newer decision (its own write is under way)
+            if binding.expires_at <= now:
+                del self._unwritten[sid]
+                continue
+            # The store's binding wins if it is newer (bindings carry their decision time plus the TTL
+            # as expires_at): another replica decided after us. An older one (a store restored from a
+            # snapshot taken before the outage) is replaced.
+            current = await self.fetch(sid)
+            if current is False:
+                return  # still down: try again next round
+            if isinstance(current, SessionBinding) and current.expires_at >= binding.expires_at:
+                if self._unwritten.get(sid) is binding:
+                    del self._unwritten[sid]
+                continue
+            if self._unwritten.get(sid) is not binding:
+                continue  # a newer decision arrived while we asked
+            if await self.write(sid, binding, only_if_absent=False) is None:
+                return
 
     def refresh_later(self, session_id: str, binding: SessionBinding) -> None:
         try:
@@ -91,6 +133,8 @@ class SessionSync:
                 self._err("put_load", e)
                 # Keep the newest unsent report for the next round unless a newer one arrived.
                 self._loads_out.setdefault(wid, load)
+        if self._unwritten:
+            await self._write_unwritten()
         try:
             loads = await asyncio.wait_for(self.store.get_loads(), 1.0)
         except _STORE_ERRORS as e:

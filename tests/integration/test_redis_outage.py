@@ -154,8 +154,11 @@ def test_router_serves_through_a_redis_outage_and_resyncs(make_checkpoint, tmp_p
                 w = res[-1].final["decode_worker"]
                 if s in bound:
                     assert w == bound[s]
-                b = _wait(lambda s=s: _binding(srv, s), f"session {s} re-bound in Redis", timeout=30)
-                assert b["decode_id"] == w and b["decode_incarnation"] == back[w] != dead_inc
+                # the router writes the binding behind the reply; with the old data back, the key may
+                # still hold the pre-outage binding until that write lands
+                b = _wait(lambda s=s, w=w: (b := _binding(srv, s)) and b["decode_id"] == w and b,
+                          f"session {s} re-bound in Redis to {w}: {_binding(srv, s)}", timeout=30)
+                assert b["decode_incarnation"] == back[w] != dead_inc
             check_leaks(cluster)
     finally:
         if srv.proc is not None:
