@@ -267,7 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if stop_kv is not None:
             stop_kv()
-    return 0
+    # Rank 0 sent the stop and every step is done: leave without the interpreter's teardown. With decode
+    # graphs captured, a rank on 2x H200 did not exit within TPRanks.stop's 30 s wait and was killed
+    # (suspected: the NCCL communicator's teardown); nothing is left to flush but the logs.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
