@@ -64,7 +64,10 @@ print('\n'.join(p['dependencies'] + extra['nixl'] + [r for r in extra['cluster']
     > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt \
- && pip check
+ && pip check \
+ && rm -rf /opt/venv/lib/python3*/site-packages/nixl_ep_cu*
+# (nixl's wheel also carries nixl_ep, its expert-parallel all-to-all library, ~105 MB: not imported by
+# nixl itself nor by pdserve.)
 
 # ---- wheel: pdserve itself ------------------------------------------------------------------------------
 FROM deps AS wheel
