@@ -273,12 +273,14 @@ class Pipeline:
                 timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             self.placer.prefill_done(req.request_id)  # no sample: the call failed
-            if exc.code() == grpc.StatusCode.ABORTED:
-                # The prefill worker's KV push was aborted by the decode worker (it released the
-                # request: drained, restarted, lease gone). The prompt is fine; the destination is not:
-                # blame D so the request is placed again elsewhere, like a dead decode worker.
+            if exc.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND):
+                # The prefill worker's KV push was aborted by the decode worker (ABORTED: it released
+                # the request: drained, lease gone) or refused because the receiver does not know the
+                # request (NOT_FOUND: a decode worker restarted at the same address between Allocate and
+                # the push). The prompt is fine; the destination is not: blame D so the request is
+                # placed again, like a dead decode worker.
                 err = RequestFailed(grpc.StatusCode.UNAVAILABLE,
-                                    f"prefill on {p.worker_id} failed: {exc.details() or 'ABORTED'}")
+                                    f"prefill on {p.worker_id} failed: {exc.details() or exc.code().name}")
                 err.extra_worker = d.worker_id  # type: ignore[attr-defined]
                 raise err from None
             raise _failed(exc, p.worker_id, "prefill") from None
