@@ -275,10 +275,10 @@ class Pipeline:
             self.placer.prefill_done(req.request_id)  # no sample: the call failed
             if exc.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND):
                 # The prefill worker's KV push was aborted by the decode worker (ABORTED: it released
-                # the request: drained, lease gone) or refused because the receiver does not know the
-                # request (NOT_FOUND: a decode worker restarted at the same address between Allocate and
-                # the push). The prompt is fine; the destination is not: blame D so the request is
-                # placed again, like a dead decode worker.
+                # the request: drained, lease gone) or refused because the receiver no longer knows the
+                # request (NOT_FOUND: it released it while draining before the push arrived, or it
+                # restarted at the same address). The prompt is fine; the destination is not: blame D
+                # so the request is placed again, like a dead decode worker.
                 err = RequestFailed(grpc.StatusCode.UNAVAILABLE,
                                     f"prefill on {p.worker_id} failed: {exc.details() or exc.code().name}")
                 err.extra_worker = d.worker_id  # type: ignore[attr-defined]
