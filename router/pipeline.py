@@ -273,17 +273,7 @@ class Pipeline:
                 timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             self.placer.prefill_done(req.request_id)  # no sample: the call failed
-            if exc.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND):
-                # The prefill worker's KV push was aborted by the decode worker (ABORTED: it released
-                # the request: drained, lease gone) or refused because the receiver no longer knows the
-                # request (NOT_FOUND: it released it while draining before the push arrived, or it
-                # restarted at the same address). The prompt is fine; the destination is not: blame D
-                # so the request is placed again, like a dead decode worker.
-                err = RequestFailed(grpc.StatusCode.UNAVAILABLE,
-                                    f"prefill on {p.worker_id} failed: {exc.details() or exc.code().name}")
-                err.extra_worker = d.worker_id  # type: ignore[attr-defined]
-                raise err from None
-            raise _failed(exc, p.worker_id, "prefill") from None
+            raise _prefill_failed(exc, p.worker_id, d.worker_id) from None
         except BaseException:  # cancelled (client gone, deadline): out of the queue estimate all the same
             self.placer.prefill_done(req.request_id)
             raise
@@ -359,6 +349,21 @@ def _failed(exc: grpc.aio.AioRpcError, worker_id: str, what: str) -> RequestFail
     err = RequestFailed(code, msg)
     err.extra_worker = worker_id if code in RETRYABLE else ""  # type: ignore[attr-defined]
     return err
+
+
+def _prefill_failed(exc: grpc.aio.AioRpcError, prefill_id: str, decode_id: str) -> RequestFailed:
+    """What a failed Prefill call means for the request. ABORTED (the decode worker released the
+    request under the push: drained, lease gone) and NOT_FOUND (its KV receiver no longer knows the
+    request: released while draining before the push arrived, or the worker restarted at the same
+    address) say the prompt is fine and the destination is not: UNAVAILABLE with the decode worker
+    blamed, so the request is placed again as after a dead decode worker. Anything else is the prefill
+    worker's failure (``_failed``)."""
+    if exc.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND):
+        err = RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                            f"prefill on {prefill_id} failed: {exc.details() or exc.code().name}")
+        err.extra_worker = decode_id  # type: ignore[attr-defined]
+        return err
+    return _failed(exc, prefill_id, "prefill")
 
 
 def _fallback_kind(reason: str) -> str:
