@@ -203,8 +203,11 @@ def test_prefill_queue_sends_some_prompts_local_within_the_budget(busy_cluster) 
         mode = "local" if r.final["prefill_mode_reason"] == "prefill_busy" else "remote"
         assert r.final["prefill_mode"] == mode
     assert set(reasons) <= {"disaggregate", "prefill_busy", "local_budget"}, reasons
-    assert reasons.count("prefill_busy") == 1, reasons  # a queue was seen; the budget held
-    assert "disaggregate" in reasons  # the first prompt found no queue
+    # A queue was seen and the budget held. Which prompt saw it depends on arrival order: a prompt is
+    # queued at the prefill worker from its placement, before its Allocate returns and it is decided,
+    # so under a burst even the first prompt decided may see the others and go local; the rest go to
+    # the prefill pool, as "disaggregate" or "local_budget".
+    assert reasons.count("prefill_busy") == 1, reasons
     m = scrape(c.metrics_port)
     assert m['pdserve_router_prefill_decisions_total{mode="local",reason="prefill_busy"}'] == reasons.count(
         "prefill_busy")
