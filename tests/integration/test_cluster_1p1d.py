@@ -78,9 +78,13 @@ def test_greedy_matches_engine_concurrent(cluster) -> None:
         assert f["allocate_ms"] > 0 and f["prefill_compute_ms"] > 0 and f["prefill_queue_ms"] >= 0
         inner = f["prefill_queue_ms"] + f["prefill_compute_ms"] + f["kv_wait_ms"]
         assert f["prefill_rpc_ms"] >= inner - 1.0  # 1 ms: the two clocks are read in two processes
-    # prompts of 16/17/40/100 tokens have full blocks: those went over the wire
+    # prompts of 16/17/40/100 tokens have full blocks: those the decode worker does not cache went over
+    # the wire (another test of this module may have sent the same prompt first), and the last block
+    # always does
     by_len = dict(zip(PROMPT_LENS, got, strict=True))
-    assert by_len[100].final["kv_blocks_sent"] == 7 and by_len[100].final["kv_bytes_sent"] > 0
+    f100 = by_len[100].final
+    assert f100["kv_blocks_sent"] + f100["kv_blocks_reused"] == 7 and f100["kv_blocks_sent"] >= 1
+    assert f100["kv_bytes_sent"] > 0
     stats = cluster.wait_idle(cluster.start_free)
     assert {w: s.free_blocks for w, s in stats.items()} == cluster.start_free
 
