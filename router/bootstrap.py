@@ -97,7 +97,8 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
         conditional = ConditionalConfig(min_uncached_tokens=settings.min_uncached_tokens,
                                         max_prefill_wait_s=settings.max_prefill_wait_s,
                                         local_duty=settings.local_prefill_duty,
-                                        local_burst_s=settings.local_prefill_burst_s)
+                                        local_burst_s=settings.local_prefill_burst_s,
+                                        max_local_stall_s=settings.local_prefill_max_stall_s)
     pipeline = Pipeline(directory, placer, block_size=settings.block_size, lease_ms=settings.lease_ms,
                         conditional=conditional)
     pipeline.admission = Admission(AdmissionConfig(max_queue_wait_s=settings.max_queue_wait_s,

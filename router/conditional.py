@@ -23,8 +23,12 @@ transfer slower than recompute -> local ("transfer_slower"); the prefill worker'
 -> local ("prefill_busy"); else remote ("disaggregate"). Then two guards on any local choice. The
 decode worker's own queue: with the load rule on (``max_prefill_wait_s > 0``) a local path slower
 than the remote one goes remote ("decode_busy"), so under overload the decision never picks the
-worse path by looking at one queue only. The budget: every local prefill spends the decode worker's
-local-prefill budget (``local_duty`` of its time, ``local_burst_s`` at once;
+worse path by looking at one queue only, and while streams run there a local prefill costing more
+than ``max_local_stall_s`` goes remote ("decode_stall"): each running stream waits for all of it, so
+a long local prefill under load trades one request's TTFT for every stream's TPOT (on 2x H200 under
+the log-normal mix, local prefills of up to 250 ms took the conditional mode's SLO goodput from 1P1D's
+14 req/s down to 10, with ITL p90 51 ms against 17). The budget: every local prefill spends the
+decode worker's local-prefill budget (``local_duty`` of its time, ``local_burst_s`` at once;
 ``router/prefill_load.py``); without it the prompt goes to the prefill pool ("local_budget"), so a
 short-prompt flood or a long prefill queue cannot turn the decode GPU into a second, interfering
 prefill GPU. A router without a prefill pool (it fronts colocated workers) prefills every prompt
@@ -57,13 +61,17 @@ class ConditionalConfig:
     # most local_burst_s seconds of prefill back to back.
     local_duty: float = 0.25
     local_burst_s: float = 0.25
+    # With the load rule on and streams running on the decode worker, no single local prefill may cost
+    # more than this (s): every running stream waits for it, so it is what one local prefill adds to
+    # their inter-token latency.
+    max_local_stall_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.min_uncached_tokens < 0:
             raise ValueError("ConditionalConfig.min_uncached_tokens must be >= 0")
         if not 0 < self.local_duty <= 1:
             raise ValueError(f"ConditionalConfig.local_duty must be in (0, 1], got {self.local_duty}")
-        for name in ("load_weight", "max_prefill_wait_s", "local_burst_s"):
+        for name in ("load_weight", "max_prefill_wait_s", "local_burst_s", "max_local_stall_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ConditionalConfig.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -80,6 +88,7 @@ class Paths:
     decode_wait_s: float = 0.0    # local prefills queued ahead of it on the decode worker
     decode_running: int = 0
     decode_capacity: int = 1
+    other_streams: int = 0  # requests on the decode worker besides this one (each waits out a local prefill)
 
     @property
     def load_factor(self) -> float:
@@ -89,8 +98,8 @@ class Paths:
 @dataclass(frozen=True)
 class Decision:
     local: bool
-    # disabled | short_suffix | transfer_slower | prefill_busy | decode_busy | local_budget | disaggregate
-    # | no_prefill_pool
+    # disabled | short_suffix | transfer_slower | prefill_busy | decode_busy | decode_stall | local_budget
+    # | disaggregate | no_prefill_pool
     reason: str
     uncached_tokens: int
     transfer_s: float = 0.0
@@ -130,6 +139,8 @@ def decide(paths: Paths, config: ConditionalConfig, *, local_budget_s: float = f
     local = reason in LOCAL_REASONS
     if local and load_rule and local_path > remote_path:
         local, reason = False, "decode_busy"
+    if local and load_rule and paths.other_streams > 0 and paths.local_s > config.max_local_stall_s:
+        local, reason = False, "decode_stall"
     if local and local_budget_s < min(paths.local_s, config.local_burst_s):
         local, reason = False, "local_budget"
     return Decision(local=local, reason=reason, uncached_tokens=paths.uncached_tokens,
@@ -167,7 +178,9 @@ class PrefillModePolicy:
         info = view.workers.get(d)
         paths = dict(uncached_tokens=uncached, local_s=costs.prefill_s(d, uncached, cached),
                      decode_wait_s=costs.queue_s(d, view.outstanding_tokens(d), view.busy_for(d)),
-                     decode_running=view.load_of(d), decode_capacity=(info.max_num_seqs if info else 0) or 1)
+                     decode_running=view.load_of(d), decode_capacity=(info.max_num_seqs if info else 0) or 1,
+                     # this request is placed, so the view counts it on d already
+                     other_streams=max(view.load_of(d) - 1, 0))
         if placement.prefill is None:
             return Paths(remote_s=0.0, transfer_s=0.0, **paths)
         p = placement.prefill.worker_id

@@ -10,7 +10,7 @@ CFG = ConditionalConfig(min_uncached_tokens=256)
 
 def paths(prompt: int, cached: int = 0, *, link_Bps: float | None = None, running: int = 0, capacity: int = 1,
           prefill_wait_s: float = 0.0, decode_wait_s: float = 0.0, local_rate: float = 30000.0,
-          remote_rate: float = 30000.0) -> Paths:
+          remote_rate: float = 30000.0, others: int = 0) -> Paths:
     """The estimates a router with llama3-8b's KV size (128 KiB/token) would make."""
     costs = CostModel(CostConfig(prefill_tokens_per_s=remote_rate, bandwidth_ewma_alpha=1.0,
                                  min_bandwidth_sample_bytes=1))
@@ -22,7 +22,7 @@ def paths(prompt: int, cached: int = 0, *, link_Bps: float | None = None, runnin
                  remote_s=costs.prefill_s("p", prompt),
                  transfer_s=costs.transfer_s("p", "d", prompt - cached),
                  prefill_wait_s=prefill_wait_s, decode_wait_s=decode_wait_s, decode_running=running,
-                 decode_capacity=capacity)
+                 decode_capacity=capacity, other_streams=others)
 
 
 def test_short_prompt_prefills_locally():
@@ -63,7 +63,7 @@ def test_threshold_is_inclusive_and_configurable_and_disable_wins():
 
 @pytest.mark.parametrize("kw", [dict(min_uncached_tokens=-1), dict(load_weight=-1.0),
                                 dict(local_duty=0.0), dict(local_duty=1.5), dict(max_prefill_wait_s=-0.1),
-                                dict(local_burst_s=-1.0)])
+                                dict(local_burst_s=-1.0), dict(max_local_stall_s=-0.01)])
 def test_config_validation(kw):
     with pytest.raises(ValueError):
         ConditionalConfig(**kw)
@@ -117,3 +117,19 @@ def test_every_local_reason_needs_the_budget():
     p = paths(4096, prefill_wait_s=2.0)
     assert decide(p, CFG, local_budget_s=p.local_s).local
     assert decide(p, ConditionalConfig(local_burst_s=0.05), local_budget_s=0.05).local
+
+
+def test_a_long_local_prefill_never_stalls_running_streams():
+    # 4096 tokens cost 0.137 s locally: behind a long prefill queue that goes local while the decode
+    # worker is idle, but not while other streams would each wait the whole 0.137 s for it
+    assert decide(paths(4096, prefill_wait_s=2.0), CFG).reason == "prefill_busy"
+    d = decide(paths(4096, prefill_wait_s=2.0, others=3), CFG)
+    assert (d.local, d.reason) == (False, "decode_stall")
+    # a prompt that costs less than the cap (1024 tokens: 34 ms) still goes local under load, and so
+    # does a short suffix
+    assert decide(paths(1024, prefill_wait_s=2.0, others=3), CFG).reason == "prefill_busy"
+    assert decide(paths(200, others=50), CFG).reason == "short_suffix"
+    # the cap is configurable; with the load rule off nothing is weighed
+    assert decide(paths(4096, prefill_wait_s=2.0, others=3), ConditionalConfig(max_local_stall_s=0.2)).local
+    off = ConditionalConfig(max_prefill_wait_s=0.0, min_uncached_tokens=8192)
+    assert decide(paths(4096, others=3), off).reason == "short_suffix"

@@ -47,7 +47,9 @@ def make(clock: Clock) -> tuple[Placer, PrefillModePolicy]:
     placer.update_workers([WorkerInfo("p", "prefill", "a", "i1"),
                            WorkerInfo("d", "decode", "b", "i1", kv_bytes_per_block=16 * KV_PER_TOKEN,
                                       block_size=16, max_num_seqs=256)])
-    cfg = ConditionalConfig(min_uncached_tokens=256, max_prefill_wait_s=0.5, local_duty=1.0)
+    # no stall cap: the simulation models TTFT, not what a local prefill costs the running streams
+    cfg = ConditionalConfig(min_uncached_tokens=256, max_prefill_wait_s=0.5, local_duty=1.0,
+                            max_local_stall_s=float("inf"))
     return placer, PrefillModePolicy(cfg, placer)
 
 

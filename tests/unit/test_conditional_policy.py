@@ -99,7 +99,7 @@ def test_second_policy_on_one_registry_shares_the_counter() -> None:
 def test_prefill_queue_and_local_budget() -> None:
     placer = make_placer(rate=10_000.0, latency=0.003)
     cfg = ConditionalConfig(min_uncached_tokens=16, max_prefill_wait_s=0.5, local_duty=0.01,
-                            local_burst_s=0.5)
+                            local_burst_s=0.5, max_local_stall_s=1.0)
     pol = PrefillModePolicy(cfg, placer)
     assert pol.decide("r0", 4096, 0, place(placer, "r0", 4096)).reason == "disaggregate"
     q1, q2 = place(placer, "q1", 4096), place(placer, "q2", 4096)  # 8192 more tokens queued at 10k tok/s
@@ -124,3 +124,21 @@ def test_prefill_queue_and_local_budget() -> None:
     assert placer.inflight_total == 0
     assert not any(placer.view.outstanding_tokens(w) for w in placer.view.workers)
     del q1, q2
+
+
+def test_streams_on_the_decode_worker_cap_a_local_prefill() -> None:
+    # The view's placements on a decode worker, besides the request itself, are the streams a local
+    # prefill would stall: 2048 tokens at 10k tok/s (0.2 s) is over the 50 ms cap where one runs.
+    placer = make_placer(rate=10_000.0, latency=0.003)
+    pol = PrefillModePolicy(ConditionalConfig(min_uncached_tokens=16, max_prefill_wait_s=0.5, local_duty=1.0),
+                            placer)
+    place(placer, "q", 8192, decode="d1")  # a queue at the prefill worker, and a stream on d1
+    alone = pol.decide("a", 2048, 0, place(placer, "a", 2048, decode="d0"))
+    assert (alone.local, alone.reason) == (True, "prefill_busy")
+    shared = pol.decide("b", 2048, 0, place(placer, "b", 2048, decode="d1"))
+    assert (shared.local, shared.reason) == (False, "decode_stall")
+    assert count(placer, "remote", "decode_stall") == 1
+    for rid in ("q", "a", "b"):
+        placer.forget_request(rid)
+    assert placer.inflight_total == 0
+    assert not any(placer.view.outstanding_tokens(w) for w in placer.view.workers)
