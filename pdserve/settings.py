@@ -125,6 +125,8 @@ class ServeSettings:
     local_prefill_burst_s: float = 0.25
     # ... and, while the decode worker runs streams, no single local prefill costing more than this (s)
     local_prefill_max_stall_s: float = 0.05
+    # ... and a spill off a busy prefill queue saving less TTFT than this x the streams' summed delay
+    local_prefill_stall_weight: float = 1.0
     # router, admission control (router/shedding.py): refuse (RESOURCE_EXHAUSTED, retry-after-ms) a
     # request whose estimated wait to start exceeds this many seconds (0: only its deadline); a decode
     # Allocate without free blocks waits in a queue of at most allocate_queue_size per decode worker,
@@ -156,10 +158,10 @@ class ServeSettings:
         _one_of("kv_stream_layers", self.kv_stream_layers, ON_OFF)
         if self.min_uncached_tokens < 0 or not self.local_prefill_tokens_per_s > 0:
             raise ValueError("--min-uncached-tokens must be >= 0 and --local-prefill-tokens-per-s > 0")
-        if (min(self.max_prefill_wait_s, self.local_prefill_burst_s, self.local_prefill_max_stall_s) < 0
-                or not 0 < self.local_prefill_duty <= 1):
-            raise ValueError("--max-prefill-wait-s, --local-prefill-burst-s and --local-prefill-max-stall-s "
-                             "must be >= 0 and --local-prefill-duty in (0, 1]")
+        if (min(self.max_prefill_wait_s, self.local_prefill_burst_s, self.local_prefill_max_stall_s,
+                self.local_prefill_stall_weight) < 0 or not 0 < self.local_prefill_duty <= 1):
+            raise ValueError("--max-prefill-wait-s, --local-prefill-burst-s, --local-prefill-max-stall-s and "
+                             "--local-prefill-stall-weight must be >= 0 and --local-prefill-duty in (0, 1]")
         for name in ("port", "metrics_port", "kv_port", "http_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
@@ -244,7 +246,7 @@ _INT = {"port", "metrics_port", "http_port", "block_size", "num_blocks", "max_nu
         "allocate_queue_size", "max_request_bytes", "max_request_retries"}
 _FLOAT = {"retry_wait_s", "kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
           "local_prefill_tokens_per_s", "max_prefill_wait_s", "local_prefill_duty", "local_prefill_burst_s",
-          "local_prefill_max_stall_s",
+          "local_prefill_max_stall_s", "local_prefill_stall_weight",
           "max_queue_wait_s", "allocate_queue_wait_s"}
 
 
@@ -336,6 +338,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--local-prefill-max-stall-s", type=float, help="router, conditional: while a decode worker runs "
       "streams, no single local prefill costing more than this many seconds (each running stream waits for "
       "it; default 0.05)")
+    a("--local-prefill-stall-weight", type=float, help="router, conditional: a prompt spills off a busy "
+      "prefill queue only if the TTFT it saves exceeds this x the delay it adds to the decode worker's "
+      "streams, summed (default 1; 0 = not weighed)")
     a("--store-timeout", type=float, help="router: seconds one Redis call may take on the placement path "
       "before the local view decides (default 0.05)")
     a("--max-queue-wait-s", type=float, help="router: refuse at once (RESOURCE_EXHAUSTED with a "

@@ -98,7 +98,8 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
                                         max_prefill_wait_s=settings.max_prefill_wait_s,
                                         local_duty=settings.local_prefill_duty,
                                         local_burst_s=settings.local_prefill_burst_s,
-                                        max_local_stall_s=settings.local_prefill_max_stall_s)
+                                        max_local_stall_s=settings.local_prefill_max_stall_s,
+                                        stall_weight=settings.local_prefill_stall_weight)
     pipeline = Pipeline(directory, placer, block_size=settings.block_size, lease_ms=settings.lease_ms,
                         conditional=conditional)
     pipeline.admission = Admission(AdmissionConfig(max_queue_wait_s=settings.max_queue_wait_s,

@@ -25,10 +25,14 @@ decode worker's own queue: with the load rule on (``max_prefill_wait_s > 0``) a 
 than the remote one goes remote ("decode_busy"), so under overload the decision never picks the
 worse path by looking at one queue only, and while streams run there a local prefill costing more
 than ``max_local_stall_s`` goes remote ("decode_stall"): each running stream waits for all of it, so
-a long local prefill under load trades one request's TTFT for every stream's TPOT (on 2x H200 under
-the log-normal mix, local prefills of up to 250 ms took the conditional mode's SLO goodput from 1P1D's
-14 req/s down to 10, with ITL p90 51 ms against 17). The budget: every local prefill spends the
-decode worker's local-prefill budget (``local_duty`` of its time, ``local_burst_s`` at once;
+a long local prefill under load trades one request's TTFT for every stream's TPOT. For the same
+reason a prompt spills off a busy prefill queue ("prefill_busy") only if the TTFT it saves exceeds
+the delay it adds to the streams there, summed (``stall_weight x local_s x other_streams``): when
+both pools are saturated, spilling only moves the queue into every stream's inter-token latency
+(on 2x H200 under the log-normal mix, local prefills of up to 250 ms took the conditional mode's
+SLO goodput from 1P1D's 14 req/s down to 10, with ITL p90 51 ms against 17). The budget: every
+local prefill spends the decode worker's local-prefill budget (``local_duty`` of its time,
+``local_burst_s`` at once;
 ``router/prefill_load.py``); without it the prompt goes to the prefill pool ("local_budget"), so a
 short-prompt flood or a long prefill queue cannot turn the decode GPU into a second, interfering
 prefill GPU. A router without a prefill pool (it fronts colocated workers) prefills every prompt
@@ -65,13 +69,17 @@ class ConditionalConfig:
     # more than this (s): every running stream waits for it, so it is what one local prefill adds to
     # their inter-token latency.
     max_local_stall_s: float = 0.05
+    # ... and a spill off a busy prefill queue must save more TTFT than stall_weight x the delay it adds
+    # to those streams, summed (0 = not weighed)
+    stall_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.min_uncached_tokens < 0:
             raise ValueError("ConditionalConfig.min_uncached_tokens must be >= 0")
         if not 0 < self.local_duty <= 1:
             raise ValueError(f"ConditionalConfig.local_duty must be in (0, 1], got {self.local_duty}")
-        for name in ("load_weight", "max_prefill_wait_s", "local_burst_s", "max_local_stall_s"):
+        for name in ("load_weight", "max_prefill_wait_s", "local_burst_s", "max_local_stall_s",
+                     "stall_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ConditionalConfig.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -139,7 +147,10 @@ def decide(paths: Paths, config: ConditionalConfig, *, local_budget_s: float = f
     local = reason in LOCAL_REASONS
     if local and load_rule and local_path > remote_path:
         local, reason = False, "decode_busy"
-    if local and load_rule and paths.other_streams > 0 and paths.local_s > config.max_local_stall_s:
+    if local and load_rule and paths.other_streams > 0 and (
+            paths.local_s > config.max_local_stall_s
+            or (reason == "prefill_busy"
+                and remote_path - local_path < config.stall_weight * paths.local_s * paths.other_streams)):
         local, reason = False, "decode_stall"
     if local and local_budget_s < min(paths.local_s, config.local_burst_s):
         local, reason = False, "local_budget"

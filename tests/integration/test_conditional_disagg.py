@@ -185,7 +185,8 @@ def busy_cluster(make_checkpoint, tmp_path_factory):
     # the budget (100 ms at once, refilled at 0.1% of the time) one local prefill for the whole burst.
     args = ("--conditional-disagg", "auto", "--min-uncached-tokens", "0", "--max-prefill-wait-s", "1e-6",
             "--local-prefill-tokens-per-s", "1000", "--local-prefill-duty", "0.001",
-            "--local-prefill-burst-s", "0.1", "--local-prefill-max-stall-s", "1")
+            "--local-prefill-burst-s", "0.1", "--local-prefill-max-stall-s", "1",
+            "--local-prefill-stall-weight", "0")
     with metered_cluster(make_checkpoint("llama"), tmp_path_factory.mktemp("busy"), prefill=1, decode=1,
                          transport="tcp", router_args=args) as c:
         yield c

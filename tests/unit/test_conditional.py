@@ -63,7 +63,8 @@ def test_threshold_is_inclusive_and_configurable_and_disable_wins():
 
 @pytest.mark.parametrize("kw", [dict(min_uncached_tokens=-1), dict(load_weight=-1.0),
                                 dict(local_duty=0.0), dict(local_duty=1.5), dict(max_prefill_wait_s=-0.1),
-                                dict(local_burst_s=-1.0), dict(max_local_stall_s=-0.01)])
+                                dict(local_burst_s=-1.0), dict(max_local_stall_s=-0.01),
+                                dict(stall_weight=-1.0)])
 def test_config_validation(kw):
     with pytest.raises(ValueError):
         ConditionalConfig(**kw)
@@ -128,6 +129,9 @@ def test_a_long_local_prefill_never_stalls_running_streams():
     # a prompt that costs less than the cap (1024 tokens: 34 ms) still goes local under load, and so
     # does a short suffix
     assert decide(paths(1024, prefill_wait_s=2.0, others=3), CFG).reason == "prefill_busy"
+    # ... unless the streams' summed wait (100 x 34 ms) exceeds the ~2 s of queue it skips
+    d = decide(paths(1024, prefill_wait_s=2.0, others=100), CFG)
+    assert (d.local, d.reason) == (False, "decode_stall") and d.remote_path_s - d.local_path_s < 3.4
     assert decide(paths(200, others=50), CFG).reason == "short_suffix"
     # the cap is configurable; with the load rule off nothing is weighed
     assert decide(paths(4096, prefill_wait_s=2.0, others=3), ConditionalConfig(max_local_stall_s=0.2)).local

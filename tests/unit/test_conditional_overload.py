@@ -40,16 +40,18 @@ def transfer_s(tokens: int) -> float:
     return LATENCY + tokens * KV_PER_TOKEN / LINK
 
 
-def make(clock: Clock) -> tuple[Placer, PrefillModePolicy]:
+NO_STALL_RULES = dict(max_local_stall_s=float("inf"), stall_weight=0.0)
+
+
+def make(clock: Clock, stall: dict) -> tuple[Placer, PrefillModePolicy]:
     costs = CostConfig(prefill_tokens_per_s=RATE, default_bandwidth_Bps=LINK, transfer_latency_s=LATENCY,
                        attention_s_per_token_pair=0.0)
     placer = Placer(PlacerConfig(costs=costs), clock=clock, wall=clock)
     placer.update_workers([WorkerInfo("p", "prefill", "a", "i1"),
                            WorkerInfo("d", "decode", "b", "i1", kv_bytes_per_block=16 * KV_PER_TOKEN,
                                       block_size=16, max_num_seqs=256)])
-    # no stall cap: the simulation models TTFT, not what a local prefill costs the running streams
-    cfg = ConditionalConfig(min_uncached_tokens=256, max_prefill_wait_s=0.5, local_duty=1.0,
-                            max_local_stall_s=float("inf"))
+    # the stall rules off: the simulation models TTFT, not what a local prefill costs the running streams
+    cfg = ConditionalConfig(min_uncached_tokens=256, max_prefill_wait_s=0.5, local_duty=1.0, **stall)
     return placer, PrefillModePolicy(cfg, placer)
 
 
@@ -57,10 +59,13 @@ def prompt(i: int) -> list[int]:
     return [(i * 7919 + j * 31) % 32000 for j in range(SIZES[i % len(SIZES)])]
 
 
-def simulate(conditional: bool) -> tuple[list[float], list[tuple[str, float, float]], Placer]:
+Decisions = list[tuple[str, float, float]]
+
+
+def simulate(conditional: bool, stall: dict = NO_STALL_RULES) -> tuple[list[float], Decisions, Placer]:
     """TTFT of every prompt, and per decision (reason, chosen path's TTFT, the other path's TTFT)."""
     clock = Clock(0.0)
-    placer, policy = make(clock)
+    placer, policy = make(clock, stall)
     free_at = {"p": 0.0, "d": 0.0}  # when each worker's FIFO prefill queue drains
     events: list[tuple[float, int, str, str]] = []  # (time, seq, kind, request id)
     seq = 0
@@ -135,3 +140,18 @@ def test_conditional_never_picks_the_worse_path_under_overload() -> None:
     for pl in (placer, base_placer):  # leak checks
         assert pl.inflight_total == 0
         assert not any(pl.view.outstanding_tokens(w) or pl.view.inflight(w) for w in pl.view.workers)
+
+
+def test_with_streams_running_the_stall_rules_keep_long_prompts_off_the_decode_worker() -> None:
+    # The same overload with the default stall rules: ~20 streams decode on the decode worker at any
+    # time, so a 2000-token local prefill (0.2 s) would cost them ~4 s summed, more than the queue it
+    # skips, and is over the 50 ms cap; only the short prompts (20 ms, a cheaper path) stay local.
+    ttfts, decisions, placer = simulate(conditional=True, stall={})
+    reasons = [r for r, _, _ in decisions]
+    assert "prefill_busy" not in reasons and reasons.count("decode_stall") > 0
+    for (reason, chosen, other), i in zip(decisions, range(N), strict=True):
+        if reason == "decode_stall":
+            assert len(prompt(i)) == 2_000
+        if reason == "short_suffix":
+            assert chosen <= other + 1e-9
+    assert placer.inflight_total == 0

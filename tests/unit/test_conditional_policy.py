@@ -99,7 +99,7 @@ def test_second_policy_on_one_registry_shares_the_counter() -> None:
 def test_prefill_queue_and_local_budget() -> None:
     placer = make_placer(rate=10_000.0, latency=0.003)
     cfg = ConditionalConfig(min_uncached_tokens=16, max_prefill_wait_s=0.5, local_duty=0.01,
-                            local_burst_s=0.5, max_local_stall_s=1.0)
+                            local_burst_s=0.5, max_local_stall_s=1.0, stall_weight=0.0)
     pol = PrefillModePolicy(cfg, placer)
     assert pol.decide("r0", 4096, 0, place(placer, "r0", 4096)).reason == "disaggregate"
     q1, q2 = place(placer, "q1", 4096), place(placer, "q2", 4096)  # 8192 more tokens queued at 10k tok/s
