@@ -35,7 +35,10 @@ from pdserve.probe import scrape_metrics as scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 FAST_RESTART = RestartPolicy(backoff_s=0.5, max_backoff_s=2.0, max_restarts=5, window_s=120.0, poll_s=0.2)
-MAX_TOKENS = 48
+# Long enough that no stream can finish between the last stream's first token and the kill, even on a
+# loaded 2-core box (48 tokens was not: seed 1954735865 killed a worker whose streams had all ended);
+# short enough that all 20 streams fit one decode worker's 512 blocks after the kill.
+MAX_TOKENS = 300
 
 
 def prompt(i: int, n: int = 20) -> list[int]:
