@@ -4,6 +4,8 @@ control on, then each at 1.5x its own SLO-goodput rate.
 
     bash bench/device_run.sh frontier -- --size small        # ~8 minutes of device time
     python3 bench/gpu_frontier.py --out DIR --size small [--modes ...] [--dry-run]
+    bash bench/device_run.sh frontier -- --modes 1p1d-nixl,1p1d-tcp --rates 6,10,14 --stop-below 0 \
+        --overload-factor 0 --tag tcp   # TCP at NIXL's rates, every rate swept
 
 Workload (issue 15): prompts log-normal, median 2048 tokens, sigma 0.8, clipped to 256..8192; outputs
 uniform 64..384; Poisson arrivals; ignore_eos; every rate point its own prompts, the same in every mode.
@@ -52,11 +54,14 @@ def plan(args: argparse.Namespace, model: str, n_gpus: int, kv_gb: float) -> tup
     from pdserve.app.loadgen.sweep import SweepConfig
 
     rates, secs, _ = SIZES[args.size]
+    if args.rates:
+        rates = tuple(float(r) for r in args.rates.split(",") if r)
     modes = [m for m in args.modes.split(",") if m]
     opts = mode_options(model, n_gpus=n_gpus, kv_gb=kv_gb, transport="nixl",
                         router_args=("--max-queue-wait-s", str(args.max_queue_wait_s)))
     cfg = SweepConfig(rates=tuple(rates), seconds_per_rate=secs, min_requests=16, target=0.95,
-                      stop_below=0.95, overload_factor=args.overload_factor, label="frontier-lognormal",
+                      stop_below=args.stop_below, overload_factor=args.overload_factor,
+                      label="frontier-lognormal",
                       **SLO)
     return modes, opts, cfg
 
@@ -98,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--max-queue-wait-s", type=float, default=1.5, help="every mode's router")
     ap.add_argument("--overload-factor", type=float, default=1.5)
+    ap.add_argument("--rates", default="", help="req/s, e.g. 6,10,14 (default: the size's)")
+    ap.add_argument("--stop-below", type=float, default=0.95,
+                    help="a mode stops at the first rate under this SLO attainment (0: sweep every rate, "
+                         "e.g. to see whether TCP fails requests up to NIXL's goodput rate)")
     ap.add_argument("--budget-s", type=float, help="device time for the sweeps (default: the size's)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--dry-run", action="store_true", help="print the clusters and rate points; no GPU")

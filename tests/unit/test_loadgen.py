@@ -208,7 +208,10 @@ def test_gpu_frontier_plan_and_report_without_a_gpu(monkeypatch) -> None:
     gf = __import__("gpu_frontier")
     try:
         args = argparse.Namespace(size="small", modes="1p1d-nixl,1p1d-tcp,conditional,colocated",
-                                  max_queue_wait_s=1.5, overload_factor=1.5)
+                                  max_queue_wait_s=1.5, overload_factor=1.5, rates="", stop_below=0.95)
+        every = argparse.Namespace(**{**vars(args), "rates": "6,10,14", "stop_below": 0.0})
+        assert gf.plan(every, "M", 2, 30.0)[2].rates == (6.0, 10.0, 14.0)
+        assert gf.plan(every, "M", 2, 30.0)[2].stop_below == 0.0
         modes, opts, cfg = gf.plan(args, "M", 2, 30.0)
         assert modes == ["1p1d-nixl", "1p1d-tcp", "conditional", "colocated"]
         assert opts.router_args == ("--max-queue-wait-s", "1.5") and opts.prefill_args[-1] == "8192"
