@@ -2,6 +2,10 @@
 
     python -m bench.relay_cpu --model DIR --trees /tmp/old,/work/main --rounds 3 \
         --rate 20 --num-requests 120 --output-len 128 --json out.json
+    python -m bench.relay_cpu --model DIR --variant 1= --variant 4="--stream-interval 4"
+
+Each round runs every (tree, variant) pair once, alternating: a variant is a name and extra ``pdserve
+serve`` flags for the workers (default: one variant, no extra flags).
 
 Each round starts one cluster per tree (alternating, so both see the same box), runs the same
 ``pdserve bench`` load against it (same seed: same prompts, greedy), and reads each process's own
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -41,7 +46,8 @@ def one(args: argparse.Namespace) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="relaycpu-") as run_dir, \
             LocalCluster(args.model, prefill=1, decode=1, transport="tcp", run_dir=run_dir,
-                         worker_args=("--num-blocks", "1024", "--max-num-seqs", "64")) as c:
+                         worker_args=("--num-blocks", "1024", "--max-num-seqs", "64",
+                                      *shlex.split(args.worker_args))) as c:
         pids = {"router": c.cluster.router.pid}
         for h in c.workers:
             pids[h.role] = h.pid
@@ -79,24 +85,31 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", help="write every run and the medians here")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="extra worker flags under a name, e.g. 4='--stream-interval 4' (repeatable)")
+    ap.add_argument("--worker-args", default="", help=argparse.SUPPRESS)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(args)))
         return
-    trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
-    runs: dict[str, list[dict]] = {t: [] for t in trees}
+    variants = dict(v.split("=", 1) for v in args.variant) or {"": ""}
+    runs: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
-        for tree in trees:
-            env = {**os.environ, "PYTHONPATH": tree}
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--model", args.model,
-                   "--rate", str(args.rate), "--num-requests", str(args.num_requests),
-                   "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
-            out = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True)
-            runs[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"{tree}: {runs[tree][-1]['us_per_token']}", file=sys.stderr, flush=True)
+        for tree in [str(Path(t).resolve()) for t in args.trees.split(",")]:
+            for name, flags in variants.items():
+                key = f"{tree} {name}".strip()
+                env = {**os.environ, "PYTHONPATH": tree}
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--model", args.model,
+                       "--rate", str(args.rate), "--num-requests", str(args.num_requests),
+                       "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                       "--worker-args", flags]
+                out = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True)
+                runs.setdefault(key, []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(f"{key}: {runs[key][-1]['us_per_token']}", file=sys.stderr, flush=True)
     summary = {}
-    print(f"{'tree':<28} {'role':<8} {'us/token':>9} {'ms/req':>7} {'tokens':>7} {'TTFT p50':>9} {'p90':>7}")
+    print(f"{'tree variant':<28} {'role':<8} {'us/token':>9} {'ms/req':>7} {'tokens':>7} {'TTFT p50':>9} "
+          f"{'p90':>7} {'ITL p50':>8}")
     for tree, rs in runs.items():
         summary[tree] = {}
         for role in rs[0]["cpu_s"]:
@@ -106,7 +119,8 @@ def main() -> None:
             print(f"{tree[-28:]:<28} {role:<8} {med['us_per_token']:>9.1f} {med['ms_per_request']:>7.2f} "
                   f"{statistics.median(r['output_tokens'] for r in rs):>7.0f} "
                   f"{statistics.median(r['ttft_p50_ms'] for r in rs):>9.1f} "
-                  f"{statistics.median(r['ttft_p90_ms'] for r in rs):>7.1f}")
+                  f"{statistics.median(r['ttft_p90_ms'] for r in rs):>7.1f} "
+                  f"{statistics.median(r['itl_p50_ms'] for r in rs):>8.2f}")
     if args.json:
         doc = {"args": vars(args), "runs": runs, "median": summary}
         Path(args.json).write_text(json.dumps(doc, indent=1))

@@ -14,11 +14,16 @@ DEFAULT_KV_WAIT_MS = 30_000
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, worker: DecodeWorker, *, address: str, transports: list[str],
-                 role: str = "decode") -> None:
+                 role: str = "decode", stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.worker = worker
         self.address = address
         self.transports = transports
         self.role = role  # "colocated": a colocated worker serving a router (local prefill only)
+        # A message goes out once it holds this many tokens (a stream's first message and its last go at
+        # once): fewer messages for the router to relay, burstier delivery (--stream-interval).
+        self.stream_interval = stream_interval
 
     async def Allocate(self, request: decode_pb2.AllocateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -38,12 +43,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         wait_s = (request.kv_wait_ms or DEFAULT_KV_WAIT_MS) / 1000.0
         # The first token counts: it came from the prefill worker, or (local) it is in this stream.
         completion = 0 if request.prefill_locally else 1
+        msg, first = decode_pb2.DecodeResponse(), True
         try:
             async for outs in self.worker.decode(request.request_id, request.first_token_id, wait_s,
                                                  prefill_locally=request.prefill_locally):
                 # Every output that was ready goes out as one message: under load the stream catches
                 # up in one write instead of one per token (the proto carries several tokens).
-                msg = decode_pb2.DecodeResponse()
                 for out in outs:
                     if out.finish_reason == "error":
                         raise RuntimeError(out.error or "decode failed")
@@ -54,9 +59,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         msg.top_logprobs.extend(t for t in map(top_logprobs, out.new_logprobs) if t)
                     if out.finished:
                         msg.finish_reason = out.finish_reason or "stop"
+                if not (first or msg.finish_reason or len(msg.token_ids) >= self.stream_interval):
+                    continue
                 completion += len(msg.token_ids)
                 msg.completion_tokens = completion
                 yield msg
+                msg, first = decode_pb2.DecodeResponse(), False
         except Exception as exc:
             await abort_from(context, exc)
 

@@ -73,6 +73,8 @@ class ServeSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     launch_ahead_layers: int | None = None  # None: the engine's default (EngineConfig)
+    # decode / colocated: a stream message goes out once it holds this many tokens (first and last at once)
+    stream_interval: int = 1
     # worker roles: ranks of one worker (engine.tp_worker); on CUDA rank r uses cuda:r of the visible GPUs
     tensor_parallel_size: int = 1
     # decode: take KV from prefill workers of up to this TP size when it exceeds this worker's (each rank
@@ -166,7 +168,7 @@ class ServeSettings:
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ValueError(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
-        for name in ("block_size", "max_num_seqs", "lease_ms", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "lease_ms", "tensor_parallel_size", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.kv_source_tp < 0 or self.kv_staging_blocks < 0:
@@ -239,7 +241,7 @@ class ServeSettings:
         return cls(**values)  # type: ignore[arg-type]
 
 
-_INT = {"port", "metrics_port", "http_port", "block_size", "num_blocks", "max_num_seqs",
+_INT = {"port", "metrics_port", "http_port", "block_size", "num_blocks", "max_num_seqs", "stream_interval",
         "max_num_batched_tokens",
         "launch_ahead_layers", "tensor_parallel_size", "kv_source_tp", "kv_staging_blocks",
         "kv_port", "kv_connections", "lease_ms", "min_uncached_tokens",
@@ -289,6 +291,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-memory-gb", type=float, help="KV cache size in GiB (instead of --num-blocks)")
     a("--max-num-seqs", type=int, help="max sequences in the running batch")
     a("--max-num-batched-tokens", type=int, help="chunked-prefill token budget per step")
+    a("--stream-interval", type=int, help="decode/colocated: send generated tokens N at a time (a "
+      "stream's first and last message go at once): N times fewer messages for the router to relay, "
+      "delivered in bursts of N (default 1)")
     a("--launch-ahead-layers", type=int,
       help="CUDA: how many layers a large step may launch ahead of the GPU (0: no limit; default 4)")
     a("--tensor-parallel-size", type=int, help="worker roles: processes (GPUs) per worker, one tensor "

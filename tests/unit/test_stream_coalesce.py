@@ -4,6 +4,7 @@ finishing output last; nothing stays held. The slow consumer is made determinist
 message it waits until the engine has finished the request, so everything else is ready at once."""
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -104,5 +105,35 @@ def test_decode_servicer_messages_carry_several_tokens_token_exact():
             assert not worker.leases.ids() and not worker.active
         finally:
             await ae.stop()
+
+    asyncio.run(main())
+
+
+def test_stream_interval_sends_tokens_n_at_a_time_token_exact():
+    # A consumer as fast as the engine: with --stream-interval 5 every message but the first (the
+    # stream's first token, sent at once) and the last (the finish) carries at least 5 tokens.
+    async def main():
+        want = await reference(PROMPTS[0])
+        ae = AsyncEngine(engine())
+        ae.start()
+        worker = DecodeWorker(engine=ae, kv=NoKV(), worker_id="d0", block_size=16)
+        servicer = DecodeServicer(worker, address="127.0.0.1:0", transports=["tcp"], stream_interval=5)
+        try:
+            await worker.allocate("r", PROMPTS[0], PARAMS)
+            msgs = [m async for m in servicer.Decode(decode_pb2.DecodeRequest(request_id="r",
+                                                                               prefill_locally=True),
+                                                      context=None)]
+            assert [t for m in msgs for t in m.token_ids] == want
+            assert len(msgs[0].token_ids) >= 1 and all(len(m.token_ids) >= 5 for m in msgs[1:-1])
+            assert msgs[-1].finish_reason == "length" and not any(m.finish_reason for m in msgs[:-1])
+            assert [m.completion_tokens for m in msgs] == list(itertools.accumulate(len(m.token_ids)
+                                                                                   for m in msgs))
+            await asyncio.sleep(0.1)
+            assert ae.engine.num_free_blocks == ae.engine.num_total_blocks
+            assert not worker.leases.ids() and not worker.active
+        finally:
+            await ae.stop()
+        with pytest.raises(ValueError):
+            DecodeServicer(worker, address="127.0.0.1:0", transports=[], stream_interval=0)
 
     asyncio.run(main())
