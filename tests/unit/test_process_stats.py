@@ -15,19 +15,27 @@ from pdserve.v1 import process_pb2, process_pb2_grpc
 pytestmark = pytest.mark.timeout(60)
 
 
+def burn_cpu(seconds: float = 0.03) -> None:
+    """Compute until the process's CPU clock (10 ms ticks) has moved by ``seconds``: a fixed amount of
+    work can finish inside one tick on a fast machine, and then the CPU reads do not differ."""
+    start = process_stats.cpu_seconds()
+    while process_stats.cpu_seconds() < start + seconds:
+        sum(i * i for i in range(20_000))
+
+
 def test_get_process_stats_reports_cpu_phases_and_serving():
     async def main():
         server = GrpcServer(host="127.0.0.1", port=0, service_full_names=[])
         port = await server.start()
         try:
             with process_stats.BOOT.phase("test_phase"):
-                sum(i * i for i in range(200_000))  # some CPU inside the phase
+                burn_cpu()  # some CPU inside the phase
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = process_pb2_grpc.ProcessStub(ch)
                 before = await stub.GetProcessStats(process_pb2.ProcessStatsRequest(), timeout=5)
                 assert before.serving_after_s == 0  # not SERVING yet
                 await server.set_serving(True)
-                sum(i * i for i in range(200_000))
+                burn_cpu()
                 after = await stub.GetProcessStats(process_pb2.ProcessStatsRequest(), timeout=5)
         finally:
             await server.server.stop(None)
