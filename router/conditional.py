@@ -20,7 +20,7 @@ estimates; ``decide`` is a pure function of them:
 Rules, in order: disabled -> remote; ``uncached <= min_uncached_tokens`` -> local ("short_suffix");
 transfer slower than recompute -> local ("transfer_slower"); the prefill worker's queue longer than
 ``max_prefill_wait_s`` and the local path (with the decode batch's share) faster than the remote one
--> local ("prefill_busy"); else remote ("disaggregate"). Then two guards on any local choice. The
+-> local ("prefill_busy"); else remote ("disaggregate"). Then guards on any local choice. The
 decode worker's own queue: with the load rule on (``max_prefill_wait_s > 0``) a local path slower
 than the remote one goes remote ("decode_busy"), so under overload the decision never picks the
 worse path by looking at one queue only, and while streams run there a local prefill costing more
