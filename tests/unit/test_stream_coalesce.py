@@ -82,58 +82,49 @@ def test_slow_consumer_gets_ready_tokens_together_token_exact():
     asyncio.run(main())
 
 
-def test_decode_servicer_messages_carry_several_tokens_token_exact():
-    async def main():
-        want = await reference(PROMPTS[1])
-        ae = AsyncEngine(engine())
-        ae.start()
-        worker = DecodeWorker(engine=ae, kv=NoKV(), worker_id="d0", block_size=16)
-        servicer = DecodeServicer(worker, address="127.0.0.1:0", transports=["tcp"])
-        try:
-            await worker.allocate("r", PROMPTS[1], PARAMS)
-            msgs = []
-            async for msg in servicer.Decode(decode_pb2.DecodeRequest(request_id="r", prefill_locally=True),
-                                             context=None):
-                msgs.append(msg)
-                await engine_done(ae, "r")
-            assert [t for m in msgs for t in m.token_ids] == want
-            assert len(msgs) == 2
-            assert msgs[-1].finish_reason == "length" and not any(m.finish_reason for m in msgs[:-1])
-            assert msgs[-1].completion_tokens == len(want)
-            await asyncio.sleep(0.1)
-            assert ae.engine.num_free_blocks == ae.engine.num_total_blocks
-            assert not worker.leases.ids() and not worker.active
-        finally:
-            await ae.stop()
+async def servicer_stream(prompt: list[int], check, **servicer_kw) -> list:
+    """One local-prefill Decode stream of ``prompt`` through a DecodeServicer on a fresh engine:
+    ``check(ae, messages_so_far)`` runs after each message arrives; then the tokens must equal one
+    engine's, the finish come last, and every block, lease and stream be given back."""
+    want = await reference(prompt)
+    ae = AsyncEngine(engine())
+    ae.start()
+    worker = DecodeWorker(engine=ae, kv=NoKV(), worker_id="d0", block_size=16)
+    servicer = DecodeServicer(worker, address="127.0.0.1:0", transports=["tcp"], **servicer_kw)
+    try:
+        await worker.allocate("r", prompt, PARAMS)
+        msgs = []
+        async for msg in servicer.Decode(decode_pb2.DecodeRequest(request_id="r", prefill_locally=True),
+                                         context=None):
+            msgs.append(msg)
+            await check(ae, msgs)
+        assert [t for m in msgs for t in m.token_ids] == want
+        assert msgs[-1].finish_reason == "length" and not any(m.finish_reason for m in msgs[:-1])
+        assert msgs[-1].completion_tokens == len(want)
+        await asyncio.sleep(0.1)
+        assert ae.engine.num_free_blocks == ae.engine.num_total_blocks
+        assert not worker.leases.ids() and not worker.active
+        return msgs
+    finally:
+        await ae.stop()
 
-    asyncio.run(main())
+
+def test_decode_servicer_messages_carry_several_tokens_token_exact():
+    async def slow(ae, msgs):
+        await engine_done(ae, "r")  # a busy relay: the engine runs ahead meanwhile
+
+    msgs = asyncio.run(servicer_stream(PROMPTS[1], slow))
+    assert len(msgs) == 2
 
 
 def test_stream_interval_sends_tokens_n_at_a_time_token_exact():
     # A consumer as fast as the engine: with --stream-interval 5 every message but the first (the
     # stream's first token, sent at once) and the last (the finish) carries at least 5 tokens.
-    async def main():
-        want = await reference(PROMPTS[0])
-        ae = AsyncEngine(engine())
-        ae.start()
-        worker = DecodeWorker(engine=ae, kv=NoKV(), worker_id="d0", block_size=16)
-        servicer = DecodeServicer(worker, address="127.0.0.1:0", transports=["tcp"], stream_interval=5)
-        try:
-            await worker.allocate("r", PROMPTS[0], PARAMS)
-            msgs = [m async for m in servicer.Decode(decode_pb2.DecodeRequest(request_id="r",
-                                                                               prefill_locally=True),
-                                                      context=None)]
-            assert [t for m in msgs for t in m.token_ids] == want
-            assert len(msgs[0].token_ids) >= 1 and all(len(m.token_ids) >= 5 for m in msgs[1:-1])
-            assert msgs[-1].finish_reason == "length" and not any(m.finish_reason for m in msgs[:-1])
-            assert [m.completion_tokens for m in msgs] == list(itertools.accumulate(len(m.token_ids)
-                                                                                   for m in msgs))
-            await asyncio.sleep(0.1)
-            assert ae.engine.num_free_blocks == ae.engine.num_total_blocks
-            assert not worker.leases.ids() and not worker.active
-        finally:
-            await ae.stop()
-        with pytest.raises(ValueError):
-            DecodeServicer(worker, address="127.0.0.1:0", transports=[], stream_interval=0)
+    async def fast(ae, msgs):
+        return None
 
-    asyncio.run(main())
+    msgs = asyncio.run(servicer_stream(PROMPTS[0], fast, stream_interval=5))
+    assert len(msgs[0].token_ids) >= 1 and all(len(m.token_ids) >= 5 for m in msgs[1:-1])
+    assert [m.completion_tokens for m in msgs] == list(itertools.accumulate(len(m.token_ids) for m in msgs))
+    with pytest.raises(ValueError):
+        DecodeServicer(None, address="127.0.0.1:0", transports=[], stream_interval=0)
