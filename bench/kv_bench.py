@@ -7,7 +7,10 @@
 Concurrency rows (``concurrency`` in the JSON; ``--concurrency ""`` skips them): that many TCP transfers
 of ``--conc-tokens`` tokens started at once, timed from the first start_send to the last acknowledgement
 (aggregate GB/s), beside a raw-socket baseline moving the same bytes over the same number of connections
-(min(concurrency, --connections): what the transport opens), the same run, rounds interleaved. With
+(min(concurrency, --connections): what the transport opens), the same run, rounds interleaved, each row
+with the cores every thread group of either process kept busy (``cpu_cores``: where the time goes;
+``raw_cpu_cores`` for the socket). ``--variant NAME=key=value,...`` adds rows of a plaintext transport
+with those TransportConfig overrides (configurations side by side in one run). With
 ``--tls-concurrency`` the same transfers also run over mutual TLS (throwaway certificates,
 bench/kv_certs.py): ``tcp_tls`` rows, whose ``plain_gbps`` / ``tls_ratio`` compare with the plaintext
 transport of the same rounds. ``--device cuda``: the receiver's KV on GPU 1 and the sender's on GPU 0
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -197,8 +201,9 @@ async def bench_concurrency(args) -> list[dict]:
     rows = []
     try:
         sides = {}
-        for name in ["tcp"] + (["tcp_tls"] if tls_levels else []):
-            extra_rx = extra_tx = {}
+        variants = dict(_parse_variant(v) for v in args.variant)
+        for name in ["tcp"] + (["tcp_tls"] if tls_levels else []) + list(variants):
+            extra_rx = extra_tx = variants.get(name, {})
             if name == "tcp_tls":
                 certs = write_certs(Path(args.certs_dir), ["prefill", "decode"])
                 extra_rx, extra_tx = tls_config(certs, "decode"), tls_config(certs, "prefill")
@@ -213,31 +218,79 @@ async def bench_concurrency(args) -> list[dict]:
         plain_tid = sides["tcp"][1]
         for c in levels:
             conns = min(c, args.connections)
-            got: dict[str, list] = {"tcp": [], "tcp_tls": [], "raw": []}
-            each: dict[str, list] = {"tcp": [], "tcp_tls": []}
+            got: dict[str, list] = {name: [] for name in [*sides, "raw"]}
+            each: dict[str, list] = {name: [] for name in sides}
+            cpu: dict[str, dict] = {name: {} for name in [*sides, "raw"]}
             for rep in range(reps):
                 for name in sides:
                     if name == "tcp_tls" and c not in tls_levels:
                         continue
-                    wall, per = await _concurrent(rx, tx, sides[name], nblocks, c, f"{name}-c{c}-{rep}")
+                    async with _cpu_into(rx, tx, cpu[name]):
+                        wall, per = await _concurrent(rx, tx, sides[name], nblocks, c, f"{name}-c{c}-{rep}")
                     got[name].append(wall)
                     each[name] += per
-                got["raw"].append((await tx.call("raw_send_concurrent", tid=plain_tid, host="127.0.0.1",
-                                                 port=raw["port"], nbytes=nbytes, conns=conns, messages=c,
-                                                 wait_s=1800))["seconds"])
+                async with _cpu_into(rx, tx, cpu["raw"]):
+                    got["raw"].append((await tx.call("raw_send_concurrent", tid=plain_tid, host="127.0.0.1",
+                                                     port=raw["port"], nbytes=nbytes, conns=conns, messages=c,
+                                                     wait_s=1800))["seconds"])
             for name in sides:
                 if not got[name]:
                     continue
                 row = _conc_row(name, c, conns, ntok, nbytes, got[name], each[name], got["raw"], args.device)
+                row["cpu_cores"] = _cores(cpu[name], sum(got[name]))
+                row["raw_cpu_cores"] = _cores(cpu["raw"], sum(got["raw"]))
                 if name == "tcp_tls":
                     row["plain_gbps"] = _gbps(nbytes * c, got["tcp"])
                     row["tls_ratio"] = round(row["gbps"] / row["plain_gbps"], 3)
                 rows.append(row)
                 print(_fmt_conc(row), flush=True)
+                print(f"{'':<8} cores busy, {_fmt_cores(row['cpu_cores'])}; raw socket "
+                      f"{_fmt_cores(row['raw_cpu_cores'])}", flush=True)
     finally:
         await tx.close()
         await rx.close()
     return rows
+
+
+def _parse_variant(text: str) -> tuple[str, dict]:
+    """NAME=key=value[,key=value...] -> (NAME, TransportConfig overrides); values are JSON where they
+    parse (numbers, true/false), else strings."""
+    name, _, rest = text.partition("=")
+    overrides = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    if not name or name in ("tcp", "tcp_tls", "raw") or not overrides:
+        raise SystemExit(f"--variant {text!r}: want NAME=key=value[,key=value] with a new NAME")
+    return name, overrides
+
+
+@contextlib.asynccontextmanager
+async def _cpu_into(rx, tx, acc: dict):
+    """Add the CPU seconds each side's thread groups spent inside the block to acc[side][group], and the
+    whole process's to acc[side]["process"]."""
+    before = await asyncio.gather(rx.call("cpu"), tx.call("cpu"))
+    yield
+    after = await asyncio.gather(rx.call("cpu"), tx.call("cpu"))
+    for side, a, b in zip(("rx", "tx"), before, after, strict=True):
+        into = acc.setdefault(side, {})
+        into["process"] = into.get("process", 0.0) + b["cpu_s"] - a["cpu_s"]  # threads that exited too
+        for group, secs in b["threads"].items():
+            into[group] = into.get(group, 0.0) + secs - a["threads"].get(group, 0.0)
+
+
+def _cores(acc: dict, wall_s: float) -> dict:
+    """CPU seconds per thread group over wall seconds: the cores each kept busy on average."""
+    return {side: {g: round(s / wall_s, 2) for g, s in sorted(groups.items(), key=lambda kv: -kv[1])
+                   if s / wall_s >= 0.01} for side, groups in acc.items()}
+
+
+def _fmt_cores(cores: dict) -> str:
+    return "; ".join(f"{side}: " + " ".join(f"{g} {v:.2f}" for g, v in groups.items())
+                     for side, groups in cores.items())
 
 
 async def _concurrent(rx, tx, side, nblocks, c, tag) -> tuple[float, list[float]]:
@@ -315,6 +368,9 @@ def main(argv=None) -> None:
                     help="tokens per concurrent transfer (default 2048, --quick 512)")
     ap.add_argument("--tls-concurrency", default="1,16", help="concurrency levels also run over mutual TLS")
     ap.add_argument("--connections", type=int, default=4, help="TransportConfig.tcp_connections")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
+                    help="concurrency rows: also a plaintext transport with these TransportConfig overrides "
+                         "(e.g. spin=staging_blocking_sync=false), same rounds; repeatable")
     ap.add_argument("--tx-gpu", type=int, default=0, help="--device cuda: the sender's GPU (default 0)")
     ap.add_argument("--rx-gpu", type=int, default=1,
                     help="--device cuda: the receiver's GPU (default 1; 0 on a one-GPU machine: both "

@@ -123,6 +123,26 @@ def listening_sockets() -> list[list]:
     return out
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's live threads, grouped by Python thread name without its number
+    ("kvtransfer-send_3" -> "kvtransfer-send", "MainThread" is the event loop); threads Python did not
+    start (CUDA, UCX, the kernel's view of them) under "native". Threads that exited are not counted."""
+    import re
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        group = re.sub(r"[_-]?\d+( \(\w+\))?$", "", names.get(int(tid), "native"))
+        out[group] = round(out.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick, 3)
+    return out
+
+
 _HOST_COPY: dict[int, torch.Tensor] = {}
 
 
@@ -207,7 +227,7 @@ class PeerProcess:
             return {"sockets": listening_sockets()}
         if op == "cpu":
             times = os.times()
-            return {"cpu_s": times.user + times.system}
+            return {"cpu_s": times.user + times.system, "threads": thread_cpu()}
         if op == "exit":
             for t in self.transports.values():
                 await t.close()

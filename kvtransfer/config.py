@@ -28,6 +28,15 @@ class TransportConfig:
     max_frame_bytes: int = 16 << 20
     # TCP: SO_SNDBUF/SO_RCVBUF; 0 keeps kernel autotuning (usually best on Linux).
     socket_buffer_bytes: int = 0
+    # TCP: a write of at most this many bytes is tried at once on the event-loop thread (small frames:
+    # no thread hop); a larger one goes whole to an I/O thread. Copying into the socket (on loopback: the
+    # whole TCP path up to the receiver's queue) is then never done on the one loop thread that every
+    # connection shares.
+    inline_write_max_bytes: int = 256 << 10
+    # Device memory over TCP: wait for a frame's staging copies with a blocking-sync CUDA event (the
+    # waiting thread sleeps) instead of the default spin-wait, which keeps one core busy per transfer
+    # waiting on the copy stream.
+    staging_blocking_sync: bool = True
     # TCP: CRC32 of every DATA frame's payload, verified by the receiver (costs a pass over the bytes).
     checksum: bool = False
     # TCP: connections a sender opens to one receiver. Each transfer rides one of them (the least loaded
@@ -128,6 +137,9 @@ class TransportConfig:
         bad = [m for m in self.nixl_fast_wait_mem if m not in ("DRAM", "VRAM")]
         if bad:
             raise ValueError(f"TransportConfig.nixl_fast_wait_mem: unknown memory kinds {bad}")
+        if not (isinstance(self.inline_write_max_bytes, int) and self.inline_write_max_bytes >= 0):
+            raise ValueError("TransportConfig.inline_write_max_bytes must be an int >= 0, "
+                             f"got {self.inline_write_max_bytes!r}")
         if self.socket_buffer_bytes < 0:
             raise ValueError("TransportConfig.socket_buffer_bytes must be >= 0")
         if self.listen_host in ("0.0.0.0", "::", "") and not self.advertise_host:

@@ -1,8 +1,9 @@
 """One sender-side connection to a receiver (a ``Peer`` holds one or more): whole frames out, replies in.
 
-Plaintext: frames go out with scatter-gather ``sendmsg`` straight from the source blocks; what does not
-fit in the socket buffer at once is finished by a worker thread (GIL released), so a large payload costs
-the event loop nothing while it drains. TLS: an asyncio SSL stream (TransportConfig.tls_*), written in
+Plaintext: frames go out with scatter-gather ``sendmsg`` straight from the source blocks; a small write
+is tried at once on the event loop, a large one (TransportConfig.inline_write_max_bytes) and whatever did
+not fit in the socket buffer is written by a worker thread (GIL released), so a large payload costs the
+event loop nothing. TLS: an asyncio SSL stream (TransportConfig.tls_*), written in
 ``_TLS_CHUNK`` pieces so encrypting a large frame never holds the loop for long.
 
 A frame is written whole under the lane's lock (FIFO), so frames of transfers sharing a lane interleave
@@ -143,15 +144,18 @@ class Lane:
             if self._wstream is None:
                 # Small frames (BEGIN, WROTE, ...) usually fit in the socket buffer: written here, at once,
                 # without a task and an event-loop turn (nothing to cut short, so no cancellation concern).
-                try:
-                    i = _advance(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
-                    self.progress[0] = time.monotonic()
-                except (BlockingIOError, InterruptedError):
-                    i = 0
-                except OSError as exc:
-                    raise self._lost(exc) from exc
-                if i == len(views):
-                    return
+                # Large ones go whole to a thread: the loop thread is shared by every connection.
+                i = 0
+                if sum(len(v) for v in views) <= self.t.config.inline_write_max_bytes:
+                    try:
+                        i = _advance(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
+                        self.progress[0] = time.monotonic()
+                    except (BlockingIOError, InterruptedError):
+                        i = 0
+                    except OSError as exc:
+                        raise self._lost(exc) from exc
+                    if i == len(views):
+                        return
                 write = self.loop.run_in_executor(self.t.send_pool, _sendmsg_blocking, self.sock, views[i:],
                                                   0, self._stop, self.progress)
             else:

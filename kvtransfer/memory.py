@@ -32,7 +32,8 @@ from .errors import InvalidTransfer
 
 
 class KVMemory:
-    def __init__(self, tensor: torch.Tensor, layout: KVLayout, *, force_staging: bool = False) -> None:
+    def __init__(self, tensor: torch.Tensor, layout: KVLayout, *, force_staging: bool = False,
+                 blocking_sync: bool = True) -> None:
         if tensor.dim() != 6:
             raise InvalidTransfer(f"KV tensor must be 6-D {layout.cache_shape(0)}, "
                                   f"got shape {tuple(tensor.shape)}")
@@ -57,6 +58,7 @@ class KVMemory:
         # Same storage, viewed as flat bytes (works for bf16, which numpy cannot represent).
         self._flat = tensor.view(-1).view(torch.uint8)
         self._host = memoryview(self._flat.numpy()) if self.is_host else None
+        self._blocking_sync = blocking_sync  # staging events sleep in synchronize() instead of spinning
         self._stream = None  # side stream for staging copies (device memory), made on first use
 
     @property
@@ -102,7 +104,7 @@ class KVMemory:
                 for off, n, _ in segments:
                     buf[pos:pos + n].copy_(self._flat[off:off + n], non_blocking=True)
                     pos += n
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(blocking=self._blocking_sync)
                 event.record(stream)
         return self._split(memoryview(buf.numpy()), segments), event
 
@@ -144,6 +146,6 @@ class KVMemory:
             for off, n, _ in segments:
                 self._flat[off:off + n].copy_(src[pos:pos + n], non_blocking=True)
                 pos += n
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=self._blocking_sync)
             event.record(stream)
         return event

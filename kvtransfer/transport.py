@@ -71,7 +71,8 @@ class KVTransport:
         self.layout = layout
         self.config = config
         self.kind = config.kind
-        self.memory = KVMemory(kv_tensor, layout, force_staging=config.force_staging)
+        self.memory = KVMemory(kv_tensor, layout, force_staging=config.force_staging,
+                               blocking_sync=config.staging_blocking_sync)
         self.instance = uuid.uuid4().hex
         self.nixl = None
         self.nixl_error = ""
