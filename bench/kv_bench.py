@@ -10,7 +10,8 @@ of ``--conc-tokens`` tokens started at once, timed from the first start_send to 
 (min(concurrency, --connections): what the transport opens), the same run, rounds interleaved, each row
 with the cores every thread group of either process kept busy (``cpu_cores``: where the time goes;
 ``raw_cpu_cores`` for the socket). ``--variant NAME=key=value,...`` adds rows of a plaintext transport
-with those TransportConfig overrides (configurations side by side in one run). With
+with those TransportConfig overrides (configurations side by side in one run; the key switch_interval
+sets both processes' sys.setswitchinterval for that variant's rounds instead). With
 ``--tls-concurrency`` the same transfers also run over mutual TLS (throwaway certificates,
 bench/kv_certs.py): ``tcp_tls`` rows, whose ``plain_gbps`` / ``tls_ratio`` compare with the plaintext
 transport of the same rounds. ``--device cuda``: the receiver's KV on GPU 1 and the sender's on GPU 0
@@ -203,7 +204,7 @@ async def bench_concurrency(args) -> list[dict]:
         sides = {}
         variants = dict(_parse_variant(v) for v in args.variant)
         for name in ["tcp"] + (["tcp_tls"] if tls_levels else []) + list(variants):
-            extra_rx = extra_tx = variants.get(name, {})
+            extra_rx = extra_tx = {k: v for k, v in variants.get(name, {}).items() if k != "switch_interval"}
             if name == "tcp_tls":
                 certs = write_certs(Path(args.certs_dir), ["prefill", "decode"])
                 extra_rx, extra_tx = tls_config(certs, "decode"), tls_config(certs, "prefill")
@@ -221,11 +222,13 @@ async def bench_concurrency(args) -> list[dict]:
             got: dict[str, list] = {name: [] for name in [*sides, "raw"]}
             each: dict[str, list] = {name: [] for name in sides}
             cpu: dict[str, dict] = {name: {} for name in [*sides, "raw"]}
+            io: dict[str, dict] = {name: {} for name in sides}
             for rep in range(reps):
                 for name in sides:
                     if name == "tcp_tls" and c not in tls_levels:
                         continue
-                    async with _cpu_into(rx, tx, cpu[name]):
+                    async with _cpu_into(rx, tx, cpu[name], sides[name], io[name]), \
+                            _switch_interval(rx, tx, variants.get(name, {}).get("switch_interval")):
                         wall, per = await _concurrent(rx, tx, sides[name], nblocks, c, f"{name}-c{c}-{rep}")
                     got[name].append(wall)
                     each[name] += per
@@ -239,6 +242,8 @@ async def bench_concurrency(args) -> list[dict]:
                 row = _conc_row(name, c, conns, ntok, nbytes, got[name], each[name], got["raw"], args.device)
                 row["cpu_cores"] = _cores(cpu[name], sum(got[name]))
                 row["raw_cpu_cores"] = _cores(cpu["raw"], sum(got["raw"]))
+                lanes = min(c, variants.get(name, {}).get("tcp_connections", args.connections))
+                row["io"] = _io_summary(io[name], sum(got[name]), lanes)
                 if name == "tcp_tls":
                     row["plain_gbps"] = _gbps(nbytes * c, got["tcp"])
                     row["tls_ratio"] = round(row["gbps"] / row["plain_gbps"], 3)
@@ -246,6 +251,10 @@ async def bench_concurrency(args) -> list[dict]:
                 print(_fmt_conc(row), flush=True)
                 print(f"{'':<8} cores busy, {_fmt_cores(row['cpu_cores'])}; raw socket "
                       f"{_fmt_cores(row['raw_cpu_cores'])}", flush=True)
+                for way, d in row["io"].items():
+                    print(f"{'':<8} {way} I/O threads: {d['kib_per_syscall']} KiB/syscall, "
+                          f"{d['poll_share']} of their time in poll, each connection's thread busy "
+                          f"{d['thread_busy']}", flush=True)
     finally:
         await tx.close()
         await rx.close()
@@ -269,17 +278,57 @@ def _parse_variant(text: str) -> tuple[str, dict]:
 
 
 @contextlib.asynccontextmanager
-async def _cpu_into(rx, tx, acc: dict):
+async def _cpu_into(rx, tx, acc: dict, side: tuple | None = None, io: dict | None = None):
     """Add the CPU seconds each side's thread groups spent inside the block to acc[side][group], and the
-    whole process's to acc[side]["process"]."""
-    before = await asyncio.gather(rx.call("cpu"), tx.call("cpu"))
+    whole process's to acc[side]["process"]; with a transport pair (side), what its TCP I/O threads did
+    (counters' tcp_tx_io on the sender, tcp_rx_io on the receiver) to io["tx"] / io["rx"]."""
+    async def io_now():
+        if side is None:
+            return None
+        a, b = await asyncio.gather(rx.call("counters", tid=side[0]), tx.call("counters", tid=side[1]))
+        return {"rx": a["counters"]["tcp_rx_io"], "tx": b["counters"]["tcp_tx_io"]}
+
+    before, io0 = await asyncio.gather(rx.call("cpu"), tx.call("cpu")), await io_now()
     yield
-    after = await asyncio.gather(rx.call("cpu"), tx.call("cpu"))
-    for side, a, b in zip(("rx", "tx"), before, after, strict=True):
-        into = acc.setdefault(side, {})
+    after, io1 = await asyncio.gather(rx.call("cpu"), tx.call("cpu")), await io_now()
+    for name, a, b in zip(("rx", "tx"), before, after, strict=True):
+        into = acc.setdefault(name, {})
         into["process"] = into.get("process", 0.0) + b["cpu_s"] - a["cpu_s"]  # threads that exited too
         for group, secs in b["threads"].items():
             into[group] = into.get(group, 0.0) + secs - a["threads"].get(group, 0.0)
+    if io is not None and io0 is not None:
+        for name in ("rx", "tx"):
+            into = io.setdefault(name, {})
+            for key, value in io1[name].items():
+                into[key] = into.get(key, 0) + value - io0[name][key]
+
+
+@contextlib.asynccontextmanager
+async def _switch_interval(rx, tx, seconds: float | None):
+    """Both peers run the block with this GIL switch interval (sys.setswitchinterval), then the old one."""
+    if seconds is None:
+        yield
+        return
+    old = await asyncio.gather(rx.call("switch_interval", seconds=seconds),
+                               tx.call("switch_interval", seconds=seconds))
+    try:
+        yield
+    finally:
+        await asyncio.gather(rx.call("switch_interval", seconds=old[0]["old"]),
+                             tx.call("switch_interval", seconds=old[1]["old"]))
+
+
+def _io_summary(io: dict, wall_s: float, conns: int) -> dict:
+    """Per direction: KiB moved per syscall, the share of the I/O threads' time spent waiting in poll,
+    and how busy each connection's thread was (thread time over wall time x connections)."""
+    out = {}
+    for name, d in io.items():
+        if not d.get("frames"):
+            continue
+        out[name] = {"kib_per_syscall": round(d["bytes"] / max(1, d["syscalls"]) / 1024, 1),
+                     "poll_share": round(d["poll_s"] / d["thread_s"], 3) if d["thread_s"] else None,
+                     "thread_busy": round(d["thread_s"] / (wall_s * conns), 3), **d}
+    return out
 
 
 def _cores(acc: dict, wall_s: float) -> dict:

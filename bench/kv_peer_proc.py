@@ -8,7 +8,8 @@ does not block a later ``send``. Only JSON crosses the pipe.
 
 ops: init (new transport; returns tid + endpoint), fill (seeded random KV), expect, wait, send, push,
 finish, send_wait, send_many, send_concurrent, digest, stats, close, raw_listen (plain-socket baseline
-receiver), raw_send, raw_send_concurrent, listening (this process's listening TCP sockets), exit.
+receiver), raw_send, raw_send_concurrent, listening (this process's listening TCP sockets), cpu (CPU
+seconds, per thread group too), switch_interval (sys.setswitchinterval), exit.
 """
 
 from __future__ import annotations
@@ -223,6 +224,10 @@ class PeerProcess:
             while len(box) < 3:
                 await asyncio.sleep(0.005)
             return {"port": box[2]}
+        if op == "switch_interval":  # the GIL's switch interval of this process (a benchmark variant)
+            old = sys.getswitchinterval()
+            sys.setswitchinterval(cmd["seconds"])
+            return {"old": old}
         if op == "listening":
             return {"sockets": listening_sockets()}
         if op == "cpu":

@@ -40,22 +40,30 @@ def _advance(views: list[memoryview], i: int, sent: int) -> int:
 
 
 def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int, stop: list[bool],
-                      progress: list[float]) -> None:
-    """Finish a frame from a worker thread: sendmsg, and poll() for room when the socket buffer is full."""
+                      progress: list[float]) -> tuple[int, int, float, float]:
+    """Finish a frame from a worker thread: sendmsg, and poll() for room when the socket buffer is full.
+    Returns (sendmsg calls, bytes, seconds in poll, seconds in all) for IoStats."""
+    start = time.monotonic()
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLOUT)
+    calls = nbytes = 0
+    polled = 0.0
     while i < len(views):
         try:
             sent = sock.sendmsg(views[i:i + _IOV_MAX])
         except (BlockingIOError, InterruptedError):
+            t = time.monotonic()
             for _fd, ev in poller.poll(100):
                 if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
                     raise ConnectionResetError("socket closed while sending") from None
+            polled += time.monotonic() - t
             if stop[0]:
                 raise ConnectionAbortedError("connection closed locally while sending") from None
             continue
         progress[0] = time.monotonic()
+        calls, nbytes = calls + 1, nbytes + sent
         i = _advance(views, i, sent)
+    return calls, nbytes, polled, time.monotonic() - start
 
 
 class Lane:
@@ -161,7 +169,9 @@ class Lane:
             else:
                 write = self.loop.create_task(self._write_tls(views))
             try:
-                await asyncio.shield(write)
+                done = await asyncio.shield(write)
+                if done is not None:
+                    self.t.io_tx.add(*done)
             except asyncio.CancelledError:
                 # Let the write finish (the stream must stay in sync) unless it is stuck.
                 try:

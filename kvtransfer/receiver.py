@@ -52,6 +52,7 @@ from .errors import (
     error_to_wire,
 )
 from .future_result import FutureResult
+from .iostats import IoStats
 from .memory import KVMemory
 from .protocol import CAPS, PROTOCOL_VERSION, Msg, meta_int, meta_int_list, meta_str
 from .rx_nixl import NixlNotifications
@@ -107,6 +108,7 @@ class Receiver:
         self.loop = loop
         self.expectations: dict[str, Expectation] = {}
         self.recv_pool = None  # set by the transport: threads receiving large payloads
+        self.io_rx = IoStats()  # what those threads did (counters())
         self.conns: set = set()
         # NIXL notifications (completions, handshake probes), polled in rx_nixl.py.
         self.notifs = NixlNotifications(self) if nixl is not None else None

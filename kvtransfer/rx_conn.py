@@ -29,25 +29,32 @@ _THREAD_MIN = 1 << 20
 _IOV_MAX = 512
 
 
-def _readv_all(fd: int, views: list[memoryview], stop: list[bool], progress: list[float]) -> None:
-    """Fill views from a (non-blocking) socket fd owned by the caller; raise on EOF/reset/stop."""
+def _readv_all(fd: int, views: list[memoryview], stop: list[bool],
+               progress: list[float]) -> tuple[int, int, float, float]:
+    """Fill views from a (non-blocking) socket fd owned by the caller; raise on EOF/reset/stop.
+    Returns (readv calls, bytes, seconds in poll, seconds in all) for IoStats."""
+    start = time.monotonic()
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     views = list(views)
-    i = 0
+    i = calls = nbytes = 0
+    polled = 0.0
     while i < len(views):
         try:
             got = os.readv(fd, views[i:i + _IOV_MAX])
         except (BlockingIOError, InterruptedError):
+            t = time.monotonic()
             for _fd, ev in poller.poll(100):
                 if ev & select.POLLNVAL:
                     raise ConnectionResetError("socket closed while receiving") from None
+            polled += time.monotonic() - t
             if stop[0]:
                 raise ConnectionAbortedError("connection closed locally while receiving") from None
             continue
         if got == 0:
             raise ConnectionResetError("sender closed the connection mid-frame")
         progress[0] = time.monotonic()
+        calls, nbytes = calls + 1, nbytes + got
         while got:
             head = views[i]
             if got >= len(head):
@@ -56,6 +63,7 @@ def _readv_all(fd: int, views: list[memoryview], stop: list[bool], progress: lis
             else:
                 views[i] = head[got:]
                 got = 0
+    return calls, nbytes, polled, time.monotonic() - start
 
 
 class RxConnection(asyncio.BufferedProtocol):
@@ -212,6 +220,7 @@ class RxConnection(asyncio.BufferedProtocol):
             log.warning("kvtransfer: connection from %s broke mid-frame: %s", self.peer, exc)
             self.close()
             return
+        self.rx.io_rx.add(*fut.result())
         self.transport.resume_reading()
         self.rx.on_data_complete(self, ctx)
 

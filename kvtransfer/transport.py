@@ -37,6 +37,7 @@ from engine.kv_layout import KVLayout
 from .blocks import validate_block_ids, validate_layers
 from .config import TransportConfig
 from .errors import BackendUnavailable, InvalidTransfer, LayoutMismatch, TransferError
+from .iostats import IoStats
 from .memory import KVMemory
 from .peer import Peer
 from .protocol import PROTOCOL_VERSION
@@ -111,6 +112,7 @@ class KVTransport:
         threads = max(4, 2 * config.tcp_connections)
         self.send_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtransfer-send")
         self.recv_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtransfer-recv")
+        self.io_tx = IoStats()  # what the send threads did (counters())
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> KVTransport:
@@ -269,9 +271,12 @@ class KVTransport:
                 "rx_connections": len(rx.conns) if rx else 0}
 
     def counters(self) -> dict:
-        """Cumulative counters (not leak checks): NIXL WRITEs posted and the descriptors they carried."""
+        """Cumulative counters (not leak checks): NIXL WRITEs posted and the descriptors they carried; what
+        the TCP I/O threads did with large frames, each way (iostats.py)."""
         n = self.nixl
-        return {"nixl_posted_xfers": n.posted_xfers if n else 0, "nixl_descs": n.posted_descs if n else 0}
+        rx = self.receiver.io_rx.as_dict() if self.receiver is not None else IoStats().as_dict()
+        return {"nixl_posted_xfers": n.posted_xfers if n else 0, "nixl_descs": n.posted_descs if n else 0,
+                "tcp_tx_io": self.io_tx.as_dict(), "tcp_rx_io": rx}
 
     def peer_backend(self, endpoint: dict) -> str | None:
         """Which backend the cached connection to this endpoint uses (None if not connected)."""

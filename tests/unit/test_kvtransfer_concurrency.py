@@ -85,6 +85,33 @@ def test_32_transfers_in_flight_byte_exact_none_aborted_past_their_deadlines():
     asyncio.run(asyncio.wait_for(main(), 100))
 
 
+def test_large_frames_go_through_the_io_threads_and_are_counted():
+    """Frames above inline_write_max_bytes are written by a send thread, payloads of 1 MiB and more read by
+    a receive thread; counters() says what those threads moved (bench.kv_bench's "where the time goes")."""
+    big = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    blocks = 128  # 2 MiB per layer: one frame each
+
+    async def main():
+        src, dst = big.allocate(blocks), big.allocate(blocks)
+        fill_random(src, 3)
+        cfg = {"max_frame_bytes": 2 << 20, "tcp_connections": 2}
+        a = await make_transport("tcp", big, src, **cfg).start()
+        b = await make_transport("tcp", big, dst, **cfg).start()
+        ids = list(range(blocks))
+        exp = b.expect("big", ids, timeout=30)
+        await asyncio.gather(a.start_send("big", b.endpoint(), ids, ids).wait(), exp.wait())
+        assert torch.equal(src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8))  # NaN bits
+        payload = big.num_layers * blocks * big.block_bytes
+        tx, rx = a.counters()["tcp_tx_io"], b.counters()["tcp_rx_io"]
+        assert tx["frames"] >= 1 and payload <= tx["bytes"] < payload + 4096, tx  # + frame headers
+        assert rx["frames"] == 2 and rx["bytes"] == payload, rx
+        for io in (tx, rx):
+            assert io["syscalls"] >= io["frames"] and 0 <= io["poll_s"] <= io["thread_s"], io
+        await settled(a, b)
+
+    asyncio.run(main())
+
+
 def test_a_stalled_sender_fails_at_its_deadline_once_idle_for_the_stall_timeout():
     """BEGIN and half a DATA frame, then silence on an open connection: the expectation fails with
     TransferTimeout naming the idle connection (its deadline passed while receiving, and the connection
