@@ -2,7 +2,7 @@
 
     python -m bench.kv_bench [--json OUT] [--quick] [--backends tcp,nixl,nixl_ucx_tcp]
                              [--concurrency 1,4,16] [--conc-tokens 2048] [--tls-concurrency 1,16]
-                             [--device cpu|cuda] [--connections 4]
+                             [--device cpu|cuda] [--connections 8]
 
 Concurrency rows (``concurrency`` in the JSON; ``--concurrency ""`` skips them): that many TCP transfers
 of ``--conc-tokens`` tokens started at once, timed from the first start_send to the last acknowledgement
@@ -416,7 +416,7 @@ def main(argv=None) -> None:
     ap.add_argument("--conc-tokens", type=int, default=0,
                     help="tokens per concurrent transfer (default 2048, --quick 512)")
     ap.add_argument("--tls-concurrency", default="1,16", help="concurrency levels also run over mutual TLS")
-    ap.add_argument("--connections", type=int, default=4, help="TransportConfig.tcp_connections")
+    ap.add_argument("--connections", type=int, default=8, help="TransportConfig.tcp_connections")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
                     help="concurrency rows: also a plaintext transport with these TransportConfig overrides "
                          "(e.g. spin=staging_blocking_sync=false), same rounds; repeatable")

@@ -42,8 +42,11 @@ class TransportConfig:
     # TCP: connections a sender opens to one receiver. Each transfer rides one of them (the least loaded
     # when it starts) from BEGIN to END, so transfers in flight spread over this many sockets and kernel
     # copies (one TCP stream is bounded by one core's copy rate); on one connection they interleave frame
-    # by frame. A NIXL peer uses one (the side channel carries no bulk data).
-    tcp_connections: int = 4
+    # by frame. A NIXL peer uses one (the side channel carries no bulk data). 8: one connection moves
+    # ~2 GB/s of staged GPU memory, below a raw socket's ~3 (the gaps between frames), so 16 transfers in
+    # flight reached 0.60-0.69 of a raw socket over 4 connections and 0.91-0.98 over 8 (2x H200,
+    # docs/kvtransfer.md).
+    tcp_connections: int = 8
     # A TCP transfer past its deadline (receiver: the expect() deadline; sender: start_send's timeout) is
     # failed only when its connection has moved no byte for this long: one queued behind others' frames
     # is making progress, and the deadline is for a sender that never came or stalled.

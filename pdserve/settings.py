@@ -88,7 +88,7 @@ class ServeSettings:
     # KV listeners (side channel, TCP data, NIXL/UCX's TCP listeners) bind this host; "" = --host
     kv_host: str = ""
     # TCP KV plane: connections a prefill worker opens to each decode worker (transfers spread over them)
-    kv_connections: int = 4
+    kv_connections: int = 8
     # prefill: push each layer's KV while the next one computes (when the transport supports it)
     kv_stream_layers: str = "on"
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
@@ -307,7 +307,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-port", type=int, help="KV side-channel / TCP data port (0 = pick free)")
     a("--kv-host", help="bind address of every KV listener (side channel, TCP data, NIXL/UCX; default "
       "--host)")
-    a("--kv-connections", type=int, help="TCP KV transport: connections per decode worker (default 4)")
+    a("--kv-connections", type=int, help="TCP KV transport: connections per decode worker (default 8)")
     a("--kv-stream-layers", choices=ON_OFF, help="prefill: push each layer's KV while the next layer "
       "computes (default on; off = one send after the prefill)")
     a("--drain-timeout", type=float, help="seconds to finish in-flight requests on SIGTERM (default 30)")
