@@ -9,7 +9,10 @@ of ``--conc-tokens`` tokens started at once, timed from the first start_send to 
 (aggregate GB/s), beside a raw-socket baseline moving the same bytes over the same number of connections
 (min(concurrency, --connections): what the transport opens), the same run, rounds interleaved, each row
 with the cores every thread group of either process kept busy (``cpu_cores``: where the time goes;
-``raw_cpu_cores`` for the socket). ``--variant NAME=key=value,...`` adds rows of a plaintext transport
+``raw_cpu_cores`` for the socket). ``--raw-distinct`` adds a second raw socket whose messages each come
+from and land in memory of their own (``distinct_baseline_gbps``), as transfers of different requests
+do, where the first resends one buffer into one buffer, which can stay in the CPU's caches.
+``--variant NAME=key=value,...`` adds rows of a plaintext transport
 with those TransportConfig overrides (configurations side by side in one run; the key switch_interval
 sets both processes' sys.setswitchinterval for that variant's rounds instead). With
 ``--tls-concurrency`` the same transfers also run over mutual TLS (throwaway certificates,
@@ -216,13 +219,17 @@ async def bench_concurrency(args) -> list[dict]:
             sides[name] = (r["tid"], t["tid"], r["endpoint"])
             await _concurrent(rx, tx, sides[name], nblocks, 1, f"{name}-warm")
         raw = await rx.call("raw_listen", max_bytes=nbytes)
+        cold = await rx.call("raw_listen", max_bytes=nbytes, slots=max(levels)) if args.raw_distinct else None
         plain_tid = sides["tcp"][1]
         for c in levels:
-            conns = min(c, args.connections)
-            got: dict[str, list] = {name: [] for name in [*sides, "raw"]}
+            lanes = {name: min(c, variants.get(name, {}).get("tcp_connections", args.connections))
+                     for name in sides}
+            got: dict = {name: [] for name in sides}
             each: dict[str, list] = {name: [] for name in sides}
-            cpu: dict[str, dict] = {name: {} for name in [*sides, "raw"]}
+            cpu: dict = {name: {} for name in sides}
             io: dict[str, dict] = {name: {} for name in sides}
+            for n in set(lanes.values()):  # the raw socket over each number of connections a row uses
+                got[("raw", n)], got[("cold", n)], cpu[("raw", n)] = [], [], {}
             for rep in range(reps):
                 for name in sides:
                     if name == "tcp_tls" and c not in tls_levels:
@@ -232,18 +239,26 @@ async def bench_concurrency(args) -> list[dict]:
                         wall, per = await _concurrent(rx, tx, sides[name], nblocks, c, f"{name}-c{c}-{rep}")
                     got[name].append(wall)
                     each[name] += per
-                async with _cpu_into(rx, tx, cpu["raw"]):
-                    got["raw"].append((await tx.call("raw_send_concurrent", tid=plain_tid, host="127.0.0.1",
-                                                     port=raw["port"], nbytes=nbytes, conns=conns, messages=c,
-                                                     wait_s=1800))["seconds"])
+                for n in set(lanes.values()):
+                    async with _cpu_into(rx, tx, cpu[("raw", n)]):
+                        got[("raw", n)].append((await tx.call(
+                            "raw_send_concurrent", tid=plain_tid, host="127.0.0.1", port=raw["port"],
+                            nbytes=nbytes, conns=n, messages=c, wait_s=1800))["seconds"])
+                    if cold is not None:
+                        got[("cold", n)].append((await tx.call(
+                            "raw_send_concurrent", tid=plain_tid, host="127.0.0.1", port=cold["port"],
+                            nbytes=nbytes, conns=n, messages=c, distinct=True, wait_s=1800))["seconds"])
             for name in sides:
                 if not got[name]:
                     continue
-                row = _conc_row(name, c, conns, ntok, nbytes, got[name], each[name], got["raw"], args.device)
+                n = lanes[name]
+                row = _conc_row(name, c, n, ntok, nbytes, got[name], each[name], got[("raw", n)], args.device)
+                if got[("cold", n)]:
+                    row["distinct_baseline_gbps"] = _gbps(nbytes * c, got[("cold", n)])
+                    row["distinct_ratio"] = round(row["gbps"] / row["distinct_baseline_gbps"], 3)
                 row["cpu_cores"] = _cores(cpu[name], sum(got[name]))
-                row["raw_cpu_cores"] = _cores(cpu["raw"], sum(got["raw"]))
-                lanes = min(c, variants.get(name, {}).get("tcp_connections", args.connections))
-                row["io"] = _io_summary(io[name], sum(got[name]), lanes)
+                row["raw_cpu_cores"] = _cores(cpu[("raw", n)], sum(got[("raw", n)]))
+                row["io"] = _io_summary(io[name], sum(got[name]), n)
                 if name == "tcp_tls":
                     row["plain_gbps"] = _gbps(nbytes * c, got["tcp"])
                     row["tls_ratio"] = round(row["gbps"] / row["plain_gbps"], 3)
@@ -367,14 +382,16 @@ def _conc_row(name, c, conns, ntok, nbytes, secs, each, raw, device) -> dict:
 
 
 _HEAD_CONC = (f"{'backend':<8} {'conc':>4} {'conns':>5} {'tokens':>6} {'MiB each':>8} {'GB/s':>7} "
-              f"{'socket GB/s':>11} {'ratio':>6} {'p50 ms':>9} {'max ms':>9} {'vs plain':>8}")
+              f"{'socket GB/s':>11} {'ratio':>6} {'p50 ms':>9} {'max ms':>9} {'vs plain':>8} "
+              f"{'distinct GB/s':>13} {'ratio':>6}")
 
 
 def _fmt_conc(r: dict) -> str:
     vs = f"{r['tls_ratio']:>8.2f}" if "tls_ratio" in r else f"{'-':>8}"
     return (f"{r['backend']:<8} {r['concurrency']:>4} {r['connections']:>5} {r['tokens']:>6} "
             f"{r['bytes'] / 2**20:>8.1f} {r['gbps']:>7.3f} {r['baseline_gbps']:>11.3f} {r['ratio']:>6.2f} "
-            f"{r['transfer_ms_p50']:>9.1f} {r['transfer_ms_max']:>9.1f} {vs}")
+            f"{r['transfer_ms_p50']:>9.1f} {r['transfer_ms_max']:>9.1f} {vs} "
+            f"{r.get('distinct_baseline_gbps') or 0:>13.3f} {r.get('distinct_ratio') or 0:>6.2f}")
 
 
 async def main_async(args) -> list[dict]:
@@ -417,6 +434,10 @@ def main(argv=None) -> None:
                     help="tokens per concurrent transfer (default 2048, --quick 512)")
     ap.add_argument("--tls-concurrency", default="1,16", help="concurrency levels also run over mutual TLS")
     ap.add_argument("--connections", type=int, default=8, help="TransportConfig.tcp_connections")
+    ap.add_argument("--raw-distinct", action="store_true",
+                    help="concurrency rows: also a raw socket whose messages come from and go to different "
+                         "buffers, one per message (distinct_baseline_gbps / distinct_ratio), beside the one "
+                         "that resends one buffer into one buffer")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
                     help="concurrency rows: also a plaintext transport with these TransportConfig overrides "
                          "(e.g. spin=staging_blocking_sync=false), same rounds; repeatable")

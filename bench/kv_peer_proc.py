@@ -45,17 +45,25 @@ def block_digest(kv: torch.Tensor, blocks: list[int]) -> str:
     return h.hexdigest()
 
 
-def _raw_server(nbytes_list_port: list) -> None:
+def _raw_server(nbytes_list_port: list, slots: int = 1) -> None:
     """Plain blocking socket receiver: per message, read an 8-byte length then that many bytes with
-    recv_into into one preallocated buffer, reply one byte. The TCP baseline. Every accepted connection
-    gets a thread of its own (the concurrent baseline moves bytes over several at once, all into the same
-    buffer: the bytes are not looked at)."""
+    recv_into into a preallocated buffer, reply one byte. The TCP baseline. Every accepted connection
+    gets a thread of its own (the concurrent baseline moves bytes over several at once; the bytes are not
+    looked at). slots > 1: that many buffers (pages touched up front), each message into the next one, so
+    consecutive messages land in different memory as KV transfers do (slots=1: every message into the
+    same, cache-warm buffer)."""
+    import itertools
+
+    import numpy as np
+
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind((nbytes_list_port[0], 0))
     srv.listen(64)
+    size = nbytes_list_port[1]
+    whole = memoryview(np.ones(size * slots, dtype=np.uint8)) if slots > 1 else memoryview(bytearray(size))
     nbytes_list_port.append(srv.getsockname()[1])
-    buf = memoryview(bytearray(nbytes_list_port[1]))
+    turn, lock = itertools.count(), threading.Lock()
 
     def serve(conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -64,6 +72,9 @@ def _raw_server(nbytes_list_port: list) -> None:
                 head = conn.recv(8, socket.MSG_WAITALL)
                 if len(head) < 8:
                     break
+                with lock:
+                    slot = next(turn) % slots
+                buf = whole[slot * size:(slot + 1) * size]
                 n, pos = int.from_bytes(head, "big"), 0
                 while pos < n:
                     got = conn.recv_into(buf[pos:n])
@@ -145,6 +156,7 @@ def thread_cpu() -> dict[str, float]:
 
 
 _HOST_COPY: dict[int, torch.Tensor] = {}
+_DISTINCT: dict[tuple, torch.Tensor] = {}
 
 
 def host_bytes(kv: torch.Tensor, nbytes: int) -> memoryview:
@@ -158,31 +170,50 @@ def host_bytes(kv: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview(_HOST_COPY[nbytes].numpy())
 
 
+def _distinct_sources(kv: torch.Tensor, nbytes: int, count: int) -> list[memoryview]:
+    """count different host buffers of nbytes, each a copy of the KV's first nbytes (page-locked for
+    device memory), kept for the next call."""
+    key = (nbytes, count)
+    if key not in _DISTINCT:
+        _DISTINCT.clear()
+        first = kv.view(-1).view(torch.uint8)[:nbytes].cpu()
+        pool = torch.empty(nbytes * count, dtype=torch.uint8, pin_memory=kv.device.type == "cuda")
+        for i in range(count):
+            pool[i * nbytes:(i + 1) * nbytes].copy_(first)
+        _DISTINCT[key] = pool
+    whole = memoryview(_DISTINCT[key].numpy())
+    return [whole[i * nbytes:(i + 1) * nbytes] for i in range(count)]
+
+
 def _raw_send_concurrent(kv: torch.Tensor, host: str, port: int, nbytes: int, conns: int,
-                         messages: int) -> float:
+                         messages: int, distinct: bool = False) -> float:
     """The concurrent baseline: ``conns`` connections, each a thread sending its share of ``messages``
-    messages of nbytes (as _raw_send) back to back; wall seconds from the first byte to the last ack."""
+    messages of nbytes (as _raw_send) back to back; wall seconds from the first byte to the last ack.
+    distinct: every message from its own host buffer (as many transfers of different requests are),
+    instead of all from one."""
     import time
 
     socks = [socket.create_connection((host, port)) for _ in range(conns)]
     barrier = threading.Barrier(conns + 1)
     errors: list[BaseException] = []
-    src = host_bytes(kv, nbytes)
+    sources = _distinct_sources(kv, nbytes, messages) if distinct else [host_bytes(kv, nbytes)] * messages
     shares = [messages // conns + (1 if i < messages % conns else 0) for i in range(conns)]
+    firsts = [sum(shares[:i]) for i in range(conns)]
 
-    def run(sock: socket.socket, count: int) -> None:
+    def run(sock: socket.socket, count: int, first: int) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         barrier.wait()
         try:
-            for _ in range(count):
+            for k in range(count):
                 sock.sendall(nbytes.to_bytes(8, "big"))
-                sock.sendall(src)
+                sock.sendall(sources[first + k])
                 if sock.recv(1) != b"k":
                     raise ConnectionError("raw receiver went away")
         except BaseException as exc:  # reported to the caller below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(s, n)) for s, n in zip(socks, shares, strict=True)]
+    threads = [threading.Thread(target=run, args=(s, n, f))
+               for s, n, f in zip(socks, shares, firsts, strict=True)]
     for th in threads:
         th.start()
     barrier.wait()
@@ -220,7 +251,7 @@ class PeerProcess:
             return {"tid": tid, "endpoint": t.endpoint(), "backends": list(t.backends)}
         if op == "raw_listen":
             box = [cmd.get("host", "127.0.0.1"), cmd["max_bytes"]]
-            threading.Thread(target=_raw_server, args=(box,), daemon=True).start()
+            threading.Thread(target=_raw_server, args=(box, cmd.get("slots", 1)), daemon=True).start()
             while len(box) < 3:
                 await asyncio.sleep(0.005)
             return {"port": box[2]}
@@ -283,7 +314,8 @@ class PeerProcess:
                     "backend": results[0]["backend"]}
         if op == "raw_send_concurrent":
             return {"seconds": await asyncio.to_thread(_raw_send_concurrent, kv, cmd["host"], cmd["port"],
-                                                       cmd["nbytes"], cmd["conns"], cmd["messages"])}
+                                                       cmd["nbytes"], cmd["conns"], cmd["messages"],
+                                                       cmd.get("distinct", False))}
         if op == "raw_send":
             return {"seconds": await asyncio.to_thread(_raw_send, kv, cmd["host"], cmd["port"], cmd["nbytes"],
                                                        cmd["iters"])}
