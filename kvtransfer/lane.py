@@ -3,8 +3,8 @@
 Plaintext: frames go out with scatter-gather ``sendmsg`` straight from the source blocks; a small write
 is tried at once on the event loop, a large one (TransportConfig.inline_write_max_bytes) and whatever did
 not fit in the socket buffer is written by a worker thread (GIL released), so a large payload costs the
-event loop nothing. TLS: an asyncio SSL stream (TransportConfig.tls_*), written in
-``_TLS_CHUNK`` pieces so encrypting a large frame never holds the loop for long.
+event loop nothing. TLS: the same socket under a ``TlsChannel`` (tls.py); a large frame is encrypted by
+the thread that writes it (TransportConfig.tls_*).
 
 A frame is written whole under the lane's lock (FIFO), so frames of transfers sharing a lane interleave
 frame by frame. A write interrupted halfway poisons the stream: the peer is closed. ``progress`` is the
@@ -21,10 +21,9 @@ import time
 
 from .errors import PeerUnavailable, TransferError
 from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
-from .tls import client_context
+from .tls import TlsChannel, client_context, tls_send_blocking
 
 _IOV_MAX = 512
-_TLS_CHUNK = 1 << 20
 
 
 def _advance(views: list[memoryview], i: int, sent: int) -> int:
@@ -74,8 +73,8 @@ class Lane:
         self.index = index
         self.name = peer.name if index == 0 else f"{peer.name}#{index}"
         self.sock: socket.socket | None = None
-        self._rstream: asyncio.StreamReader | None = None
-        self._wstream: asyncio.StreamWriter | None = None
+        self.chan: TlsChannel | None = None  # with TLS (tls.py)
+        self._plain = bytearray()  # TLS: decrypted reply bytes not parsed yet
         self.closed = False
         self.progress = [time.monotonic()]
         self.load = 0  # bytes of the transfers riding this lane now (the least loaded takes the next)
@@ -93,22 +92,17 @@ class Lane:
         cfg = self.t.config
         host, port = self.peer.endpoint["host"], int(self.peer.endpoint["port"])
         try:
+            infos = await self.loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, _, _, _, addr = infos[0]
+            sock = self.sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if cfg.socket_buffer_bytes:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.socket_buffer_bytes)
+            await asyncio.wait_for(self.loop.sock_connect(sock, addr), cfg.connect_timeout_s)
             if cfg.tls:
-                self._rstream, self._wstream = await asyncio.wait_for(
-                    asyncio.open_connection(host, port, ssl=client_context(cfg), limit=1 << 20,
-                                            ssl_handshake_timeout=cfg.handshake_timeout_s),
-                    cfg.connect_timeout_s + cfg.handshake_timeout_s)
-                sock = self._wstream.get_extra_info("socket")
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            else:
-                infos = await self.loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-                family, _, _, _, addr = infos[0]
-                sock = self.sock = socket.socket(family, socket.SOCK_STREAM)
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if cfg.socket_buffer_bytes:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.socket_buffer_bytes)
-                await asyncio.wait_for(self.loop.sock_connect(sock, addr), cfg.connect_timeout_s)
+                self.chan = TlsChannel(client_context(cfg), server_side=False)
+                await asyncio.wait_for(self._tls_handshake(sock), cfg.handshake_timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
             self.close()
             what = "TLS connection to" if cfg.tls else "connect to"
@@ -116,6 +110,18 @@ class Lane:
                                   f"{type(exc).__name__}: {exc}") from exc
         self.progress[0] = time.monotonic()
         self.reader = self.loop.create_task(self._read_loop(), name=f"kvtransfer-peer-{self.name}")
+
+    async def _tls_handshake(self, sock: socket.socket) -> None:
+        out = self.chan.handshake()
+        while True:
+            if out:
+                await self.loop.sock_sendall(sock, out)
+            if self.chan.established:
+                return
+            raw = await self.loop.sock_recv(sock, 1 << 16)
+            if not raw:
+                raise ConnectionResetError("the receiver closed the connection during the TLS handshake")
+            out = self.chan.handshake(raw)
 
     # -- writing -----------------------------------------------------------------------------------
     async def send_frame(self, msg: Msg, meta: dict, payload: list | None = None,
@@ -149,25 +155,31 @@ class Lane:
             if self.closed:
                 raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
             views = [memoryview(b).cast("B") for b in bufs if len(b)]
-            if self._wstream is None:
-                # Small frames (BEGIN, WROTE, ...) usually fit in the socket buffer: written here, at once,
-                # without a task and an event-loop turn (nothing to cut short, so no cancellation concern).
-                # Large ones go whole to a thread: the loop thread is shared by every connection.
-                i = 0
-                if sum(len(v) for v in views) <= self.t.config.inline_write_max_bytes:
-                    try:
-                        i = _advance(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
-                        self.progress[0] = time.monotonic()
-                    except (BlockingIOError, InterruptedError):
-                        i = 0
-                    except OSError as exc:
-                        raise self._lost(exc) from exc
-                    if i == len(views):
-                        return
+            # Small frames (BEGIN, WROTE, ...) usually fit in the socket buffer: written here, at once,
+            # without a task and an event-loop turn (nothing to cut short, so no cancellation concern).
+            # Large ones go whole to a thread, encryption included: the loop thread is shared by every
+            # connection.
+            i = 0
+            if sum(len(v) for v in views) <= self.t.config.inline_write_max_bytes:
+                if self.chan is not None:
+                    views = [memoryview(self.chan.encrypt(views))]
+                try:
+                    i = _advance(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
+                    self.progress[0] = time.monotonic()
+                except (BlockingIOError, InterruptedError):
+                    i = 0
+                except OSError as exc:
+                    raise self._lost(exc) from exc
+                if i == len(views):
+                    return
                 write = self.loop.run_in_executor(self.t.send_pool, _sendmsg_blocking, self.sock, views[i:],
                                                   0, self._stop, self.progress)
+            elif self.chan is not None:
+                write = self.loop.run_in_executor(self.t.send_pool, tls_send_blocking, self.sock, self.chan,
+                                                  views, self._stop, self.progress)
             else:
-                write = self.loop.create_task(self._write_tls(views))
+                write = self.loop.run_in_executor(self.t.send_pool, _sendmsg_blocking, self.sock, views,
+                                                  0, self._stop, self.progress)
             try:
                 done = await asyncio.shield(write)
                 if done is not None:
@@ -182,21 +194,20 @@ class Lane:
             except OSError as exc:
                 raise self._lost(exc) from exc
 
-    async def _write_tls(self, views: list[memoryview]) -> None:
-        w = self._wstream
-        for view in views:
-            for pos in range(0, len(view), _TLS_CHUNK):
-                w.write(view[pos:pos + _TLS_CHUNK])
-                await w.drain()
-                self.progress[0] = time.monotonic()
-
     # -- reading -----------------------------------------------------------------------------------
     async def _recv_exact(self, n: int) -> bytes | bytearray:
-        if self._rstream is not None:
-            try:
-                data = await self._rstream.readexactly(n)
-            except asyncio.IncompleteReadError:
-                raise PeerUnavailable(f"KV receiver {self.name} closed the connection") from None
+        if self.chan is not None:
+            scratch = memoryview(bytearray(1 << 16))
+            while len(self._plain) < n:
+                got = self.chan.decrypt_into(scratch)
+                if got:
+                    self._plain += scratch[:got]
+                    continue
+                raw = await self.loop.sock_recv(self.sock, 1 << 16)
+                if not raw:
+                    raise PeerUnavailable(f"KV receiver {self.name} closed the connection")
+                self.chan.feed(raw)
+            data, self._plain = self._plain[:n], self._plain[n:]
             self.progress[0] = time.monotonic()
             return data
         buf = bytearray(n)
@@ -228,7 +239,6 @@ class Lane:
         self.closed = True
         self._stop[0] = True
         sock, self.sock = self.sock, None
-        writer, self._wstream = self._wstream, None
         reader = self.reader
         if reader is not None and not reader.done() and reader is not asyncio.current_task():
             # Close the socket only once the reader has unregistered it: its fd number may be reused.
@@ -237,5 +247,3 @@ class Lane:
                 reader.add_done_callback(lambda _t: sock.close())
         elif sock is not None:
             sock.close()
-        if writer is not None:
-            writer.transport.abort()

@@ -7,6 +7,10 @@ memory), so KV bytes are copied exactly once, socket -> KV cache. Header and met
 validated by the Receiver *before* the payload's first byte is accepted; an invalid frame's payload is
 read into a scratch buffer and dropped, so the stream stays in sync and other requests on the same
 connection carry on.
+
+TLS (a ``TlsChannel``, tls.py): the loop receives ciphertext, runs the handshake (certificate of the
+cluster CA required, within handshake_timeout_s) and decrypts headers, metadata and small payloads into
+the same targets; a large payload is read and decrypted by a worker thread, straight into its targets.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ import logging
 import os
 import select
 import socket
+import ssl
 import time
 
 from .errors import ProtocolError, TransferError, error_to_wire
 from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
+from .tls import TlsChannel, tls_recv_all
 
 log = logging.getLogger("kvtransfer.rx")
 _SCRATCH = 1 << 20
@@ -27,6 +33,7 @@ _SCRATCH = 1 << 20
 # one readv() per socket-buffer fill, GIL released, instead of one loop iteration per recv.
 _THREAD_MIN = 1 << 20
 _IOV_MAX = 512
+_RAW = 1 << 18  # TLS: ciphertext read per loop callback
 
 
 def _readv_all(fd: int, views: list[memoryview], stop: list[bool],
@@ -67,8 +74,12 @@ def _readv_all(fd: int, views: list[memoryview], stop: list[bool],
 
 
 class RxConnection(asyncio.BufferedProtocol):
-    def __init__(self, receiver) -> None:
+    def __init__(self, receiver, tls: ssl.SSLContext | None = None) -> None:
         self.rx = receiver
+        self._tls = tls
+        self.chan: TlsChannel | None = None  # with TLS: made in connection_made, handshake on the loop
+        self._raw: memoryview | None = None  # TLS: where the loop receives ciphertext
+        self._handshake_timer: asyncio.TimerHandle | None = None
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.closed = False
@@ -97,11 +108,14 @@ class RxConnection(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
-        tls = transport.get_extra_info("ssl_object") is not None
-        if sock is not None and not tls:
+        if sock is not None:
             # A private dup, so a worker thread never reads a reused fd number after asyncio closes its own.
-            # (TLS: every byte goes through the SSL transport, decrypted straight into get_buffer()'s view.)
             self._fd = os.dup(sock.fileno())
+        if self._tls is not None:
+            self.chan = TlsChannel(self._tls, server_side=True)
+            self._raw = memoryview(bytearray(_RAW))
+            self._handshake_timer = asyncio.get_running_loop().call_later(
+                self.rx.config.handshake_timeout_s, self._handshake_expired)
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.rx.config.socket_buffer_bytes:
@@ -111,6 +125,8 @@ class RxConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self._stop[0] = True
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
         if self._fd is not None and self._state != "thread":
             os.close(self._fd)
             self._fd = None
@@ -121,6 +137,10 @@ class RxConnection(asyncio.BufferedProtocol):
         self.rx.on_conn_lost(self, exc)
 
     def get_buffer(self, sizehint: int):
+        return self._raw if self.chan is not None else self._target()
+
+    def _target(self) -> memoryview:
+        """Where the next plaintext bytes of the current frame go."""
         if self._state == "header":
             return memoryview(self._hdr)[self._pos:]
         if self._state == "meta":
@@ -137,11 +157,49 @@ class RxConnection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.progress[0] = time.monotonic()
+        if self.chan is None:
+            self._guarded(self._advance, nbytes)
+        else:
+            self._guarded(self._tls_received, nbytes)
+
+    def _guarded(self, step, *args) -> None:
         try:
-            self._advance(nbytes)
+            step(*args)
         except ProtocolError as exc:
             log.warning("kvtransfer: closing connection from %s: %s", self.peer, exc)
             self.send(Msg.ERROR, error_to_wire(exc))
+            self.close()
+        except (ssl.SSLError, ConnectionResetError) as exc:
+            # A peer without a certificate of the cluster CA ends here, during the handshake.
+            log.info("kvtransfer: TLS connection from %s closed: %s", self.peer, exc)
+            self.close()
+
+    # -- TLS ---------------------------------------------------------------------------------------
+    def _tls_received(self, nbytes: int) -> None:
+        data = self._raw[:nbytes]
+        if not self.chan.established:
+            out = self.chan.handshake(data)
+            if out:
+                self.transport.write(out)
+            if not self.chan.established:
+                return
+            self._handshake_timer.cancel()
+        else:
+            self.chan.feed(data)
+        self._pump()
+
+    def _pump(self) -> None:
+        """Decrypt what the channel holds into the current frame, on the loop, until it holds no more or
+        a large payload went to a thread (which carries on from the same channel)."""
+        while self._state != "thread" and not self.closed:
+            got = self.chan.decrypt_into(self._target())
+            if not got:
+                return
+            self._advance(got)
+
+    def _handshake_expired(self) -> None:
+        if not self.chan.established:
+            log.info("kvtransfer: TLS handshake from %s timed out", self.peer)
             self.close()
 
     def eof_received(self):
@@ -200,8 +258,12 @@ class RxConnection(asyncio.BufferedProtocol):
             self._state = "thread"
             self.transport.pause_reading()
             loop = asyncio.get_running_loop()
-            fut = loop.run_in_executor(self.rx.recv_pool, _readv_all, self._fd, self._targets, self._stop,
-                                       self.progress)
+            if self.chan is not None:
+                fut = loop.run_in_executor(self.rx.recv_pool, tls_recv_all, self._fd, self.chan,
+                                           self._targets, self._stop, self.progress)
+            else:
+                fut = loop.run_in_executor(self.rx.recv_pool, _readv_all, self._fd, self._targets, self._stop,
+                                           self.progress)
             fut.add_done_callback(self._thread_done)
         if not self._targets:
             ctx, self._ctx = self._ctx, None
@@ -223,11 +285,18 @@ class RxConnection(asyncio.BufferedProtocol):
         self.rx.io_rx.add(*fut.result())
         self.transport.resume_reading()
         self.rx.on_data_complete(self, ctx)
+        if self.chan is not None:
+            self._guarded(self._pump)  # the thread may have decrypted past its frame: the next one is here
 
     # -- replies -----------------------------------------------------------------------------------
     def send(self, msg: Msg, meta: dict) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(encode(msg, meta))
+            data = encode(msg, meta)
+            if self.chan is not None:
+                if not self.chan.established:
+                    return
+                data = self.chan.encrypt([data])
+            self.transport.write(data)
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():

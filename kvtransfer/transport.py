@@ -124,9 +124,8 @@ class KVTransport:
         self.receiver.recv_pool = self.recv_pool
         tls = server_context(self.config)  # None: plaintext
         self._server = await self.loop.create_server(
-            lambda: RxConnection(self.receiver), self.config.listen_host, self.config.listen_port,
-            reuse_address=True, ssl=tls,
-            ssl_handshake_timeout=self.config.handshake_timeout_s if tls else None)
+            lambda: RxConnection(self.receiver, tls), self.config.listen_host, self.config.listen_port,
+            reuse_address=True)
         self._port = self._server.sockets[0].getsockname()[1]
         return self
 
