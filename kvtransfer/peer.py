@@ -12,8 +12,9 @@ Lifecycle::
                    HELLO / HELLO_OK also carry each side's capabilities ("caps", protocol.CAPS): frame
                    types newer than version 1's set (WROTE) go only to a receiver that advertised them.
                    A TCP peer then opens tcp_connections - 1 more lanes (each says HELLO, want tcp)
-    pick_lane()    a transfer rides the least loaded lane from BEGIN to END (the receiver binds it to
-                   the connection its BEGIN came on); frames are written whole per lane (lane.py)
+    pick_lanes()   a transfer rides the least loaded lanes: BEGIN and END on the first (the receiver binds
+                   it to the connection its BEGIN came on), DATA frames over all of them once the receiver
+                   acknowledged a striped BEGIN (CAP_STRIPE); frames are written whole per lane (lane.py)
     reader tasks   one per lane: route BEGIN_OK / DONE / ERROR / ABORT for a request id to its SendHandle
     dead()         EOF, reset or a poisoned stream on any lane: every handle fails with PeerUnavailable,
                    every lane closes, the peer leaves the cache, its NIXL remote agent is forgotten
@@ -87,11 +88,13 @@ class Peer:
 
         await asyncio.gather(*(open_one(lane) for lane in lanes))
 
-    def pick_lane(self, nbytes: int) -> Lane:
-        """The lane a new transfer rides (the one with the fewest bytes of transfers on it)."""
-        lane = min(self.lanes, key=lambda ln: (ln.load, ln.index))
-        lane.load += nbytes
-        return lane
+    def pick_lanes(self, nbytes: int, count: int) -> list[Lane]:
+        """The lanes a new transfer rides, the least loaded (bytes of transfers on it) first; each is
+        charged its share of nbytes. The first carries BEGIN and END."""
+        lanes = sorted(self.lanes, key=lambda ln: (ln.load, ln.index))[:max(1, count)]
+        for lane in lanes:
+            lane.load += nbytes // len(lanes)
+        return lanes
 
     async def _handshake(self) -> None:
         layout = self.t.layout
@@ -132,7 +135,7 @@ class Peer:
         fut = self._waiter(("hello", lane.index))
         await lane.send_frame(Msg.HELLO, {"version": PROTOCOL_VERSION, "layout_hash": layout.compat_hash(),
                                           "layout_desc": layout.describe(), "want": want,
-                                          "caps": list(CAPS),
+                                          "caps": list(CAPS), "sender": self.t.instance,
                                           "agent": self.t.nixl.name if self.t.nixl else None})
         return await fut
 

@@ -29,11 +29,11 @@ MAX_PAYLOAD_BYTES = 1 << 30
 
 
 class Msg(IntEnum):
-    HELLO = 1  # s->r  {version, layout, layout_hash, want, agent}
+    HELLO = 1  # s->r  {version, layout, layout_hash, want, agent, caps?, sender?}
     HELLO_OK = 2  # r->s  {version, layout_hash, num_blocks, backend, nixl?}
     PROBE = 3  # s->r  {nonce}: "I sent you a NIXL notification with this nonce"
     PROBE_OK = 4  # r->s  {nonce}
-    BEGIN = 5  # s->r  {rid, dst, layers, backend, nbytes, agent?}
+    BEGIN = 5  # s->r  {rid, dst, layers, backend, nbytes, agent?, stripe?}
     BEGIN_OK = 6  # r->s  {rid}
     DATA = 7  # s->r  {rid, segs: [[layer, dst_block, n], ...], crc?} + payload
     END = 8  # s->r  {rid, nbytes}
@@ -48,7 +48,11 @@ class Msg(IntEnum):
 # is not in version 1's original set (an older peer's decode_header rejects it and closes the connection)
 # is only sent to a peer that advertised it, so PROTOCOL_VERSION stays 1 and old peers keep working.
 CAP_WROTE = "wrote"
-CAPS = (CAP_WROTE,)
+# A TCP transfer may spread its DATA frames over every connection of its sender (BEGIN {stripe: true},
+# answered with BEGIN_OK; END may then arrive before frames still on other connections). Only sent to a
+# receiver that advertised it; the connections say whose they are in HELLO ("sender": the instance).
+CAP_STRIPE = "stripe"
+CAPS = (CAP_WROTE, CAP_STRIPE)
 
 
 def meta_caps(meta: dict) -> frozenset[str]:

@@ -9,6 +9,9 @@ Lifecycle of one request on the decode side::
     TCP:  DATA frames                   every segment must name (layer, block) pairs of this expectation not
                                         yet written; only then is the payload received in place
           END                           all (layer, block) pairs written exactly once -> "done", DONE sent
+          striped (BEGIN {stripe})      BEGIN_OK sent; DATA also on the sender's other connections (same
+                                        "sender" in their HELLO); END may come before their last frames:
+                                        the last byte completes it then
     NIXL: WROTE frame {rid, n, layers}  on the connection that sent BEGIN (sender's WRITEs DONE), or
           notification {done, rid, n}   from the agent named in BEGIN (polled by rx_nixl.NixlNotifications),
                                         whichever comes first: n = expected bytes (layers = all of them),
@@ -74,7 +77,10 @@ class Expectation(FutureResult):
         self.written = bytearray(num_layers * len(dst))
         self.received = 0
         self.state = "waiting"
-        self.conn = None
+        self.conn = None  # the connection its BEGIN came on (DONE, ABORT go there)
+        self.conns: set = set()  # every connection its frames came on (striped: the sender's others too)
+        self.striped = False  # BEGIN {stripe}: DATA on any connection of the same sender, END maybe early
+        self.end_seen = False  # striped: END came before all bytes (they complete it)
         self.backend: str | None = None
         self.sender_agent: str | None = None
         self.xid: str | None = None  # the sender's transfer id (BEGIN "xid"; None from older senders)
@@ -200,7 +206,7 @@ class Receiver:
             return
         conn, stall = exp.conn, self.config.stall_timeout_s
         if exp.backend == "tcp" and exp.state == "receiving" and conn is not None and not conn.closed:
-            seen = conn.last_progress
+            seen = max(c.last_progress for c in exp.conns | {conn})
             if time.monotonic() - seen < stall:
                 # Making progress (maybe on other transfers' frames queued ahead of its own): look again
                 # when the connection would have been idle for stall_timeout_s.
@@ -214,7 +220,7 @@ class Receiver:
 
     def on_conn_lost(self, conn, exc) -> None:
         why = f": {exc}" if exc else ""
-        for exp in [e for e in self.expectations.values() if e.conn is conn]:
+        for exp in [e for e in self.expectations.values() if e.conn is conn or conn in e.conns]:
             self._fail(exp, PeerUnavailable(f"sender {conn.peer} of request {exp.request_id!r} disconnected "
                                             f"mid-transfer{why}"), notify=False)
         if self.notifs is not None:
@@ -236,7 +242,7 @@ class Receiver:
             elif msg == Msg.ABORT:
                 rid = meta_str(meta, "rid")
                 exp = self.expectations.get(rid)
-                if exp is not None and exp.conn is conn:
+                if exp is not None and (exp.conn is conn or conn in exp.conns):
                     reason = str(meta.get("reason", ""))[:500]
                     err = TransferAborted(f"request {rid!r} aborted by sender: {reason}")
                     self._fail(exp, err, notify=False)
@@ -254,7 +260,7 @@ class Receiver:
             conn.send(Msg.ERROR, {**({"rid": rid} if rid else {}), **error_to_wire(exc)})
             if rid is not None and rid in self.expectations and not isinstance(exc, UnknownRequest):
                 exp = self.expectations[rid]
-                if exp.conn is None or exp.conn is conn:
+                if exp.conn is None or exp.conn is conn or conn in exp.conns:
                     self._fail(exp, exc, notify=False)
             if msg == Msg.HELLO:
                 conn.close()
@@ -274,6 +280,9 @@ class Receiver:
             raise LayoutMismatch(f"sender wants backend {want!r}; receiver offers {list(self.backends)}")
         reply = {"version": PROTOCOL_VERSION, "layout_hash": ours, "num_blocks": self.memory.num_blocks,
                  "backend": want, "caps": list(CAPS)}
+        sender = meta.get("sender")
+        # Which sender this connection belongs to: a striped transfer's frames are taken on any of them.
+        conn.sender = sender if isinstance(sender, str) and 0 < len(sender) <= 64 else None
         if want == "nixl":
             agent = meta.get("agent")
             if not isinstance(agent, str) or not agent or len(agent) > 256:
@@ -311,7 +320,11 @@ class Receiver:
                                   f"{exp.nbytes} ({exp.num_layers} layers x {len(exp.dst)} blocks x "
                                   f"{self.memory.block_bytes} bytes)")
         exp.conn, exp.backend, exp.state = conn, backend, "receiving"
+        exp.conns = {conn}
         exp.timeline["begin"] = time.monotonic()
+        if backend == "tcp" and meta.get("stripe") is True and conn.sender is not None:
+            exp.striped = True
+            conn.send(Msg.BEGIN_OK, {"rid": rid})  # the sender's other connections may carry DATA now
         if backend == "nixl":
             exp.sender_agent = meta_str(meta, "agent")
             if exp.sender_agent != conn.nixl_agent:
@@ -346,8 +359,12 @@ class Receiver:
     def _bound(self, conn, meta: dict, backend: str) -> Expectation:
         rid = meta_str(meta, "rid", 256)
         exp = self.expectations.get(rid)
-        if exp is None or exp.conn is not conn:
+        if exp is None or exp.conn is None:
             raise UnknownRequest(f"request {rid!r} has no transfer in progress on this connection")
+        if exp.conn is not conn and conn not in exp.conns:
+            if not (exp.striped and conn.sender is not None and conn.sender == exp.conn.sender):
+                raise UnknownRequest(f"request {rid!r} has no transfer in progress on this connection")
+            exp.conns.add(conn)
         if exp.backend != backend:
             raise InvalidTransfer(f"request {rid!r} began on {exp.backend}, not {backend}")
         return exp
@@ -404,9 +421,21 @@ class Receiver:
         if ctx.staging is not None:
             exp.flushing = self.memory.flush(ctx.segments, ctx.staging)
         exp.received += sum(n for _, n, _ in ctx.segments)
+        if exp.end_seen and exp.received == exp.nbytes and self.expectations.get(exp.request_id) is exp:
+            self._end(exp)  # a striped transfer's last frame after its END
 
     def _on_end(self, conn, meta: dict) -> None:
         exp = self._bound(conn, meta, "tcp")
+        if exp.striped and exp.received < exp.nbytes and not exp.end_seen:
+            # Frames still on the sender's other connections (or being read): they complete it.
+            if meta_int(meta, "nbytes") != exp.nbytes:
+                raise InvalidTransfer(f"END of {exp.request_id!r} announces {meta.get('nbytes')} bytes, "
+                                      f"expected {exp.nbytes}")
+            exp.end_seen = True
+            return
+        self._end(exp)
+
+    def _end(self, exp: Expectation) -> None:
         missing = exp.written.count(0)
         if missing or exp.received != exp.nbytes:
             raise InvalidTransfer(f"END of {exp.request_id!r} before all KV arrived: {missing} "

@@ -85,6 +85,7 @@ class RxConnection(asyncio.BufferedProtocol):
         self.closed = False
         self.abort_acks: dict[str, asyncio.Future] = {}
         self.nixl_agent: str | None = None  # the sender's NIXL agent, as named in its HELLO
+        self.sender: str | None = None  # the sender's transport instance, as named in its HELLO
         # Last instant bytes arrived (the readv thread updates it too): a transfer past its deadline is
         # failed only once its connection stopped moving (Receiver._on_deadline).
         self.progress = [time.monotonic()]

@@ -1,6 +1,14 @@
 """The TCP path of a send (``SendPath`` for a TCP peer): BEGIN riding along with the first data, DATA
-frames of coalesced block runs, END, on one lane of the peer (the least loaded when the send began);
-device memory staged through page-locked buffers one frame ahead. See sender.py for the lifecycle."""
+frames of coalesced block runs, END; device memory staged through page-locked buffers ahead of the
+socket. See sender.py for the lifecycle.
+
+Striping: one connection moves a few GB/s (its I/O threads wait between frames), so a transfer of more
+than one frame to a receiver that advertises CAP_STRIPE spreads its frames over up to all of the peer's
+connections. BEGIN {stripe: true} and the first frame go on the transfer's home lane; the receiver
+answers BEGIN_OK, after which every frame goes to whichever of the transfer's lanes is free (one frame
+in flight per lane, so frames of transfers sharing a lane still interleave). END follows on the home
+lane once every frame is written; the receiver completes when END and all bytes are in, in either
+order. To a receiver without the capability, everything rides the home lane in order, as before."""
 
 from __future__ import annotations
 
@@ -9,7 +17,7 @@ import time
 import zlib
 
 from .blocks import plan_segments
-from .protocol import Msg
+from .protocol import CAP_STRIPE, Msg
 from .send_ops import FINISH
 
 
@@ -17,31 +25,42 @@ class TcpPath:
     def __init__(self, handle, peer) -> None:
         self.h = handle
         self.t = handle.t
-        self.lane = peer.pick_lane(handle.nbytes)
+        frame = self.t.config.max_frame_bytes
+        self.stripe = CAP_STRIPE in peer.caps and len(peer.lanes) > 1 and handle.nbytes > frame
+        frames = -(-handle.nbytes // frame)
+        self.lanes = peer.pick_lanes(handle.nbytes, min(len(peer.lanes), frames) if self.stripe else 1)
+        self.lane = self.lanes[0]  # home: BEGIN, END and the control frames of this transfer
+        self._busy: dict = {}  # lane -> the task writing this transfer's frame on it
         self._opened = False
 
     def begin_fields(self, meta: dict) -> None:
-        pass
+        if self.stripe:
+            meta["stripe"] = True
 
     def last_progress(self) -> float:
-        return self.lane.last_progress
+        return max(lane.last_progress for lane in self.lanes)
 
     def end(self) -> None:
-        self.lane.load -= self.h.nbytes
+        for lane in self.lanes:
+            lane.load -= self.h.nbytes // len(self.lanes)
 
     async def settle(self) -> None:
-        pass  # a frame is never cut (Lane._write lets it finish or closes the connection)
+        """Let frames already on their way finish (Lane._write lets a frame finish or closes the
+        connection: a frame is never cut)."""
+        tasks = [t for t in self._busy.values() if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def run(self, begin: dict) -> None:
         h = self.h
-        # BEGIN is not acknowledged on TCP: the receiver checks it before taking any DATA of the request,
-        # so it rides along with the first data (one write for a small one-shot transfer).
+        # BEGIN is not acknowledged on TCP unless striped: the receiver checks it before taking any DATA
+        # of the request, so it rides along with the first data (one write for a small one-shot transfer).
         pending = [(Msg.BEGIN, begin, None, 0)]
         while True:
             op = h.ops.get_nowait() if not h.ops.empty() else None
             if op is None:
                 if pending:
-                    await self.lane.send_frames(pending)
+                    await self._on_home(pending)
                     self._begin_sent(alone=True)
                     pending = []
                 op = await h.ops.get()
@@ -67,38 +86,79 @@ class TcpPath:
                 self.h.timeline["begin_sent"] = time.monotonic()
             self.h.mark_opened()
 
+    async def _on_home(self, frames: list) -> None:
+        """Frames on the home lane, after this transfer's frame in flight there."""
+        await self._lane_free([self.lane])
+        self._busy[self.lane] = task = self.t.loop.create_task(self.lane.send_frames(frames))
+        await task
+
+    async def _drain(self) -> None:
+        """Every frame of this transfer written (raises what a lane's write raised)."""
+        for task in list(self._busy.values()):
+            await task
+
+    async def _lane_free(self, lanes: list, also=None):
+        """One of these lanes with no frame of this transfer in flight (or None when ``also``, a future,
+        completed first); raises the error of a write that failed."""
+        while True:
+            for lane in lanes:
+                task = self._busy.get(lane)
+                if task is None or task.done():
+                    if task is not None:
+                        task.result()
+                    return lane
+            if also is not None and also.done():
+                return None
+            waits = [self._busy[lane] for lane in lanes] + ([also] if also is not None else [])
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+
+    async def _pick(self, first: bool):
+        """The lane for the next frame: the home lane for the one carrying BEGIN and, while the receiver
+        has not acknowledged a striped BEGIN yet, for the rest; then any free lane of the transfer."""
+        if first or not self.stripe:
+            return await self._lane_free([self.lane])
+        while not self.h.begin_ok.done():
+            lane = await self._lane_free([self.lane], self.h.begin_ok)
+            if lane is not None:
+                return lane
+        if self.h.begin_ok.exception() is not None:
+            raise self.h.begin_ok.exception()
+        return await self._lane_free(self.lanes)
+
     async def _send(self, head: list, layers: tuple[int, ...], tail: list) -> None:
-        """head frames, DATA frames of these layers' blocks, tail frames, in that order. Host memory: all
-        at once, zero-copy. Device memory: frame by frame through page-locked host buffers, the next
-        frame's device->host copies running while the current one is on the socket."""
+        """head frames (BEGIN), DATA frames of these layers' blocks, each on a lane (see _pick), then tail
+        frames (END) once every frame is written; returns when all are written. Unstriped, the tail rides
+        with the last frame (a small one-shot transfer is one write: BEGIN + DATA + END). Host memory:
+        zero-copy views. Device memory: page-locked staging, the next frame's device->host copies running
+        while frames are on the socket."""
         h, mem, bb = self.h, self.t.memory, self.t.layout.block_bytes
         plan = plan_segments(layers, h.runs, bb, self.t.config.max_frame_bytes) if layers else []
-        segs = [[(mem.offset(layer, s), n * bb, layer) for layer, s, _d, n in frame] for frame in plan]
-        if not mem.staged or not plan:
-            frames = [self._data_frame(f, mem.stage_out(sg)[0]) for f, sg in zip(plan, segs, strict=True)]
-            await self.lane.send_frames(head + frames + tail)
+        if not plan:
+            if head or tail:
+                await self._on_home(head + tail)
             return
-        issued, staged, sending = time.monotonic(), mem.stage_out(segs[0]), None
-        try:
-            for i, frame in enumerate(plan):
-                views, event = staged
-                await mem.ready(event)
-                ready = time.monotonic()
-                if sending is not None:
-                    await sending  # frames stay in order
-                last = i == len(plan) - 1
-                batch = (head if i == 0 else []) + [self._data_frame(frame, views)] + (tail if last else [])
-                sending = self.t.loop.create_task(self.lane.send_frames(batch))
-                sending.add_done_callback(lambda f: f.cancelled() or f.exception())
-                sending.add_done_callback(
+        segs = [[(mem.offset(layer, s), n * bb, layer) for layer, s, _d, n in frame] for frame in plan]
+        issued, staged = time.monotonic(), mem.stage_out(segs[0])
+        for i, frame in enumerate(plan):
+            views, event = staged
+            await mem.ready(event)
+            ready = time.monotonic()
+            last = i == len(plan) - 1
+            lane = await self._pick(first=bool(head) and i == 0)
+            batch = (head if i == 0 else []) + [self._data_frame(frame, views)]
+            if last and tail and not self.stripe:
+                batch, tail = batch + tail, []  # in order on the one lane
+            task = self.t.loop.create_task(lane.send_frames(batch))
+            task.add_done_callback(lambda f: f.cancelled() or f.exception())
+            if mem.staged:
+                task.add_done_callback(
                     lambda f, a=issued, b=ready: h.frame_times.append((a, b, time.monotonic())))
-                issued = time.monotonic()
-                staged = None if last else mem.stage_out(segs[i + 1])
-            await sending
-        finally:
-            if sending is not None and not sending.done():
-                # Cancelled meanwhile: let the frame finish (Lane._write keeps the stream in sync).
-                await asyncio.wait([sending])
+            self._busy[lane] = task
+            issued = time.monotonic()
+            staged = None if last else mem.stage_out(segs[i + 1])
+        await self._drain()
+        if tail:
+            await self._on_home(tail)
 
     def _data_frame(self, frame, views: list) -> tuple:
         meta = {"rid": self.h.request_id, "segs": [[layer, d, n] for layer, _s, d, n in frame]}

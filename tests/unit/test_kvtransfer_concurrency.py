@@ -7,13 +7,14 @@ each."""
 import asyncio
 import random
 import socket
+import time
 
 import pytest
 import torch
 
 from bench.kv_peer_proc import fill_random
 from engine.kv_layout import KVLayout
-from kvtransfer import TransferTimeout, make_transport
+from kvtransfer import TransferTimeout, UnknownRequest, make_transport
 from kvtransfer.protocol import HEADER, Msg, decode_header, decode_meta, encode
 
 pytestmark = pytest.mark.timeout(120)
@@ -108,6 +109,83 @@ def test_large_frames_go_through_the_io_threads_and_are_counted():
         for io in (tx, rx):
             assert io["syscalls"] >= io["frames"] and 0 <= io["poll_s"] <= io["thread_s"], io
         await settled(a, b)
+
+    asyncio.run(main())
+
+
+def test_a_transfer_of_many_frames_is_striped_over_every_connection_byte_exact():
+    """To a receiver that advertises CAP_STRIPE, a transfer's frames spread over all of the peer's
+    connections (one connection moves a few GB/s at most); one-frame transfers stay on one."""
+    async def main():
+        src, dst = LAYOUT.allocate(N * BLOCKS), LAYOUT.allocate(N * BLOCKS)
+        fill_random(src, 21)
+        cfg = {"max_frame_bytes": LAYOUT.block_bytes * LAYOUT.num_layers, "tcp_connections": 4}
+        a = await make_transport("tcp", LAYOUT, src, **cfg).start()
+        b = await make_transport("tcp", LAYOUT, dst, **cfg).start()
+        conns: dict[str, set] = {}
+        on_data = b.receiver.on_data
+
+        def spy(conn, meta, payload_len):
+            conns.setdefault(meta["rid"], set()).add(conn)
+            return on_data(conn, meta, payload_len)
+
+        b.receiver.on_data = spy
+        big, small = list(range(0, 3 * BLOCKS)), [3 * BLOCKS]  # 12 frames; 1 frame
+        for rid, ids in (("big", big), ("small", small), ("big2", big)):
+            exp = b.expect(rid, ids, timeout=30)
+            await asyncio.gather(a.start_send(rid, b.endpoint(), ids, ids).wait(), exp.wait())
+            assert torch.equal(dst[:, ids].view(torch.uint8), src[:, ids].view(torch.uint8))
+        assert len(conns["big"]) == len(conns["big2"]) == 4 and len(conns["small"]) == 1
+        await settled(a, b)
+
+    asyncio.run(main())
+
+
+class _Conn:
+    """A stand-in for one receiving connection: what Receiver reads of it and what it sent back."""
+
+    def __init__(self, sender: str | None) -> None:
+        self.sender, self.closed, self.peer, self.nixl_agent = sender, False, f"fake-{sender}", None
+        self.last_progress, self.abort_acks, self.sent = time.monotonic(), {}, []
+
+    def send(self, msg, meta) -> None:
+        self.sent.append((msg, meta))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_striped_end_before_the_last_frame_completes_when_it_arrives_and_strangers_are_refused():
+    """Receiver order independence: END on the home connection may overtake frames still on the
+    sender's other connections; the last byte completes the request. A connection of another sender
+    cannot write into it."""
+    async def main():
+        layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+        t = await make_transport("tcp", layout, layout.allocate(8)).start()
+        rx = t.receiver
+        home, other, stranger = _Conn("s1"), _Conn("s1"), _Conn("s2")
+        exp = t.expect("r", [2, 3], timeout=30)
+        nbytes = 2 * 2 * layout.block_bytes
+        rx.on_control(home, Msg.BEGIN, {"rid": "r", "dst": [2, 3], "nbytes": nbytes, "backend": "tcp",
+                                        "stripe": True})
+        assert home.sent == [(Msg.BEGIN_OK, {"rid": "r"})]
+
+        def frame(conn, layer):
+            ctx, views = rx.on_data(conn, {"rid": "r", "segs": [[layer, 2, 2]]}, 2 * layout.block_bytes)
+            for v in views:
+                v[:] = bytes([layer + 1]) * len(v)
+            rx.on_data_complete(conn, ctx)
+
+        frame(home, 0)
+        with pytest.raises(UnknownRequest):
+            rx.on_data(stranger, {"rid": "r", "segs": [[1, 2, 2]]}, 2 * layout.block_bytes)
+        rx.on_control(home, Msg.END, {"rid": "r", "nbytes": nbytes})
+        assert not exp.done() and exp.state == "receiving"
+        frame(other, 1)
+        result = await exp.wait()
+        assert result["bytes"] == nbytes and (Msg.DONE, {"rid": "r"}) in home.sent
+        assert t.stats()["expectations"] == 0
+        await t.close()
 
     asyncio.run(main())
 
