@@ -8,6 +8,7 @@ Placers in one process never collide on the global registry). The router exposes
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 
 class RouterMetrics:
@@ -52,6 +53,13 @@ class RouterMetrics:
         self.predicted_decode = self.predicted_cached_blocks.labels(pool="decode")
         self._placed: dict[tuple[str, str, str], object] = {}
 
+    def watch_worker_load(self, view) -> None:
+        """Export, at every scrape, the load placement sees per worker (``view.load_of``: this router's
+        open placements plus other replicas' fresh reports). Once per registry."""
+        if getattr(self, "_load_view", None) is None:
+            self._load_view = view
+            self.registry.register(_WorkerLoad(view))
+
     def placed(self, policy: str, pool: str, worker: str):
         key = (policy, pool, worker)
         c = self._placed.get(key)
@@ -66,3 +74,18 @@ class RouterMetrics:
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0"):
     """Start the Prometheus HTTP endpoint in a daemon thread; returns (server, thread)."""
     return start_http_server(port, addr=addr, registry=registry)
+
+
+class _WorkerLoad:
+    """pdserve_router_worker_load{worker}: read from the router's worker view when scraped."""
+
+    def __init__(self, view) -> None:
+        self.view = view
+
+    def collect(self):
+        family = GaugeMetricFamily("pdserve_router_worker_load",
+                                   "Requests on the worker as placement sees them: this router's open "
+                                   "placements plus other router replicas' fresh reports", labels=["worker"])
+        for wid in list(self.view.workers):
+            family.add_metric([wid], self.view.load_of(wid))
+        yield family

@@ -167,7 +167,8 @@ class Pipeline:
             prefill_mode="remote",
             placement_policy=placement.policy, session_moved=placement.session_moved,
             session_hit=placement.session_hit, moved_from=placement.moved_from_str,
-            move_reason=placement.move_reason))
+            move_reason=placement.move_reason, decode_load=placement.decode_load,
+            decode_load_cap=placement.decode_load_cap))
         state = _Cleanup(p, d, req.request_id)
         try:
             first = await self._prefill_phase(req, placement, sampling, p, d, meta, timeout)

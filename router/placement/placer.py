@@ -37,7 +37,14 @@ import time
 from router.costs import CostModel
 from router.metrics import RouterMetrics
 from router.placement.config import PlacerConfig
-from router.placement.scoring import Candidate, PairChoice, choose_pair, overloaded, session_bound
+from router.placement.scoring import (
+    Candidate,
+    PairChoice,
+    choose_pair,
+    load_cap,
+    overloaded,
+    session_bound,
+)
 from router.placement.session_sync import SessionSync
 from router.placement.types import (
     NoWorkersAvailable,
@@ -72,6 +79,7 @@ class Placer:
         self._wall = wall
         self.view = WorkerView(unhealthy_cooldown_s=cfg.unhealthy_cooldown_s, load_stale_s=cfg.load_stale_s,
                                clock=clock, wall=wall)
+        self.metrics.watch_worker_load(self.view)
         self.costs = CostModel(cfg.costs, block_size=cfg.block_size, clock=clock)
         self.index = PrefixIndex(cfg.index_blocks_per_worker)
         self.sessions = SessionTable(cfg.max_sessions, clock=wall)
@@ -186,8 +194,10 @@ class Placer:
         if moved_from is not None:
             # Even back onto the same ids (a restarted worker) this is a move: the KV it held is gone.
             reason = f"moved ({text}); " + reason
+        # the cap the bounded-load rule applied (scoring.eligible), for the request's facts
+        cap = 0 if choice.bounded else load_cap([c[1] for c in self.view.snapshot(dp)], self.config.epsilon)
         placement = self._placement(req, p, d, reason, matches, moved_from=moved_from, move_reason=text,
-                                    move_kind=kind, score=choice.cost)
+                                    move_kind=kind, score=choice.cost, load_cap=cap)
         return placement, self._bind(req, p, d)
 
     def _choose(self, req: PlacementRequest, pp: list[WorkerInfo] | None, dp: list[WorkerInfo],
@@ -271,13 +281,14 @@ class Placer:
         return pool[best]
 
     def _placement(self, req, p, d, reason, matches, *, session_hit=False, moved_from=None,
-                   move_reason="", move_kind="", score=0.0) -> Placement:
+                   move_reason="", move_kind="", score=0.0, load_cap=0) -> Placement:
         moved = moved_from is not None
         return Placement(prefill=p, decode=d, policy=self.config.policy, reason=reason,
                          session_hit=session_hit, session_moved=moved, moved_from=moved_from,
                          predicted_prefill_cached_blocks=matches.get(p.worker_id, 0) if p else 0,
                          predicted_decode_cached_blocks=matches.get(d.worker_id, 0), score=score,
-                         move_reason=move_reason if moved else "", move_kind=move_kind if moved else "")
+                         move_reason=move_reason if moved else "", move_kind=move_kind if moved else "",
+                         decode_load=self.view.load_of(d.worker_id) + 1, decode_load_cap=load_cap)
 
     def _commit(self, req: PlacementRequest, pl: Placement, binding: SessionBinding | None) -> None:
         p_id, d_id = pl.prefill_id, pl.decode.worker_id

@@ -97,6 +97,8 @@ class Placement:
     score: float = 0.0
     move_reason: str = ""  # e.g. "d1 unhealthy", "p0 restarted", "d2 overloaded (load 7 > bound 6)"
     move_kind: str = ""  # gone | restarted | unhealthy | excluded | overloaded
+    decode_load: int = 0  # the decode worker's requests in flight as it was chosen, this one included
+    decode_load_cap: int = 0  # the bounded-load cap the choice kept to (0: none applied)
 
     @property
     def prefill_id(self) -> str:
