@@ -47,6 +47,10 @@ class TransportConfig:
     # flight reached 0.60-0.69 of a raw socket over 4 connections and 0.91-0.98 over 8 (2x H200,
     # docs/kvtransfer.md).
     tcp_connections: int = 8
+    # TCP: a transfer of more than one frame spreads its frames over all of those connections (to a
+    # receiver that advertises it, protocol.CAP_STRIPE), so one transfer is not bounded by one
+    # connection's rate. False: each transfer rides one connection (for comparison).
+    tcp_stripe: bool = True
     # A TCP transfer past its deadline (receiver: the expect() deadline; sender: start_send's timeout) is
     # failed only when its connection has moved no byte for this long: one queued behind others' frames
     # is making progress, and the deadline is for a sender that never came or stalled.

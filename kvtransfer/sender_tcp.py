@@ -26,7 +26,8 @@ class TcpPath:
         self.h = handle
         self.t = handle.t
         frame = self.t.config.max_frame_bytes
-        self.stripe = CAP_STRIPE in peer.caps and len(peer.lanes) > 1 and handle.nbytes > frame
+        self.stripe = (self.t.config.tcp_stripe and CAP_STRIPE in peer.caps and len(peer.lanes) > 1
+                       and handle.nbytes > frame)
         frames = -(-handle.nbytes // frame)
         self.lanes = peer.pick_lanes(handle.nbytes, min(len(peer.lanes), frames) if self.stripe else 1)
         self.lane = self.lanes[0]  # home: BEGIN, END and the control frames of this transfer
