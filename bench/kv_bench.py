@@ -7,7 +7,8 @@
 Concurrency rows (``concurrency`` in the JSON; ``--concurrency ""`` skips them): that many TCP transfers
 of ``--conc-tokens`` tokens started at once, timed from the first start_send to the last acknowledgement
 (aggregate GB/s), beside a raw-socket baseline moving the same bytes over the same number of connections
-(min(concurrency, --connections): what the transport opens), the same run, rounds interleaved, each row
+(what the transfers use: all --connections when striped, else one per transfer in flight; the raw socket
+splits a message over connections as striping does), the same run, rounds interleaved, each row
 with the cores every thread group of either process kept busy (``cpu_cores``: where the time goes;
 ``raw_cpu_cores`` for the socket). ``--raw-distinct`` adds a second raw socket whose messages each come
 from and land in memory of their own (``distinct_baseline_gbps``), as transfers of different requests
@@ -222,8 +223,13 @@ async def bench_concurrency(args) -> list[dict]:
         cold = await rx.call("raw_listen", max_bytes=nbytes, slots=max(levels)) if args.raw_distinct else None
         plain_tid = sides["tcp"][1]
         for c in levels:
-            lanes = {name: min(c, variants.get(name, {}).get("tcp_connections", args.connections))
-                     for name in sides}
+            # connections a row's transfers use: all of them when striped (a transfer of more than one
+            # frame), else one per transfer in flight; the raw socket moves the same bytes over as many
+            lanes = {}
+            for name in sides:
+                conf = {"tcp_connections": args.connections, "tcp_stripe": True, **variants.get(name, {})}
+                striped = conf["tcp_stripe"] and nbytes > conf.get("max_frame_bytes", 16 << 20)
+                lanes[name] = conf["tcp_connections"] if striped else min(c, conf["tcp_connections"])
             got: dict = {name: [] for name in sides}
             each: dict[str, list] = {name: [] for name in sides}
             cpu: dict = {name: {} for name in sides}

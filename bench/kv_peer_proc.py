@@ -187,33 +187,41 @@ def _distinct_sources(kv: torch.Tensor, nbytes: int, count: int) -> list[memoryv
 
 def _raw_send_concurrent(kv: torch.Tensor, host: str, port: int, nbytes: int, conns: int,
                          messages: int, distinct: bool = False) -> float:
-    """The concurrent baseline: ``conns`` connections, each a thread sending its share of ``messages``
-    messages of nbytes (as _raw_send) back to back; wall seconds from the first byte to the last ack.
-    distinct: every message from its own host buffer (as many transfers of different requests are),
-    instead of all from one."""
+    """The concurrent baseline: ``messages`` messages of nbytes over ``conns`` connections, each a thread
+    sending its equal share of the bytes back to back (a message split across connections where there
+    are more connections than messages, as a striped transfer is); one 1-byte ack per piece; wall
+    seconds from the first byte to the last ack. distinct: every message from its own host buffer (as
+    transfers of different requests are), instead of all from one."""
     import time
 
     socks = [socket.create_connection((host, port)) for _ in range(conns)]
     barrier = threading.Barrier(conns + 1)
     errors: list[BaseException] = []
     sources = _distinct_sources(kv, nbytes, messages) if distinct else [host_bytes(kv, nbytes)] * messages
-    shares = [messages // conns + (1 if i < messages % conns else 0) for i in range(conns)]
-    firsts = [sum(shares[:i]) for i in range(conns)]
+    share = -(-messages * nbytes // conns)
+    pieces: list[list[memoryview]] = [[] for _ in range(conns)]
+    pos = 0
+    for src in sources:  # the bytes in order, cut into equal shares per connection
+        at = 0
+        while at < len(src):
+            j = pos // share
+            take = min(len(src) - at, (j + 1) * share - pos)
+            pieces[j].append(src[at:at + take])
+            at, pos = at + take, pos + take
 
-    def run(sock: socket.socket, count: int, first: int) -> None:
+    def run(sock: socket.socket, mine: list[memoryview]) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         barrier.wait()
         try:
-            for k in range(count):
-                sock.sendall(nbytes.to_bytes(8, "big"))
-                sock.sendall(sources[first + k])
+            for piece in mine:
+                sock.sendall(len(piece).to_bytes(8, "big"))
+                sock.sendall(piece)
                 if sock.recv(1) != b"k":
                     raise ConnectionError("raw receiver went away")
         except BaseException as exc:  # reported to the caller below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(s, n, f))
-               for s, n, f in zip(socks, shares, firsts, strict=True)]
+    threads = [threading.Thread(target=run, args=(s, mine)) for s, mine in zip(socks, pieces, strict=True)]
     for th in threads:
         th.start()
     barrier.wait()
