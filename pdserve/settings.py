@@ -89,6 +89,8 @@ class ServeSettings:
     kv_host: str = ""
     # TCP KV plane: connections a prefill worker opens to each decode worker (transfers spread over them)
     kv_connections: int = 8
+    # TCP KV plane: spread a transfer of more than one frame over all of those connections
+    kv_stripe: str = "on"
     # prefill: push each layer's KV while the next one computes (when the transport supports it)
     kv_stream_layers: str = "on"
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
@@ -308,6 +310,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-host", help="bind address of every KV listener (side channel, TCP data, NIXL/UCX; default "
       "--host)")
     a("--kv-connections", type=int, help="TCP KV transport: connections per decode worker (default 8)")
+    a("--kv-stripe", choices=ON_OFF, help="TCP KV transport: spread one transfer's frames over all the "
+      "connections (default on: a lone 2k-token transfer ~3x faster on 2x H200; off: one connection per "
+      "transfer, fewer receive threads busy at once beside decode)")
     a("--kv-stream-layers", choices=ON_OFF, help="prefill: push each layer's KV while the next layer "
       "computes (default on; off = one send after the prefill)")
     a("--drain-timeout", type=float, help="seconds to finish in-flight requests on SIGTERM (default 30)")
@@ -410,7 +415,8 @@ def kv_transport_options(settings: ServeSettings, env: Mapping[str, str] | None 
     env = os.environ if env is None else env
     host = settings.kv_host or settings.host
     opts: dict = {"listen_host": host, "listen_port": settings.kv_port,
-                  "tcp_connections": settings.kv_connections, "trace": env_switch("PDSERVE_KV_TRACE", False)}
+                  "tcp_connections": settings.kv_connections, "tcp_stripe": settings.kv_stripe == "on",
+                  "trace": env_switch("PDSERVE_KV_TRACE", False)}
     if host in ("0.0.0.0", "::", ""):
         opts["advertise_host"] = settings.advertise_host
     tls_dir = getattr(settings, "tls_dir", None)
