@@ -23,6 +23,9 @@ to one engine.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import threading
 import time
 
 import grpc
@@ -192,22 +195,44 @@ def busy_cluster(make_checkpoint, tmp_path_factory):
         yield c
 
 
+def placed_together(cluster, port: int, fire, n: int):
+    """Run fire() (which sends n requests at once and returns their results) with the decode worker
+    stopped (SIGSTOP) until the router has placed all n, so every one is placed, and queued at the
+    prefill worker, before any is decided (a decision follows the decode worker's Allocate). Resumed
+    after at most 1.5 s either way: the router's stats poll gives up on a silent worker after 2 s."""
+    decode = next(h for h in cluster.workers if h.role == "decode")
+    box: list = []
+    runner = threading.Thread(target=lambda: box.append(fire()))
+    os.kill(decode.pid, signal.SIGSTOP)
+    try:
+        runner.start()
+        deadline = time.monotonic() + 1.5
+        while scrape(port)["pdserve_router_inflight_requests"] < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        os.kill(decode.pid, signal.SIGCONT)
+    runner.join(180)
+    return box[0]
+
+
 def test_prefill_queue_sends_some_prompts_local_within_the_budget(busy_cluster) -> None:
     c = busy_cluster
     ps = [ids(200 + i, 60) for i in range(8)]
     max_tokens = [5] * len(ps)
     want = reference(c.model, ps, max_tokens)
-    got = run_concurrently(c.router, ps, max_tokens, ignore_eos=True)
+    # A burst whose prompts all meet in the prefill queue: without holding them, a slow client can send
+    # them one after the other, each done before the next is decided, and none sees a queue.
+    burst = lambda: run_concurrently(c.router, ps, max_tokens, ignore_eos=True)  # noqa: E731
+    got = placed_together(c, c.metrics_port, burst, len(ps))
     reasons = [r.final["prefill_mode_reason"] for r in got]
     for r, w in zip(got, want, strict=True):
         assert r.token_ids == w, r.final["prefill_mode_reason"]
         mode = "local" if r.final["prefill_mode_reason"] == "prefill_busy" else "remote"
         assert r.final["prefill_mode"] == mode
     assert set(reasons) <= {"disaggregate", "prefill_busy", "local_budget"}, reasons
-    # A queue was seen and the budget held. Which prompt saw it depends on arrival order: a prompt is
-    # queued at the prefill worker from its placement, before its Allocate returns and it is decided,
-    # so under a burst even the first prompt decided may see the others and go local; the rest go to
-    # the prefill pool, as "disaggregate" or "local_budget".
+    # A queue was seen and the budget held: a prompt is queued at the prefill worker from its placement,
+    # so the first prompt decided sees the others and goes local; the budget allows one, so the rest go
+    # to the prefill pool, as "disaggregate" or "local_budget".
     assert reasons.count("prefill_busy") == 1, reasons
     m = scrape(c.metrics_port)
     assert m['pdserve_router_prefill_decisions_total{mode="local",reason="prefill_busy"}'] == reasons.count(
