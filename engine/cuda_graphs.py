@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend, BatchSpec
-from pdserve.environment import env_switch
 from pdserve.process_stats import BOOT
+from pdserve.settings import env_switch
 
 log = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.environment import env_switch
+from pdserve.settings import env_switch
 
 try:
     import triton

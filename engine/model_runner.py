@@ -172,6 +172,6 @@ def tp_graphs() -> bool:
     carries the ranks' all-reduces) and replays a bucket in the same step (``FLAG_GRAPH``), so the NCCL
     all-reduces recorded in the graphs pair up. Eager TP decode of the 8B shape on 2x H200 took 45 ms a
     step at batch 1 against 5.75 ms with graphs (docs/tensor-parallel.md)."""
-    from pdserve.environment import env_switch
+    from pdserve.settings import env_switch
 
     return env_switch("PDSERVE_TP_CUDA_GRAPHS", True)

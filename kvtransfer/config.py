@@ -61,10 +61,10 @@ class TransportConfig:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
-    # Log each finished transfer's timeline (trace.py); pdserve/environment.py reads PDSERVE_KV_TRACE.
+    # Log each finished transfer's timeline (trace.py); pdserve/settings.py reads PDSERVE_KV_TRACE.
     trace: bool = False
     # NIXL: UCX variables set in this process before the agent is created (UCX reads them then), as
-    # (name, value) pairs; pdserve/environment.py derives them (UCX_PROTO_INFO so the log names UCX's
+    # (name, value) pairs; pdserve/settings.py derives them (UCX_PROTO_INFO so the log names UCX's
     # protocol choices, UCX_NET_DEVICES so UCX's TCP listeners bind the KV host's interface only).
     ucx_env: tuple[tuple[str, str], ...] = ()
     # NIXL backends to instantiate in the agent and how often pending transfers/notifications are polled.

@@ -57,7 +57,7 @@ def import_nixl():
 
 def apply_ucx_env(ucx_env: tuple[tuple[str, str], ...]) -> None:
     """Set UCX variables in this process's C environment, where UCX reads them (getenv) when the agent's
-    context is created. pdserve/environment.py decides them (TransportConfig.ucx_env): e.g. UCX_PROTO_INFO=y,
+    context is created. pdserve/settings.py decides them (TransportConfig.ucx_env): e.g. UCX_PROTO_INFO=y,
     so a worker's log shows which transport UCX picks per operation and memory type (``zero-copy
     cuda_ipc/cuda``, an RDMA lane, or the thing to notice, ``software emulation tcp``), and
     UCX_NET_DEVICES, so UCX's TCP listeners bind the KV host's interface only."""

@@ -1,6 +1,6 @@
 """Per-transfer timelines in the log, for finding where a transfer's time goes in a live cluster.
 
-``TransportConfig.trace`` (``PDSERVE_KV_TRACE=1`` in a worker's environment, read by pdserve/environment.py)
+``TransportConfig.trace`` (``PDSERVE_KV_TRACE=1`` in a worker's environment, read by pdserve/settings.py)
 makes the sender log each finished send's steps
 (``SendHandle.timeline``: start, begin_sent, begin_ok, prebuilt, posted, xfers_done, wrote_sent, acked)
 and the receiver each completed expectation's (``Expectation.timeline``: expect, begin, wrote / notif /

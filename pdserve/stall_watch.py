@@ -26,7 +26,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from pdserve.environment import stall_watch_ms
+from pdserve.settings import stall_watch_ms
 
 log = logging.getLogger("pdserve.stall")
 _NAP_S = 0.002

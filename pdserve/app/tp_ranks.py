@@ -48,7 +48,7 @@ class KVRankConfig:
 
     @classmethod
     def from_settings(cls, settings) -> KVRankConfig:
-        from pdserve.environment import kv_transport_options
+        from pdserve.settings import kv_transport_options
 
         options = kv_transport_options(settings)
         options["ucx_env"] = [list(kv) for kv in options.get("ucx_env", ())]

@@ -15,8 +15,7 @@ from bench.kv_peers import PeerClient
 from engine.kv_layout import KVLayout
 from kvtransfer import InvalidTransfer, PeerUnavailable, make_transport
 from kvtransfer.protocol import HEADER, Msg, decode_header, decode_meta, encode
-from pdserve.environment import kv_transport_options
-from pdserve.settings import ServeSettings
+from pdserve.settings import ServeSettings, kv_transport_options
 from tests.unit.kvtransfer_testkit import NIXL_ERROR, leak_free
 
 pytestmark = pytest.mark.timeout(120)
@@ -195,7 +194,7 @@ def test_nixl_begin_only_from_the_agent_named_in_hello(certs):
 
 @pytest.mark.parametrize("kind", ["tcp", "nixl"])
 def test_with_host_127_0_0_1_no_kv_socket_listens_elsewhere(kind):
-    """Options as a worker derives them (pdserve/environment.py: the KV listener on --kv-host, UCX's
+    """Options as a worker derives them (pdserve/settings.py: the KV listener on --kv-host, UCX's
     devices from it), in a process of its own: every listening socket it has is on 127.0.0.1."""
     opts = kv_transport_options(ServeSettings(role="decode", model="m", host="127.0.0.1"), env={})
     assert opts["listen_host"] == "127.0.0.1" and ("UCX_NET_DEVICES", "lo") in opts["ucx_env"]

@@ -1,4 +1,4 @@
-"""kvtransfer/trace.py: with TransportConfig.trace (PDSERVE_KV_TRACE=1, read by pdserve/environment.py) each
+"""kvtransfer/trace.py: with TransportConfig.trace (PDSERVE_KV_TRACE=1, read by pdserve/settings.py) each
 side logs one line per transfer with its timeline."""
 
 import asyncio
@@ -10,8 +10,7 @@ import torch
 from bench.kv_peer_proc import fill_random
 from engine.kv_layout import KVLayout
 from kvtransfer import make_transport
-from pdserve.environment import kv_transport_options
-from pdserve.settings import ServeSettings
+from pdserve.settings import ServeSettings, kv_transport_options
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype="float32")
 

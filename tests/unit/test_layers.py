@@ -2,7 +2,7 @@
 
 import-linter (``make lint``, contracts in pyproject.toml) holds the layers; these tests hold what its
 contracts cannot say: no import cycle anywhere in the library, every floor module listed in the floor
-contract, and the process environment read in ``pdserve/settings.py`` and ``pdserve/environment.py`` only.
+contract, and the process environment read in ``pdserve/settings.py`` only.
 """
 
 from __future__ import annotations
@@ -109,8 +109,7 @@ def test_environment_is_read_in_settings_only() -> None:
     for package in LIBRARY:
         for path in sorted((ROOT / package).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if rel in ("pdserve/settings.py", "pdserve/environment.py") or rel.startswith("pdserve/v1/"):
+            if rel == "pdserve/settings.py" or rel.startswith("pdserve/v1/"):
                 continue
             offenders += [f"{rel}:{line}" for line in _environ_reads(path)]
-    assert not offenders, ("os.environ outside pdserve/settings.py and pdserve/environment.py (add an "
-                           f"accessor there): {offenders}")
+    assert not offenders, f"os.environ outside pdserve/settings.py (add an accessor there): {offenders}"

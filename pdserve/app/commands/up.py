@@ -16,8 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pdserve.environment import environ
-from pdserve.settings import DEFAULT_DRAIN_TIMEOUT_S, POLICIES
+from pdserve.settings import DEFAULT_DRAIN_TIMEOUT_S, POLICIES, environ
 
 DEFAULT_RUN_DIR = ".run/cluster"
 _PASS_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "UCX_TLS", "CUDA_VISIBLE_DEVICES", "PDSERVE_LEASE_MS")

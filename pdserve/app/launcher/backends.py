@@ -194,7 +194,7 @@ class ServeActor:
         bind = host or node_ip
         self.proc = spawn(role, args, log_path, env=env, host=bind,
                           advertise_host=node_ip if bind in ("0.0.0.0", "::") else bind)
-        from pdserve.environment import environ
+        from pdserve.settings import environ
 
         return {"worker_id": self.proc.worker_id, "address": self.proc.address, "pid": self.proc.pid,
                 "devices": env.get("CUDA_VISIBLE_DEVICES", environ().get("CUDA_VISIBLE_DEVICES", ""))}

@@ -18,7 +18,7 @@ from pdserve.app.launcher.backends import ProcessBackend, WorkerHandle
 from pdserve.app.launcher.cluster import Cluster, ClusterSpec
 from pdserve.app.launcher.procs import ServeProcess, spawn
 from pdserve.app.launcher.supervisor import RestartPolicy
-from pdserve.environment import ucx_tls_for_tests
+from pdserve.settings import ucx_tls_for_tests
 from pdserve.tls import TlsDir, open_channel
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.environment import environ
+from pdserve.settings import environ
 
 _READY = re.compile(r"^pdserve (\w+) (\S+) listening on (\S+):(\d+)\s*$")
 
