@@ -18,7 +18,8 @@
 #   tp-serving 1P(TP1) -> 1D(TP1) vs one TP-2 colocated worker, log-normal mix, 2 GPUs (bench.gpu_tp --serving)
 #   tp4        1P(TP2) -> 1D(TP2), hetero 1P(TP1) -> 1D(TP2), beside the 2-GPU modes; needs 4 GPUs (bench.gpu_tp4)
 #   kv-concurrency  TCP KV transfers GPU0 -> GPU1, 1/4/16 in flight (2k tokens, llama3-8b layout), each
-#              beside a raw socket over the same connections; mutual TLS vs plaintext at 1 and 16 (bench.kv_bench;
+#              beside a raw socket over the same connections; mutual TLS (relay helpers, and in-process) vs plaintext
+#              at 1 and 16 (bench.kv_bench;
 #              args after -- go to it, e.g. `kv-concurrency -- --variant spin=staging_blocking_sync=false`)
 # Everything worth keeping goes to $OUT (logs, JSON, the compiled JIT kernels as one .tar.xz).
 set -uo pipefail
@@ -113,7 +114,7 @@ from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve
         kv-concurrency)  # GPU0 -> GPU1 over TCP; on a one-GPU machine both processes share GPU0
             rx_gpu=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
             python3 -m bench.kv_bench --device cuda --rx-gpu "$rx_gpu" --backends "" --concurrency 1,4,16 --conc-tokens 2048 \
-                --tls-concurrency 1,16 --json "$OUT/kvtransfer-concurrency-gpu.json" "${extra[@]}" 2>&1 \
+                --tls-concurrency 1,16 --variant tls_inproc=tls=true,tls_procs=0 --json "$OUT/kvtransfer-concurrency-gpu.json" "${extra[@]}" 2>&1 \
                 | tee "$OUT/kv-concurrency.log"
             rc=$(( rc | $? )) ;;
         *) echo "unknown step $step"; rc=2 ;;

@@ -15,7 +15,9 @@ from and land in memory of their own (``distinct_baseline_gbps``), as transfers 
 do, where the first resends one buffer into one buffer, which can stay in the CPU's caches.
 ``--variant NAME=key=value,...`` adds rows of a plaintext transport
 with those TransportConfig overrides (configurations side by side in one run; the key switch_interval
-sets both processes' sys.setswitchinterval for that variant's rounds instead). With
+sets both processes' sys.setswitchinterval for that variant's rounds instead; ``tls=true`` makes it a
+TLS row, e.g. ``--variant tls_inproc=tls=true,tls_procs=0``: TLS on the connections' threads instead of
+relay helpers; the helpers' CPU counts in ``cpu_cores`` as ``tls-relays``). With
 ``--tls-concurrency`` the same transfers also run over mutual TLS (throwaway certificates,
 bench/kv_certs.py): ``tcp_tls`` rows, whose ``plain_gbps`` / ``tls_ratio`` compare with the plaintext
 transport of the same rounds. ``--device cuda``: the receiver's KV on GPU 1 and the sender's on GPU 0
@@ -207,11 +209,16 @@ async def bench_concurrency(args) -> list[dict]:
     try:
         sides = {}
         variants = dict(_parse_variant(v) for v in args.variant)
+        tls_rows = {"tcp_tls"} | {name for name, v in variants.items() if v.get("tls")}
+        certs = write_certs(Path(args.certs_dir), ["prefill", "decode"]) if tls_levels else None
         for name in ["tcp"] + (["tcp_tls"] if tls_levels else []) + list(variants):
-            extra_rx = extra_tx = {k: v for k, v in variants.get(name, {}).items() if k != "switch_interval"}
-            if name == "tcp_tls":
-                certs = write_certs(Path(args.certs_dir), ["prefill", "decode"])
-                extra_rx, extra_tx = tls_config(certs, "decode"), tls_config(certs, "prefill")
+            if name in tls_rows and not tls_levels:
+                continue
+            extra_rx = extra_tx = {k: v for k, v in variants.get(name, {}).items()
+                                   if k not in ("switch_interval", "tls")}
+            if name in tls_rows:
+                extra_rx = {**extra_rx, **tls_config(certs, "decode")}
+                extra_tx = {**extra_tx, **tls_config(certs, "prefill")}
             r = await rx.call("init", kind="tcp", layout=layout, num_blocks=nblocks, device=device,
                               config={**cfg, **extra_rx})
             t = await tx.call("init", kind="tcp", layout=layout, num_blocks=nblocks, device=device,
@@ -227,7 +234,8 @@ async def bench_concurrency(args) -> list[dict]:
             # frame), else one per transfer in flight; the raw socket moves the same bytes over as many
             lanes = {}
             for name in sides:
-                conf = {"tcp_connections": args.connections, "tcp_stripe": True, **variants.get(name, {})}
+                conf = {"tcp_connections": args.connections, "tcp_stripe": True,
+                        **{k: v for k, v in variants.get(name, {}).items() if k != "tls"}}
                 striped = conf["tcp_stripe"] and nbytes > conf.get("max_frame_bytes", 16 << 20)
                 lanes[name] = conf["tcp_connections"] if striped else min(c, conf["tcp_connections"])
             got: dict = {name: [] for name in sides}
@@ -238,7 +246,7 @@ async def bench_concurrency(args) -> list[dict]:
                 got[("raw", n)], got[("cold", n)], cpu[("raw", n)] = [], [], {}
             for rep in range(reps):
                 for name in sides:
-                    if name == "tcp_tls" and c not in tls_levels:
+                    if name in tls_rows and c not in tls_levels:
                         continue
                     async with _cpu_into(rx, tx, cpu[name], sides[name], io[name]), \
                             _switch_interval(rx, tx, variants.get(name, {}).get("switch_interval")):
@@ -265,7 +273,7 @@ async def bench_concurrency(args) -> list[dict]:
                 row["cpu_cores"] = _cores(cpu[name], sum(got[name]))
                 row["raw_cpu_cores"] = _cores(cpu[("raw", n)], sum(got[("raw", n)]))
                 row["io"] = _io_summary(io[name], sum(got[name]), n)
-                if name == "tcp_tls":
+                if name in tls_rows:
                     row["plain_gbps"] = _gbps(nbytes * c, got["tcp"])
                     row["tls_ratio"] = round(row["gbps"] / row["plain_gbps"], 3)
                 rows.append(row)

@@ -155,6 +155,16 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+def proc_cpu(pid: int) -> float:
+    """CPU seconds of another process of ours (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 _HOST_COPY: dict[int, torch.Tensor] = {}
 _DISTINCT: dict[tuple, torch.Tensor] = {}
 
@@ -271,7 +281,12 @@ class PeerProcess:
             return {"sockets": listening_sockets()}
         if op == "cpu":
             times = os.times()
-            return {"cpu_s": times.user + times.system, "threads": thread_cpu()}
+            threads = thread_cpu()
+            relays = sum(proc_cpu(pid) for t in self.transports.values() if t.relays is not None
+                         for pid in t.relays.pids())
+            if relays:  # the TLS relay helpers (kvtransfer/tls_relay.py) are this process's children
+                threads["tls-relays"] = round(relays, 3)
+            return {"cpu_s": times.user + times.system + relays, "threads": threads}
         if op == "exit":
             for t in self.transports.values():
                 await t.close()

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 KINDS = ("auto", "nixl", "tcp")
+
+
+def default_tls_procs() -> int:
+    """TLS relay helpers by default: a quarter of the cores, 1..8 (8: one per connection to a peer)."""
+    return max(1, min(8, (os.cpu_count() or 4) // 4))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +67,11 @@ class TransportConfig:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    # With TLS, the record work of every TCP connection runs in this many helper processes
+    # (tls_relay.py), connections given out round robin: CPython's ssl holds one process's TLS at
+    # ~1.3-1.5 GB/s however many threads decrypt (one GIL round trip per 16 KiB record), and each helper
+    # has a GIL of its own. 0: in this process, on the connections' I/O threads (tls.TlsChannel).
+    tls_procs: int = field(default_factory=default_tls_procs)
     # Log each finished transfer's timeline (trace.py); pdserve/settings.py reads PDSERVE_KV_TRACE.
     trace: bool = False
     # NIXL: UCX variables set in this process before the agent is created (UCX reads them then), as
@@ -156,6 +167,8 @@ class TransportConfig:
                              f"got {self.tcp_connections!r}")
         if not (isinstance(self.stall_timeout_s, (int, float)) and self.stall_timeout_s > 0):
             raise ValueError(f"TransportConfig.stall_timeout_s must be > 0, got {self.stall_timeout_s!r}")
+        if not (isinstance(self.tls_procs, int) and 0 <= self.tls_procs <= 64):
+            raise ValueError(f"TransportConfig.tls_procs must be in [0, 64], got {self.tls_procs!r}")
         tls = (self.tls_ca, self.tls_cert, self.tls_key)
         if any(tls) and not all(tls):
             raise ValueError("TransportConfig: tls_ca, tls_cert and tls_key go together (all three or none)")

@@ -3,8 +3,9 @@
 Plaintext: frames go out with scatter-gather ``sendmsg`` straight from the source blocks; a small write
 is tried at once on the event loop, a large one (TransportConfig.inline_write_max_bytes) and whatever did
 not fit in the socket buffer is written by a worker thread (GIL released), so a large payload costs the
-event loop nothing. TLS: the same socket under a ``TlsChannel`` (tls.py); a large frame is encrypted by
-the thread that writes it (TransportConfig.tls_*).
+event loop nothing. TLS: by default the socket is a TLS relay's plaintext end (tls_relay.py: the
+record work runs in a helper process) and nothing here differs; with ``TransportConfig.tls_procs`` 0,
+the TCP socket under a ``TlsChannel`` (tls.py), a large frame encrypted by the thread that writes it.
 
 A frame is written whole under the lane's lock (FIFO), so frames of transfers sharing a lane interleave
 frame by frame. A write interrupted halfway poisons the stream: the peer is closed. ``progress`` is the
@@ -22,6 +23,7 @@ import time
 from .errors import PeerUnavailable, TransferError
 from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
 from .tls import TlsChannel, client_context, tls_send_blocking
+from .tls_relay import client_status
 
 _IOV_MAX = 512
 
@@ -100,7 +102,10 @@ class Lane:
             if cfg.socket_buffer_bytes:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.socket_buffer_bytes)
             await asyncio.wait_for(self.loop.sock_connect(sock, addr), cfg.connect_timeout_s)
-            if cfg.tls:
+            if cfg.tls and self.t.relays is not None:
+                self.sock = sock = self.t.relays.attach(sock, server_side=False)
+                await asyncio.wait_for(self._relay_status(sock), cfg.handshake_timeout_s + 1)
+            elif cfg.tls:
                 self.chan = TlsChannel(client_context(cfg), server_side=False)
                 await asyncio.wait_for(self._tls_handshake(sock), cfg.handshake_timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
@@ -110,6 +115,15 @@ class Lane:
                                   f"{type(exc).__name__}: {exc}") from exc
         self.progress[0] = time.monotonic()
         self.reader = self.loop.create_task(self._read_loop(), name=f"kvtransfer-peer-{self.name}")
+
+    async def _relay_status(self, sock: socket.socket) -> None:
+        """The TLS relay's first byte says whether the handshake succeeded (tls_relay.py)."""
+        status = await self.loop.sock_recv(sock, 1)
+        if status[:1] == b"\x01":
+            return
+        while chunk := await self.loop.sock_recv(sock, 4096):
+            status += chunk
+        raise ConnectionRefusedError(client_status(status))
 
     async def _tls_handshake(self, sock: socket.socket) -> None:
         out = self.chan.handshake()

@@ -8,7 +8,9 @@ validated by the Receiver *before* the payload's first byte is accepted; an inva
 read into a scratch buffer and dropped, so the stream stays in sync and other requests on the same
 connection carry on.
 
-TLS (a ``TlsChannel``, tls.py): the loop receives ciphertext, runs the handshake (certificate of the
+TLS in helper processes (tls_relay.py, the default): the socket is a relay's plaintext end, and
+nothing here differs from plaintext. TLS in this process (``TransportConfig.tls_procs`` 0, a
+``TlsChannel``, tls.py): the loop receives ciphertext, runs the handshake (certificate of the
 cluster CA required, within handshake_timeout_s) and decrypts headers, metadata and small payloads into
 the same targets; a large payload is read and decrypted by a worker thread, straight into its targets.
 """
@@ -74,14 +76,14 @@ def _readv_all(fd: int, views: list[memoryview], stop: list[bool],
 
 
 class RxConnection(asyncio.BufferedProtocol):
-    def __init__(self, receiver, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, receiver, tls: ssl.SSLContext | None = None, peer: str | None = None) -> None:
         self.rx = receiver
         self._tls = tls
         self.chan: TlsChannel | None = None  # with TLS: made in connection_made, handshake on the loop
         self._raw: memoryview | None = None  # TLS: where the loop receives ciphertext
         self._handshake_timer: asyncio.TimerHandle | None = None
         self.transport: asyncio.Transport | None = None
-        self.peer = "?"
+        self.peer = peer or "?"  # given when the socket is a TLS relay's plaintext end (tls_relay.py)
         self.closed = False
         self.abort_acks: dict[str, asyncio.Future] = {}
         self.nixl_agent: str | None = None  # the sender's NIXL agent, as named in its HELLO
@@ -108,7 +110,8 @@ class RxConnection(asyncio.BufferedProtocol):
         self.transport = transport
         sock = transport.get_extra_info("socket")
         peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if isinstance(peer, tuple):
+            self.peer = f"{peer[0]}:{peer[1]}"
         if sock is not None:
             # A private dup, so a worker thread never reads a reused fd number after asyncio closes its own.
             self._fd = os.dup(sock.fileno())
@@ -118,7 +121,8 @@ class RxConnection(asyncio.BufferedProtocol):
             self._handshake_timer = asyncio.get_running_loop().call_later(
                 self.rx.config.handshake_timeout_s, self._handshake_expired)
         if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.rx.config.socket_buffer_bytes:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rx.config.socket_buffer_bytes)
         self.rx.conns.add(self)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 import uuid
@@ -46,6 +47,7 @@ from .rx_conn import RxConnection
 from .rx_nixl import fine_timer_slack
 from .sender import SendHandle
 from .tls import server_context
+from .tls_relay import TlsRelays
 
 log = logging.getLogger("kvtransfer")
 
@@ -113,6 +115,10 @@ class KVTransport:
         self.send_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtransfer-send")
         self.recv_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtransfer-recv")
         self.io_tx = IoStats()  # what the send threads did (counters())
+        # TLS in helper processes (tls_relay.py); None: no TLS, or TLS on this process's I/O threads.
+        self.relays = TlsRelays(config, config.tls_procs) if config.tls and config.tls_procs else None
+        self._listeners: list[socket.socket] = []  # with relays: our accepting copies of the listen sockets
+        self._accepting: list[asyncio.Task] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> KVTransport:
@@ -122,12 +128,41 @@ class KVTransport:
         self.receiver = Receiver(layout=self.layout, memory=self.memory, config=self.config, nixl=self.nixl,
                                  backends=self.backends, loop=self.loop)
         self.receiver.recv_pool = self.recv_pool
-        tls = server_context(self.config)  # None: plaintext
+        tls = server_context(self.config) if self.relays is None else None  # None: plaintext (or relayed)
         self._server = await self.loop.create_server(
             lambda: RxConnection(self.receiver, tls), self.config.listen_host, self.config.listen_port,
-            reuse_address=True)
+            reuse_address=True, start_serving=self.relays is None)
         self._port = self._server.sockets[0].getsockname()[1]
+        if self.relays is not None:
+            # asyncio binds the listener as it always does but never accepts on it: every connection is
+            # accepted here and handed to a TLS relay first; the connection served is its plaintext end.
+            self.relays.start()
+            for ts in self._server.sockets:
+                sock = socket.socket(fileno=os.dup(ts.fileno()))
+                sock.setblocking(False)
+                sock.listen(100)  # (asyncio listens only when it serves)
+                self._listeners.append(sock)
+                self._accepting.append(self.loop.create_task(self._accept(sock), name="kvtransfer-accept"))
         return self
+
+    async def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, addr = await self.loop.sock_accept(listener)
+            except asyncio.CancelledError:
+                raise
+            except OSError as exc:  # out of file descriptors, say: the listener itself stays
+                log.warning("kvtransfer: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "?"
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                plain = self.relays.attach(conn, server_side=True)
+                await self.loop.connect_accepted_socket(
+                    lambda p=peer: RxConnection(self.receiver, None, peer=p), sock=plain)
+            except OSError as exc:
+                log.warning("kvtransfer: cannot hand the connection from %s to a TLS relay: %s", peer, exc)
 
     async def __aenter__(self) -> KVTransport:
         return await self.start()
@@ -147,6 +182,10 @@ class KVTransport:
             peer.close()
         if self.receiver is not None:
             self.receiver.close()
+        for task in self._accepting:
+            task.cancel()
+        for sock in self._listeners:
+            sock.close()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -157,6 +196,11 @@ class KVTransport:
                 await self.loop.run_in_executor(None, pool.shutdown)
             else:
                 pool.shutdown(wait=False)
+        if self.relays is not None:
+            if self.loop is not None:
+                await self.loop.run_in_executor(None, self.relays.close)
+            else:
+                self.relays.close()
         if self.nixl is not None:
             self.nixl.close()
 
@@ -271,11 +315,15 @@ class KVTransport:
 
     def counters(self) -> dict:
         """Cumulative counters (not leak checks): NIXL WRITEs posted and the descriptors they carried; what
-        the TCP I/O threads did with large frames, each way (iostats.py)."""
+        the TCP I/O threads did with large frames, each way (iostats.py); the TLS relay helpers
+        (tls_relay.py): alive now, connections handed to them, restarts."""
         n = self.nixl
         rx = self.receiver.io_rx.as_dict() if self.receiver is not None else IoStats().as_dict()
+        relays = self.relays
+        tls = ({"procs": len(relays.pids()), "handed": relays.handed, "restarts": relays.restarts}
+               if relays is not None else {"procs": 0, "handed": 0, "restarts": 0})
         return {"nixl_posted_xfers": n.posted_xfers if n else 0, "nixl_descs": n.posted_descs if n else 0,
-                "tcp_tx_io": self.io_tx.as_dict(), "tcp_rx_io": rx}
+                "tcp_tx_io": self.io_tx.as_dict(), "tcp_rx_io": rx, "tls_relays": tls}
 
     def peer_backend(self, endpoint: dict) -> str | None:
         """Which backend the cached connection to this endpoint uses (None if not connected)."""

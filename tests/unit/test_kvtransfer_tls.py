@@ -3,6 +3,8 @@ side channel), NIXL transfers only from the agent a connection named in its HELL
 configured host only (ours and UCX's). Leak checks after each."""
 
 import asyncio
+import os
+import signal
 import socket
 import ssl
 
@@ -41,13 +43,14 @@ async def tls_pair(certs, kind="tcp", **cfg):
     return a, b, src, dst
 
 
-@pytest.mark.parametrize("kind", ["tcp", "nixl"])
-def test_transfers_over_mutual_tls_are_byte_exact(certs, kind):
+@pytest.mark.parametrize(("kind", "procs"), [("tcp", 0), ("tcp", 2), ("nixl", 1)])
+def test_transfers_over_mutual_tls_are_byte_exact(certs, kind, procs):
+    """TLS on the connections' own threads (procs 0) and in relay helper processes (tls_relay.py)."""
     if kind == "nixl" and NIXL_ERROR:
         pytest.fail(f"NIXL must import here: {NIXL_ERROR}")
 
     async def main():
-        a, b, src, dst = await tls_pair(certs, kind)
+        a, b, src, dst = await tls_pair(certs, kind, tls_procs=procs)
         plans = {f"r{i}": ([i * 2, i * 2 + 1], [15 - i * 2, 14 - i * 2]) for i in range(6)}
         exps = {rid: b.expect(rid, d, timeout=30) for rid, (_s, d) in plans.items()}
         handles = [a.start_send(rid, b.endpoint(), s, d) for rid, (s, d) in plans.items()]
@@ -57,20 +60,61 @@ def test_transfers_over_mutual_tls_are_byte_exact(certs, kind):
         for s_ids, d_ids in plans.values():
             for s, d in zip(s_ids, d_ids, strict=True):
                 assert torch.equal(dst[:, d].view(torch.uint8), src[:, s].view(torch.uint8))
+        pids = a.relays.pids() + b.relays.pids() if procs else []
+        for t in (a, b):
+            relays = t.counters()["tls_relays"]
+            assert relays["procs"] == procs and (relays["handed"] > 0) == bool(procs), relays
+        await leak_free(a, b)
+        assert not [pid for pid in pids if _alive(pid)], "TLS relay helpers outlived their transport"
+    run(main())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie not reaped yet counts as gone
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_dead_tls_relay_fails_its_connections_cleanly_and_is_started_again(certs):
+    """kill -9 of the receiver's only relay helper: the transfer riding it fails with a clear error (the
+    connection reads as reset), nothing leaks, and the next connection gets a new helper that works."""
+
+    async def main():
+        a, b, src, dst = await tls_pair(certs, "tcp", tls_procs=1, tcp_connections=1)
+        exp = b.expect("r0", [0], timeout=30)
+        await a.start_send("r0", b.endpoint(), [0], [0]).wait()
+        await exp.wait()
+        (pid,) = b.relays.pids()
+        os.kill(pid, signal.SIGKILL)
+        exp = b.expect("r1", [1], timeout=30)
+        for _ in range(500):  # the sender's connection breaks: its peer is dropped
+            if a.stats()["peers"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert a.stats()["peers"] == 0
+        await a.start_send("r1", b.endpoint(), [1], [1]).wait()  # a new connection, a new helper
+        await exp.wait()
+        assert torch.equal(dst[:, :2].view(torch.uint8), src[:, :2].view(torch.uint8))
+        assert b.counters()["tls_relays"]["restarts"] == 1 and b.relays.pids() != [pid]
         await leak_free(a, b)
     run(main())
 
 
-def test_large_frames_over_tls_are_encrypted_and_decrypted_on_io_threads_byte_exact(certs):
-    """Payloads of 1 MiB and more are encrypted by the sending lane's I/O thread and decrypted by the
-    receiving connection's, straight into the KV (what the thread reads past its frame is parsed by the
-    loop); transfers sharing a connection, small and large, all arrive byte-exact."""
+@pytest.mark.parametrize("procs", [0, 1])
+def test_large_frames_over_tls_are_byte_exact(certs, procs):
+    """In this process (procs 0), payloads of 1 MiB and more are encrypted by the sending lane's I/O thread
+    and decrypted by the receiving connection's, straight into the KV (what the thread reads past its
+    frame is parsed by the loop); through a relay helper, they cross its socketpair. Transfers sharing a
+    connection, small and large, all arrive byte-exact."""
     big = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")  # 16 KiB
 
     async def main():
         src, dst = big.allocate(600), big.allocate(600)
         fill_random(src, 9)
-        cfg = {"max_frame_bytes": 2 << 20, "tcp_connections": 2}
+        cfg = {"max_frame_bytes": 2 << 20, "tcp_connections": 2, "tls_procs": procs}
         a = await make_transport("tcp", big, src, **tls_config(certs[0], "prefill"), **cfg).start()
         b = await make_transport("tcp", big, dst, **tls_config(certs[0], "decode"), **cfg).start()
         sizes = [200, 1, 150, 3, 240]  # blocks: 6.25 MiB .. 32 KiB per transfer
