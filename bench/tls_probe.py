@@ -1,6 +1,7 @@
 """How fast can this host move bytes over mutual TLS from Python, and does kernel TLS change it?
 
-    python -m bench.tls_probe [--gib 2] [--conns 1,4] [--json OUT]
+    python -m bench.tls_probe [--gib 2] [--conns 1,4] [--stages] [--relay 1,8 [--pieces 96,1024]]
+                              [--json OUT]
 
 Loopback, one process: for each connection count, plaintext sockets, TLS through CPython's ``ssl``
 (what the KV plane's TCP fallback uses: one 16 KiB record per read call), and TLS with
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import ssl
 import tempfile
@@ -116,11 +118,147 @@ def _run(mode: str, conns: int, nbytes: int, certs: Path) -> dict:
             "gbps": round(per * conns / wall / 1e9, 3), "tls_stat_delta": moved}
 
 
+def _stages(certs: Path, mib: int = 256) -> dict:
+    """What one core does of a TLS relay's work (kvtransfer/tls_relay.py), one thread, no sockets: a
+    TlsChannel pair over memory BIOs, encrypt 1 MiB at a time (records + the copy out of the BIO), then
+    feed + decrypt_all_into 1 MiB at a time; beside OpenSSL's own cipher speed (``openssl speed``)."""
+    import shutil  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    from kvtransfer.tls import TlsChannel  # noqa: PLC0415
+
+    server_ctx, client_ctx = _contexts(certs, False)
+    a, b = TlsChannel(client_ctx, server_side=False), TlsChannel(server_ctx, server_side=True)
+    out = a.handshake()
+    while not (a.established and b.established):
+        back = b.handshake(out)
+        out = a.handshake(back)
+    b.handshake(out)
+    chunk = memoryview(bytearray(_READ))
+    t0 = time.perf_counter()
+    cts = [a.encrypt([chunk]) for _ in range(mib)]
+    enc = time.perf_counter() - t0
+    dst = memoryview(bytearray(_READ))
+    t0 = time.perf_counter()
+    for parts in cts:
+        for ct in parts:
+            b.feed(ct)
+        got = 0
+        while got < _READ:
+            got += b.decrypt_all_into(dst[got:])
+    dec = time.perf_counter() - t0
+    row = {"mode": "stages", "cipher": b._obj.cipher()[0], "encrypt_gbps": round(mib * _READ / enc / 1e9, 3),
+           "decrypt_gbps": round(mib * _READ / dec / 1e9, 3)}
+    if shutil.which("openssl"):
+        for cipher in ("aes-128-gcm", "aes-256-gcm"):
+            res = subprocess.run(["openssl", "speed", "-seconds", "1", "-bytes", "16384", "-evp", cipher],
+                                 capture_output=True, text=True, timeout=60)
+            last = res.stdout.strip().splitlines()[-1].split() if res.returncode == 0 and res.stdout else []
+            if last and last[-1].endswith("k"):
+                row[f"openssl_{cipher}_gbps"] = round(float(last[-1][:-1]) * 1000 / 1e9, 3)
+    return row
+
+
+def _relay_run(conns: int, nbytes: int, certs: Path, procs: int, piece: int | None) -> dict:
+    """Bytes through pairs of TLS relay helpers (kvtransfer/tls_relay.py) as the KV plane moves them:
+    plaintext into a sender's socketpair end, TLS between a client-side and a server-side helper,
+    plaintext out of the receiver's end; one sending and one receiving thread per connection. procs 0:
+    the same connections without TLS (plain TCP), the baseline."""
+    from kvtransfer.config import TransportConfig  # noqa: PLC0415
+    from kvtransfer.tls_relay import TlsRelays, client_status  # noqa: PLC0415
+
+    def cfg(role: str) -> TransportConfig:
+        return TransportConfig(tls_ca=str(certs / "ca.crt"), tls_cert=str(certs / f"{role}.crt"),
+                               tls_key=str(certs / f"{role}.key"))
+
+    rx = TlsRelays(cfg("decode"), procs, piece=piece) if procs else None
+    tx = TlsRelays(cfg("prefill"), procs, piece=piece) if procs else None
+    for relays in (rx, tx):
+        if relays is not None:
+            relays.start()
+    srv = socket.create_server(("127.0.0.1", 0))
+    pairs = []
+    for _ in range(conns):
+        out = socket.create_connection(srv.getsockname())
+        inn, _addr = srv.accept()
+        if tx is not None:
+            out, inn = tx.attach(out, server_side=False), rx.attach(inn, server_side=True)
+            out.setblocking(True)
+            inn.setblocking(True)
+            status = out.recv(1)
+            if client_status(status) is not None:
+                raise RuntimeError(client_status(status + out.recv(4096)))
+        pairs.append((out, inn))
+    per = nbytes // conns
+    start = threading.Barrier(2 * conns + 1)
+
+    def send(sock) -> None:
+        data = memoryview(bytearray(_WRITE))
+        start.wait()
+        sent = 0
+        while sent < per:
+            n = min(_WRITE, per - sent)
+            sock.sendall(data[:n])
+            sent += n
+
+    def receive(sock) -> None:
+        buf = memoryview(bytearray(_WRITE))
+        start.wait()
+        got = 0
+        while got < per:
+            n = sock.recv_into(buf, min(len(buf), per - got))
+            if not n:
+                raise ConnectionError("closed early")
+            got += n
+
+    cpu0 = _children_cpu()
+    threads = [threading.Thread(target=f, args=(s,)) for o, i in pairs for f, s in ((send, o), (receive, i))]
+    for th in threads:
+        th.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    helpers_cpu = _children_cpu() - cpu0
+    for o, i in pairs:
+        o.close()
+        i.close()
+    srv.close()
+    for relays in (rx, tx):
+        if relays is not None:
+            relays.close()
+    return {"mode": f"relay{procs}" + (f"-piece{piece >> 10}k" if piece else "") if procs else "plain-tcp",
+            "conns": conns, "bytes": per * conns, "seconds": round(wall, 3),
+            "gbps": round(per * conns / wall / 1e9, 3), "helper_cores": round(helpers_cpu / wall, 2)}
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's live children (the relay helpers), from /proc."""
+    total = 0.0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=2.0, help="GiB moved per row (split over its connections)")
     ap.add_argument("--conns", default="1,4", help="connection counts")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--stages", action="store_true", help="first, what one core does of a TLS relay's work")
+    ap.add_argument("--relay", default="", help="connection counts: bytes through TLS relay helper pairs "
+                    "(kvtransfer/tls_relay.py, one helper per connection a side) beside plain TCP")
+    ap.add_argument("--pieces", default="", help="KiB: relay rows per TlsChannel encrypt piece (A/B)")
+    ap.add_argument("--rounds", type=int, default=1, help="relay rows repeated, interleaved")
     args = ap.parse_args(argv)
     ktls = hasattr(ssl, "OP_ENABLE_KTLS")
     print(f"{ssl.OPENSSL_VERSION}; ssl.OP_ENABLE_KTLS {'offered' if ktls else 'not offered by this Python'}; "
@@ -128,6 +266,18 @@ def main(argv=None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         certs = write_certs(Path(tmp), ["prefill", "decode"])
+        if args.relay:
+            pieces = [int(p) << 10 for p in args.pieces.split(",") if p] or [None]
+            for conns in [int(c) for c in args.relay.split(",") if c]:
+                for _round in range(args.rounds):
+                    for procs, piece in [(0, None)] + [(conns, p) for p in pieces]:
+                        row = _relay_run(conns, int(args.gib * (1 << 30)), Path(certs), procs, piece)
+                        rows.append(row)
+                        print(f"{row['mode']:<18} conns {conns:>2}  {row['gbps']:7.3f} GB/s  helpers "
+                              f"{row['helper_cores']} cores", flush=True)
+        if args.stages:
+            rows.append(_stages(Path(certs)))
+            print("one core, 16 KiB records:", {k: v for k, v in rows[-1].items() if k != "mode"}, flush=True)
         for conns in [int(c) for c in args.conns.split(",") if c]:
             plain = None
             for mode in ["plain", "tls"] + (["ktls"] if ktls else []):

@@ -22,22 +22,10 @@ import time
 
 from .errors import PeerUnavailable, TransferError
 from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
-from .tls import TlsChannel, client_context, tls_send_blocking
+from .tls import TlsChannel, client_context, skip_sent, tls_send_blocking
 from .tls_relay import client_status
 
 _IOV_MAX = 512
-
-
-def _advance(views: list[memoryview], i: int, sent: int) -> int:
-    while sent:
-        head = views[i]
-        if sent >= len(head):
-            sent -= len(head)
-            i += 1
-        else:
-            views[i] = head[sent:]
-            sent = 0
-    return i
 
 
 def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int, stop: list[bool],
@@ -63,7 +51,7 @@ def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int, stop
             continue
         progress[0] = time.monotonic()
         calls, nbytes = calls + 1, nbytes + sent
-        i = _advance(views, i, sent)
+        i = skip_sent(views, i, sent)
     return calls, nbytes, polled, time.monotonic() - start
 
 
@@ -176,9 +164,9 @@ class Lane:
             i = 0
             if sum(len(v) for v in views) <= self.t.config.inline_write_max_bytes:
                 if self.chan is not None:
-                    views = [memoryview(self.chan.encrypt(views))]
+                    views = [memoryview(p) for p in self.chan.encrypt(views)]
                 try:
-                    i = _advance(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
+                    i = skip_sent(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
                     self.progress[0] = time.monotonic()
                 except (BlockingIOError, InterruptedError):
                     i = 0

@@ -300,7 +300,7 @@ class RxConnection(asyncio.BufferedProtocol):
             if self.chan is not None:
                 if not self.chan.established:
                     return
-                data = self.chan.encrypt([data])
+                data = b"".join(self.chan.encrypt([data]))  # a small control frame
             self.transport.write(data)
 
     def close(self) -> None:

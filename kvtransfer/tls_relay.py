@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import socket
 import ssl
 import subprocess
@@ -39,17 +40,19 @@ import threading
 from pathlib import Path
 
 from .config import TransportConfig
-from .tls import TlsChannel, client_context, server_context
+from .tls import TlsChannel, client_context, sendall_parts, server_context
 
 log = logging.getLogger("kvtransfer.tls_relay")
 _CHUNK = 1 << 20  # bytes moved per write either way
+_BUFFERS = 4  # per direction of a connection, between its reading and its writing thread
+_SOCKBUF = 4 << 20  # the socketpair's buffers (SO_SNDBUF/SO_RCVBUF ask; the kernel may cap them)
 _OK, _FAIL = b"\x01", b"\x00"
 _SERVER, _CLIENT = b"S", b"C"
 
 
 # -- the owner's side ---------------------------------------------------------------------------------
 class _Helper:
-    def __init__(self, cfg: TransportConfig, index: int) -> None:
+    def __init__(self, cfg: TransportConfig, index: int, piece: int | None) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         root = str(Path(__file__).resolve().parent.parent)
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
@@ -57,7 +60,8 @@ class _Helper:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtransfer.tls_relay", "--ctrl-fd", str(theirs.fileno()),
              "--ca", str(cfg.tls_ca), "--cert", str(cfg.tls_cert), "--key", str(cfg.tls_key),
-             "--handshake-timeout", str(cfg.handshake_timeout_s), "--name", f"kv-tls-{index}"],
+             "--handshake-timeout", str(cfg.handshake_timeout_s), "--name", f"kv-tls-{index}",
+             *(["--piece", str(piece)] if piece else [])],
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self.ctrl = mine
@@ -78,9 +82,10 @@ class _Helper:
 class TlsRelays:
     """The helper processes of one transport (see the module docstring)."""
 
-    def __init__(self, cfg: TransportConfig, procs: int) -> None:
+    def __init__(self, cfg: TransportConfig, procs: int, *, piece: int | None = None) -> None:
         self.cfg = cfg
         self.procs = procs
+        self.piece = piece  # TlsChannel's encrypt piece in the helpers (None: its default; benchmarks)
         self._helpers: list[_Helper | None] = [None] * procs
         self._next = 0
         self._lock = threading.Lock()
@@ -91,12 +96,14 @@ class TlsRelays:
         with self._lock:
             for i in range(self.procs):
                 if self._helpers[i] is None:
-                    self._helpers[i] = _Helper(self.cfg, i)
+                    self._helpers[i] = _Helper(self.cfg, i, self.piece)
 
     def attach(self, sock: socket.socket, *, server_side: bool) -> socket.socket:
         """Hand a connected TCP socket to a helper (it is closed here); returns the plaintext end, a
         non-blocking AF_UNIX stream socket. A sender then reads the status byte (``client_status``)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (mine, theirs):
+            _grow_buffers(end)
         try:
             with self._lock:
                 i = self._next % self.procs
@@ -109,7 +116,7 @@ class TlsRelays:
                                         i, helper.proc.returncode)
                             helper.close(0)
                             self.restarts += 1
-                        helper = self._helpers[i] = _Helper(self.cfg, i)
+                        helper = self._helpers[i] = _Helper(self.cfg, i, self.piece)
                     try:
                         socket.send_fds(helper.ctrl, [_SERVER if server_side else _CLIENT],
                                         [sock.fileno(), theirs.fileno()])
@@ -135,6 +142,17 @@ class TlsRelays:
 
     def pids(self) -> list[int]:
         return [h.proc.pid for h in self._helpers if h is not None and h.alive()]
+
+
+def _grow_buffers(sock: socket.socket) -> None:
+    """Ask for _SOCKBUF each way (SO_*BUFFORCE where allowed: root may pass net.core.*mem_max); the
+    default ~200 KiB made a 1 MiB write five round trips between the relay and its owner."""
+    for force, plain in ((getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF),
+                         (getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, force if force is not None else plain, _SOCKBUF)
+        except OSError:
+            sock.setsockopt(socket.SOL_SOCKET, plain, _SOCKBUF)
 
 
 def client_status(data: bytes) -> str | None:
@@ -166,48 +184,75 @@ def _shut(*socks: socket.socket) -> None:
             pass
 
 
+class _Stage:
+    """Two threads per direction with _BUFFERS buffers between them, so that reading (and the crypto on
+    one side of it) overlaps writing: with one thread, each chunk waited for the next socket to take
+    the previous one. ``fill(view) -> bytes put in view (0: end)`` runs on the calling thread,
+    ``drain(view)`` on a second one."""
+
+    def __init__(self, fill, drain, socks: tuple[socket.socket, socket.socket]) -> None:
+        self.fill, self.drain, self.socks = fill, drain, socks
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        self.full: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(_BUFFERS):
+            self.free.put(memoryview(bytearray(_CHUNK)))
+
+    def run(self) -> None:
+        writer = threading.Thread(target=self._write, daemon=True)
+        writer.start()
+        try:
+            while True:
+                buf = self.free.get()
+                if buf is None:
+                    return  # the writer failed
+                n = self.fill(buf)
+                if not n:
+                    return
+                self.full.put((buf, n))
+        except (OSError, ssl.SSLError):
+            return
+        finally:
+            self.full.put(None)
+            _shut(*self.socks)
+            writer.join()
+
+    def _write(self) -> None:
+        try:
+            while (item := self.full.get()) is not None:
+                buf, n = item
+                self.drain(buf[:n])
+                self.free.put(buf)
+        except (OSError, ssl.SSLError):
+            _shut(*self.socks)
+            self.free.put(None)
+
+
 def _pump_in(tcp: socket.socket, plain: socket.socket, chan: TlsChannel) -> None:
-    """Peer -> owner: decrypt whatever the received ciphertext holds (up to _CHUNK) before each write."""
-    raw, out = memoryview(bytearray(_CHUNK)), memoryview(bytearray(_CHUNK))
-    pos = 0
-    try:
+    """Peer -> owner: ciphertext read and decrypted on this thread (whatever is there, up to _CHUNK of
+    plaintext per buffer), written to the owner by a second one."""
+    raw = memoryview(bytearray(_CHUNK))
+
+    def fill(out: memoryview) -> int:
         while True:
-            got = chan.decrypt_into(out[pos:]) if pos < _CHUNK else 0
+            got = chan.decrypt_all_into(out)
             if got:
-                pos += got
-                continue
-            if pos:
-                plain.sendall(out[:pos])
-                pos = 0
-                continue
+                return got
             n = tcp.recv_into(raw)
             if not n:
-                return
+                return 0
             chan.feed(raw[:n])
-    except (OSError, ssl.SSLError):
-        return
-    finally:
-        _shut(tcp, plain)
+
+    _Stage(fill, plain.sendall, (tcp, plain)).run()
 
 
 def _pump_out(tcp: socket.socket, plain: socket.socket, chan: TlsChannel) -> None:
-    """Owner -> peer: encrypt what the owner wrote, up to _CHUNK per record batch."""
-    buf = memoryview(bytearray(_CHUNK))
-    try:
-        while True:
-            n = plain.recv_into(buf)
-            if not n:
-                return
-            tcp.sendall(chan.encrypt([buf[:n]]))
-    except (OSError, ssl.SSLError):
-        return
-    finally:
-        _shut(tcp, plain)
+    """Owner -> peer: plaintext read on this thread, encrypted and sent by a second one."""
+    _Stage(plain.recv_into, lambda view: sendall_parts(tcp, chan.encrypt([view])), (tcp, plain)).run()
 
 
 def _serve(tcp: socket.socket, plain: socket.socket, ctx: ssl.SSLContext, server_side: bool,
-           timeout: float) -> None:
-    chan = TlsChannel(ctx, server_side=server_side)
+           timeout: float, piece: int | None) -> None:
+    chan = TlsChannel(ctx, server_side=server_side, **({"piece": piece} if piece else {}))
     try:
         tcp.settimeout(timeout)
         plain.setblocking(True)
@@ -244,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--key", required=True)
     ap.add_argument("--handshake-timeout", type=float, default=10.0)
     ap.add_argument("--name", default="kv-tls")
+    ap.add_argument("--piece", type=int, default=None, help="plaintext per memory-BIO write (TlsChannel)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
     cfg = TransportConfig(tls_ca=args.ca, tls_cert=args.cert, tls_key=args.key)
@@ -261,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
                 os.close(fd)
             continue
         tcp, plain = socket.socket(fileno=fds[0]), socket.socket(fileno=fds[1])
-        side = (contexts[msg], msg == _SERVER, args.handshake_timeout)
+        side = (contexts[msg], msg == _SERVER, args.handshake_timeout, args.piece)
         threading.Thread(target=_serve, args=(tcp, plain, *side), daemon=True).start()
     os._exit(0)  # connection threads are daemons: the owner is gone, so are they
 
