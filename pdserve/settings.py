@@ -91,6 +91,8 @@ class ServeSettings:
     kv_connections: int = 8
     # TCP KV plane: spread a transfer of more than one frame over all of those connections
     kv_stripe: str = "on"
+    # TLS on the TCP KV plane: helper processes doing the record work (-1: the transport's default)
+    kv_tls_procs: int = -1
     # prefill: push each layer's KV while the next one computes (when the transport supports it)
     kv_stream_layers: str = "on"
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
@@ -177,6 +179,8 @@ class ServeSettings:
             raise ValueError("--kv-source-tp and --kv-staging-blocks must be >= 0")
         if not 1 <= self.kv_connections <= 64:
             raise ValueError(f"--kv-connections must be in 1..64, got {self.kv_connections}")
+        if not -1 <= self.kv_tls_procs <= 64:
+            raise ValueError(f"--kv-tls-procs must be in 0..64 (or -1: default), got {self.kv_tls_procs}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"--num-blocks must be >= 1, got {self.num_blocks}")
         if self.num_blocks is not None and self.kv_memory_gb is not None:
@@ -246,7 +250,7 @@ class ServeSettings:
 _INT = {"port", "metrics_port", "http_port", "block_size", "num_blocks", "max_num_seqs", "stream_interval",
         "max_num_batched_tokens",
         "launch_ahead_layers", "tensor_parallel_size", "kv_source_tp", "kv_staging_blocks",
-        "kv_port", "kv_connections", "lease_ms", "min_uncached_tokens",
+        "kv_port", "kv_connections", "kv_tls_procs", "lease_ms", "min_uncached_tokens",
         "allocate_queue_size", "max_request_bytes", "max_request_retries"}
 _FLOAT = {"retry_wait_s", "kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
           "local_prefill_tokens_per_s", "max_prefill_wait_s", "local_prefill_duty", "local_prefill_burst_s",
@@ -313,6 +317,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-stripe", choices=ON_OFF, help="TCP KV transport: spread one transfer's frames over all the "
       "connections (default on: a lone 2k-token transfer ~3x faster on 2x H200; off: one connection per "
       "transfer, fewer receive threads busy at once beside decode)")
+    a("--kv-tls-procs", type=int, help="TCP KV transport with TLS: helper processes doing the TLS record "
+      "work (each has a GIL of its own; default a quarter of the cores, 1..8; 0 = in the worker)")
     a("--kv-stream-layers", choices=ON_OFF, help="prefill: push each layer's KV while the next layer "
       "computes (default on; off = one send after the prefill)")
     a("--drain-timeout", type=float, help="seconds to finish in-flight requests on SIGTERM (default 30)")
@@ -424,6 +430,8 @@ def kv_transport_options(settings: ServeSettings, env: Mapping[str, str] | None 
         role = settings.role
         opts.update(tls_ca=os.path.join(tls_dir, "ca.crt"), tls_cert=os.path.join(tls_dir, f"{role}.crt"),
                     tls_key=os.path.join(tls_dir, f"{role}.key"))
+        if settings.kv_tls_procs >= 0:
+            opts["tls_procs"] = settings.kv_tls_procs
     ucx: dict[str, str] = {}
     if env_switch("PDSERVE_UCX_PROTO_INFO", True) and "UCX_PROTO_INFO" not in env:
         ucx["UCX_PROTO_INFO"] = "y"

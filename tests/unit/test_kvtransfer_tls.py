@@ -259,3 +259,15 @@ def test_with_host_127_0_0_1_no_kv_socket_listens_elsewhere(kind):
         if kind == "nixl":
             assert len(new) >= 2, f"UCX's listeners are counted too: {new}"
     run(main())
+
+
+def test_kv_tls_procs_reaches_the_transport_only_with_tls(tmp_path):
+    """--kv-tls-procs: the worker's TransportConfig gets it when a TLS directory is configured; -1 (the
+    default) leaves the transport's own default (a quarter of the cores, 1..8)."""
+    base = {"role": "decode", "model": "m", "host": "127.0.0.1"}
+    assert "tls_procs" not in kv_transport_options(ServeSettings(**base, kv_tls_procs=3), env={})
+    with_tls = ServeSettings(**base, kv_tls_procs=0, tls_dir=str(tmp_path))
+    assert kv_transport_options(with_tls, env={})["tls_procs"] == 0
+    assert "tls_procs" not in kv_transport_options(ServeSettings(**base, tls_dir=str(tmp_path)), env={})
+    with pytest.raises(ValueError, match="kv-tls-procs"):
+        ServeSettings(**base, kv_tls_procs=65)
