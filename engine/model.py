@@ -217,13 +217,21 @@ class DecoderLayer(nn.Module):
         return x.add_(self.mlp(h))
 
 
+def _uninitialised(rows: int, cols: int) -> torch.Tensor:
+    """An embedding's weight without nn.Embedding's random init: the module is built on the meta device
+    and filled by the checkpoint or build_model's own init, and normal_ on meta imports torch._dynamo
+    (~2 s of a worker's start, bench/boot_profile.py) where Linear's uniform_ does not."""
+    return torch.empty(rows, cols)
+
+
 class VocabParallelEmbedding(nn.Embedding):
     """This rank's rows ``[start, start + rows)`` of the embedding (rows past the vocabulary are
     zero padding); other rows read as zeros and one all-reduce assembles every token's vector.
     Adding zeros is exact, so the result equals the unsplit lookup bit for bit."""
 
     def __init__(self, shard: TPShard, hidden_size: int, tp: TPGroup) -> None:
-        super().__init__(shard.vocab_per_rank, hidden_size)
+        rows = shard.vocab_per_rank
+        super().__init__(rows, hidden_size, _weight=_uninitialised(rows, hidden_size))
         self.start, self.tp = shard.vocab_start, tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -239,7 +247,8 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         if tp is None:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                             _weight=_uninitialised(config.vocab_size, config.hidden_size))
         else:
             shard = TPShard.for_model(config, rank=tp.rank, size=tp.size)
             self.embed_tokens = VocabParallelEmbedding(shard, config.hidden_size, tp)
