@@ -10,6 +10,7 @@
 #   tests  pytest -m gpu tests/gpu (for real: CUDA is there)
 #   bench  python3 bench/gpu.py (writes bench/results/gpu-<device>-<date>.json)
 #   boot   process start -> SERVING on one GPU, 8B shape from tmpfs and disk, each phase (bench/gpu_boot.py)
+#   boot-profile  a worker's start step by step (imports, CUDA init, build_engine under cProfile), 8B, twice
 #   stream-8b  layer-wise KV push on vs off, llama3-8b shape, NIXL and TCP (bench.prefill_stream)
 #   frontier   goodput frontier, 2 GPUs, llama3-8b, log-normal mix: 1P1D NIXL / TCP, conditional, 2 colocated,
 #              then each at 1.5x its SLO-goodput rate (bench/gpu_frontier.py; args after -- go to it,
@@ -111,6 +112,15 @@ from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve
         boot)  # process start -> SERVING, llama3-8b shape on ONE GPU, tmpfs / disk cold / page cache,
                # colocated and 1P1D, beside the raw read; then decode at batch 1 vs the HBM bound
             python3 bench/gpu_boot.py --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/boot.log"; rc=$(( rc | ${PIPESTATUS[0]} )) ;;
+        boot-profile)  # where a worker's start goes (bench/boot_profile.py), llama3-8b from tmpfs, twice
+                       # (the first also pays flashinfer's JIT when its cache was not carried)
+            python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; \
+from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve-llama3-8b'), 'llama3-8b')"
+            for i in 1 2; do
+                python3 -m bench.boot_profile --model /dev/shm/pdserve-llama3-8b --device cuda --top 40 \
+                    --json "$OUT/boot-profile-$i.json" "${extra[@]}" 2>&1 | tee "$OUT/boot-profile-$i.log"
+                rc=$(( rc | ${PIPESTATUS[0]} ))
+            done ;;
         kv-concurrency)  # GPU0 -> GPU1 over TCP; on a one-GPU machine both processes share GPU0
             rx_gpu=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
             python3 -m bench.kv_bench --device cuda --rx-gpu "$rx_gpu" --backends "" --concurrency 1,4,16 --conc-tokens 2048 \

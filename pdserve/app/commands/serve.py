@@ -30,6 +30,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2
+    if settings.role in ("prefill", "decode", "colocated"):
+        from engine import preload
+
+        preload.start(settings.device)  # flashinfer/triton imports overlap the rest of the start
     from pdserve.app.roles import run_role
 
     try:
