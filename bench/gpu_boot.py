@@ -94,10 +94,10 @@ def process_stats(address: str) -> dict:
                        for p in s.boot]}
 
 
-def boot(model: Path, layout: str, logs: Path, kv_gb: float, gpu: str) -> dict:
+def boot(model: Path, layout: str, logs: Path, kv_gb: float, gpu: str, extra_env: dict | None = None) -> dict:
     """Start the layout's workers at once on one GPU; seconds until every one is SERVING."""
     roles = ["colocated"] if layout == "colocated" else ["prefill", "decode"]
-    env = {"CUDA_VISIBLE_DEVICES": gpu}
+    env = {"CUDA_VISIBLE_DEVICES": gpu, **(extra_env or {})}
     args = ["--model", str(model), "--device", "cuda", "--kv-memory-gb", str(kv_gb)]
     t0 = time.monotonic()
     procs = []
@@ -138,6 +138,11 @@ def main() -> None:
     ap.add_argument("--layouts", default="colocated,1p1d")
     ap.add_argument("--gpu", default="0", help="the one GPU every worker runs on")
     ap.add_argument("--skip-roofline", action="store_true")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ENV=VALUE[,ENV=VALUE]",
+                    help="colocated boots from the page cache with these worker environment variables, "
+                    "beside the same boot without them, rounds interleaved (e.g. "
+                    "nopreload=PDSERVE_PRELOAD_IMPORTS=0)")
+    ap.add_argument("--variant-rounds", type=int, default=3)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -167,7 +172,7 @@ def main() -> None:
           f"{raw_cold['seconds']:.2f}s ({raw_cold['GBps']:.1f} GB/s), "
           f"disk page cache {raw_warm['seconds']:.2f}s", flush=True)
     runs = [("tmpfs", SHM, False), ("disk-cold", disk, True), ("disk-page-cache", disk, False)]
-    for layout in args.layouts.split(","):
+    for layout in filter(None, args.layouts.split(",")):
         for label, path, cold in runs:
             if cold:
                 evict(path)
@@ -181,6 +186,27 @@ def main() -> None:
             result["boots"].append(r)
             (out / "boot.json").write_text(json.dumps(result, indent=1))
             print(f"  {layout:<10} {label:<16} {_line(r)}", flush=True)
+    if args.variant:
+        variants = {"default": {}}
+        for text in args.variant:
+            vname, _, rest = text.partition("=")
+            variants[vname] = dict(item.split("=", 1) for item in rest.split(",") if item)
+        raw_read(disk)  # in the page cache
+        result["variants"] = {v: [] for v in variants}
+        for _round in range(args.variant_rounds):
+            for vname, extra in variants.items():
+                try:
+                    r = boot(disk, "colocated", logs, args.kv_gb, args.gpu, extra)
+                except Exception as exc:
+                    r = {"error": str(exc)}
+                r.update(variant=vname, env=extra)
+                result["variants"][vname].append(r)
+                print(f"  variant {vname:<12} {_line(r)}", flush=True)
+        for vname, rs in result["variants"].items():
+            walls = sorted(r["wall_s"] for r in rs if "wall_s" in r)
+            if walls:
+                median = walls[len(walls) // 2]
+                print(f"  variant {vname:<12} median {median:.2f}s to SERVING over {len(walls)}")
     if not args.skip_roofline:
         from gpu import ceilings, random_model, roofline
 

@@ -39,6 +39,7 @@ from engine.kv_layout import dtype_name
 from engine.tp_shard import TensorSlice
 from engine.weight_upload import MappedFile, Uploader
 from pdserve.process_stats import BOOT
+from pdserve.settings import env_switch
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -103,6 +104,7 @@ def load_weights(module: torch.nn.Module, path: str | Path, dtype: torch.dtype |
     plan = _plan(params, located, path, slices)
     total_bytes = 0
     uploaders: dict[torch.device, Uploader] = {}
+    pread = env_switch("PDSERVE_PREAD_WEIGHTS")  # 0: copy out of the mapping instead (comparisons)
     with BOOT.phase("load_weights"):
         for file, names in plan.items():
             with _open(file) as f, MappedFile(file) as mapped:
@@ -114,7 +116,7 @@ def load_weights(module: torch.nn.Module, path: str | Path, dtype: torch.dtype |
                     sl = slices.get(name)
                     if sl is None:  # zero-copy view of the mapped file, staged to the device
                         up = uploaders.get(dev) or uploaders.setdefault(dev, Uploader(dev))
-                        tensor = up.load(mapped, name, dt)
+                        tensor = up.load(mapped, name, dt) if pread else up.to(mapped.view(name), dt)
                     else:
                         tensor = slice_of(f.get_slice(name), sl).to(device=dev, dtype=dt)
                     if param.is_meta or param.dtype != dt or param.device != dev:
