@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ENV=VALUE[,ENV=VALUE]",
                     help="colocated boots from the page cache with these worker environment variables, "
                     "beside the same boot without them, rounds interleaved (e.g. "
-                    "nopreload=PDSERVE_PRELOAD_IMPORTS=0)")
+                    "nograph=PDSERVE_CUDA_GRAPHS=0)")
     ap.add_argument("--variant-rounds", type=int, default=3)
     args = ap.parse_args()
     out = Path(args.out)

@@ -5,14 +5,11 @@ staging, several chunks in flight.
 tensors (the header says where each lives), so nothing is read until it is copied. ``Uploader``
 moves such a view to the target device:
 
-* CUDA (``load``): the tensor's bytes are read from the file chunk by chunk (``chunk_bytes``) into one
-  of ``num_buffers`` pinned host buffers with ``readers`` parallel ``preadv`` calls per chunk (the
-  page-cache / disk read, GIL released), then copied to the GPU with a non-blocking copy on the
-  current stream. A buffer is refilled only after the event of its previous copy fired, so while the
-  GPU pulls one chunk the host fills the next ones; the dtype conversion runs on the GPU after the
-  bytes landed. Reading with ``preadv`` instead of copying from the mapping avoids a page fault per
-  4 KiB page (16 GB of an 8B checkpoint: ~4 million), which held the load near one raw read's rate.
-  ``to(view)`` does the same from a mapped view (copied by torch's intra-op threads).
+* CUDA: the view is copied chunk by chunk (``chunk_bytes``) into one of ``num_buffers`` pinned host
+  buffers -- this copy is the page-cache / disk read, parallel over torch's intra-op threads -- and
+  from there to the GPU with a non-blocking copy on the current stream. A buffer is refilled only
+  after the event of its previous copy fired, so while the GPU pulls one chunk the host fills the
+  next ones; the dtype conversion runs on the GPU after the bytes landed.
 * CPU (and any other device): the view is copied once into the destination tensor (dtype converted
   in the same copy): the same path, minus the staging a host target does not need.
 
@@ -25,9 +22,7 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -47,7 +42,6 @@ class MappedFile:
         try:
             with open(path, "rb") as f:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                self._fd = os.dup(f.fileno())  # for load()'s preadv
             (n,) = struct.unpack("<Q", self._mm[:8])
             header = json.loads(bytes(self._mm[8:8 + n]))
         except (OSError, ValueError, struct.error) as exc:
@@ -56,17 +50,6 @@ class MappedFile:
         self._base = 8 + n
         self._header = header
         self._buf = memoryview(self._mm)
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def span(self, name: str) -> tuple[int, int, torch.dtype, list[int]]:
-        """(file offset, bytes, dtype, shape) of a tensor, from the header."""
-        meta = self._header[name]
-        start, end = meta["data_offsets"]
-        if not (0 <= start <= end <= len(self._mm) - self._base):
-            raise ModelLoadError(f"{self.path}: tensor {name!r} lies outside the file (truncated?)")
-        return self._base + start, end - start, _ST_DTYPES[meta["dtype"]], meta["shape"]
 
     def view(self, name: str) -> torch.Tensor:
         meta = self._header[name]
@@ -86,9 +69,6 @@ class MappedFile:
     def close(self) -> None:
         self._buf.release()
         self._mm.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
     def __enter__(self) -> MappedFile:
         return self
@@ -100,53 +80,17 @@ class MappedFile:
 class Uploader:
     """Copies host views to ``device`` (see the module docstring); ``finish()`` waits for the last copy."""
 
-    def __init__(self, device: torch.device, *, chunk_bytes: int = 64 << 20, num_buffers: int = 4,
-                 readers: int = 4) -> None:
+    def __init__(self, device: torch.device, *, chunk_bytes: int = 64 << 20, num_buffers: int = 4) -> None:
         self.device = device
         self.staged = device.type == "cuda"
         self.chunk_bytes = chunk_bytes
-        self.part_bytes = max(1 << 20, chunk_bytes // max(1, readers))  # one preadv's share of a chunk
         self._buffers: list[torch.Tensor] = []
         self._events: list[torch.cuda.Event | None] = []
         self._next = 0
-        self._pool = (ThreadPoolExecutor(readers, thread_name_prefix="weights-read")
-                      if self.staged and readers > 1 else None)
         if self.staged:
             self._buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
                              for _ in range(num_buffers)]
             self._events = [None] * num_buffers
-
-    def load(self, mapped: MappedFile, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Tensor ``name`` of ``mapped`` as a new ``dtype`` tensor on the device: read from the file
-        straight into pinned staging (CUDA), or copied from the mapped view (CPU)."""
-        if not self.staged:
-            return self.to(mapped.view(name), dtype)
-        offset, nbytes, src_dtype, shape = mapped.span(name)
-        raw = torch.empty(shape, dtype=src_dtype, device=self.device)
-        dst_bytes = raw.view(-1).view(torch.uint8)
-        for off in range(0, nbytes, self.chunk_bytes):
-            n = min(self.chunk_bytes, nbytes - off)
-            buf = self._buffer()
-            read_into(mapped.fileno(), offset + off, memoryview(buf.numpy())[:n], self._pool,
-                      self.part_bytes, mapped.path)
-            self._send(dst_bytes[off:off + n], buf[:n])
-        return raw if dtype == src_dtype else raw.to(dtype)
-
-    def _buffer(self) -> torch.Tensor:
-        """The next pinned buffer, once the GPU has pulled its previous chunk."""
-        i = self._next
-        if self._events[i] is not None:
-            self._events[i].synchronize()
-        return self._buffers[i]
-
-    def _send(self, dst: torch.Tensor, buf: torch.Tensor) -> None:
-        """Host -> device from the buffer _buffer() returned; records the event that frees it."""
-        i = self._next
-        self._next = (i + 1) % len(self._buffers)
-        dst.copy_(buf, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self._events[i] = ev
 
     def to(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``src`` (a CPU view) as a new ``dtype`` tensor on the device."""
@@ -159,9 +103,16 @@ class Uploader:
         dst_bytes = raw.view(-1).view(torch.uint8)
         for off in range(0, src_bytes.numel(), self.chunk_bytes):
             n = min(self.chunk_bytes, src_bytes.numel() - off)
-            buf = self._buffer()[:n]
+            i = self._next
+            self._next = (i + 1) % len(self._buffers)
+            if self._events[i] is not None:
+                self._events[i].synchronize()  # the GPU has pulled this buffer's previous chunk
+            buf = self._buffers[i][:n]
             buf.copy_(src_bytes[off:off + n])  # the read: page cache / disk -> pinned
-            self._send(dst_bytes[off:off + n], buf)
+            dst_bytes[off:off + n].copy_(buf, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._events[i] = ev
         return raw if dtype == src.dtype else raw.to(dtype)
 
     def finish(self) -> None:
@@ -169,29 +120,3 @@ class Uploader:
             if ev is not None:
                 ev.synchronize()
         self._events = [None] * len(self._events)
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
-
-
-def read_into(fd: int, offset: int, dst: memoryview, pool: ThreadPoolExecutor | None, part: int,
-              path: Path | str = "?") -> None:
-    """Fill ``dst`` with the file's bytes from ``offset``: one ``preadv`` loop per ``part`` bytes, in
-    parallel on ``pool`` when there is one (the GIL is released in the syscall)."""
-
-    def one(start: int) -> None:
-        view = dst[start:start + part]
-        pos = 0
-        while pos < len(view):
-            got = os.preadv(fd, [view[pos:]], offset + start + pos)
-            if got == 0:
-                raise ModelLoadError(f"{path}: file ends before its header says (truncated?)")
-            pos += got
-
-    starts = range(0, len(dst), part)
-    if pool is None or len(starts) < 2:
-        for start in starts:
-            one(start)
-    else:
-        for fut in [pool.submit(one, start) for start in starts]:
-            fut.result()

@@ -7,12 +7,11 @@ leaves a half-loaded module behind:
    every ``*.safetensors`` in the directory), read only their headers, and compare names and shapes
    with the module's parameters. Missing, unexpected or mis-shaped tensors raise one
    ``ModelLoadError`` that names them all (up to a few dozen).
-2. **Load**: one tensor at a time (``engine.weight_upload``): to a GPU read from the file with
-   parallel ``preadv`` calls into pinned staging buffers, several chunks in flight; to the CPU in one
-   copy from a zero-copy view of the memory-mapped file; the dtype is converted on the target. No
-   tensor is materialised in host memory first, so an 8B model loads into a GPU (or a
-   ``meta``-initialised module) without a CPU copy of the checkpoint. The load is a boot phase
-   (``pdserve.process_stats.BOOT``).
+2. **Load**: one tensor at a time from a zero-copy view of the memory-mapped file
+   (``engine.weight_upload``): to a GPU through pinned staging buffers with several chunks in
+   flight, to the CPU in one copy; the dtype is converted on the target. No tensor is materialised
+   in host memory first, so an 8B model loads into a GPU (or a ``meta``-initialised module) without
+   a CPU copy of the checkpoint. The load is a boot phase (``pdserve.process_stats.BOOT``).
 
 Tensor parallelism: ``slices`` (``CausalLM.tp_slices()``) names the parameters that hold only a
 rank's part of a checkpoint tensor (``engine.tp_shard.TensorSlice``); those are read with
@@ -39,7 +38,6 @@ from engine.kv_layout import dtype_name
 from engine.tp_shard import TensorSlice
 from engine.weight_upload import MappedFile, Uploader
 from pdserve.process_stats import BOOT
-from pdserve.settings import env_switch
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -104,7 +102,6 @@ def load_weights(module: torch.nn.Module, path: str | Path, dtype: torch.dtype |
     plan = _plan(params, located, path, slices)
     total_bytes = 0
     uploaders: dict[torch.device, Uploader] = {}
-    pread = env_switch("PDSERVE_PREAD_WEIGHTS")  # 0: copy out of the mapping instead (comparisons)
     with BOOT.phase("load_weights"):
         for file, names in plan.items():
             with _open(file) as f, MappedFile(file) as mapped:
@@ -116,7 +113,7 @@ def load_weights(module: torch.nn.Module, path: str | Path, dtype: torch.dtype |
                     sl = slices.get(name)
                     if sl is None:  # zero-copy view of the mapped file, staged to the device
                         up = uploaders.get(dev) or uploaders.setdefault(dev, Uploader(dev))
-                        tensor = up.load(mapped, name, dt) if pread else up.to(mapped.view(name), dt)
+                        tensor = up.to(mapped.view(name), dt)
                     else:
                         tensor = slice_of(f.get_slice(name), sl).to(device=dev, dtype=dt)
                     if param.is_meta or param.dtype != dt or param.device != dev:

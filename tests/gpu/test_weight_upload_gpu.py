@@ -28,18 +28,3 @@ def test_staged_upload_many_chunks_equal_direct_copy(tmp_path):
     up.finish()
     for n, t in big.items():
         assert torch.equal(outs[n].cpu(), t.to(outs[n].dtype))
-
-
-def test_load_reads_the_file_with_parallel_preads_equal_direct_copy(tmp_path):
-    """Uploader.load (what engine.weights uses on a GPU): preadv from the file into pinned buffers, parts
-    read in parallel, many chunks per tensor."""
-    file = tmp_path / "m.safetensors"
-    big = {"w": torch.randn(1000, 333).to(torch.bfloat16), **_tensors()}
-    save_file(big, str(file))
-    up = Uploader(torch.device("cuda"), chunk_bytes=64 << 10, num_buffers=2, readers=3)
-    with MappedFile(file) as mapped:
-        outs = {n: up.load(mapped, n, torch.float32 if t.is_floating_point() else t.dtype)
-                for n, t in big.items()}
-    up.finish()
-    for n, t in big.items():
-        assert torch.equal(outs[n].cpu(), t.to(outs[n].dtype))

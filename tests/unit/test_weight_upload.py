@@ -37,26 +37,3 @@ def test_truncated_file_is_model_load_error(tmp_path):
     file.write_bytes(b"\x10\x00")
     with pytest.raises(ModelLoadError, match="bad.safetensors"):
         MappedFile(file)
-
-
-def test_parallel_preads_land_every_tensor_byte_exact(tmp_path):
-    """read_into (the GPU path's read: parallel preadv into pinned staging) at each tensor's span equals
-    safetensors' bytes, for parts smaller than the tensor and odd offsets; past the end of a truncated
-    file it is a ModelLoadError, never short data."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from engine.weight_upload import read_into
-
-    file = tmp_path / "m.safetensors"
-    tensors = {**_tensors(), "f.big": torch.randn(4099, generator=torch.Generator().manual_seed(1))}
-    save_file(tensors, str(file))
-    with MappedFile(file) as mapped, ThreadPoolExecutor(3) as pool:
-        for name, want in tensors.items():
-            offset, nbytes, dtype, shape = mapped.span(name)
-            assert dtype == want.dtype and list(shape) == list(want.shape)
-            buf = bytearray(nbytes)
-            read_into(mapped.fileno(), offset, memoryview(buf), pool, 1000, file)
-            assert bytes(buf) == want.contiguous().view(torch.uint8).numpy().tobytes()
-        offset, nbytes, _, _ = mapped.span("f.big")
-        with pytest.raises(ModelLoadError, match="ends before"):
-            read_into(mapped.fileno(), offset, memoryview(bytearray(nbytes + 4096)), pool, 1000, file)

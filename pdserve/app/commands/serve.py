@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from pdserve.settings import ServeSettings, add_serve_arguments, env_switch
+from pdserve.settings import ServeSettings, add_serve_arguments
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +30,6 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2
-    if settings.role in ("prefill", "decode", "colocated") and env_switch("PDSERVE_PRELOAD_IMPORTS"):
-        from engine import preload
-
-        preload.start(settings.device)  # flashinfer/triton imports overlap the rest of the start
     from pdserve.app.roles import run_role
 
     try:
