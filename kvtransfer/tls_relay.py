@@ -54,15 +54,16 @@ _SERVER, _CLIENT = b"S", b"C"
 class _Helper:
     def __init__(self, cfg: TransportConfig, index: int, piece: int | None) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Run from the directory holding this package (python -m puts the working directory first on
+        # the path), with the certificate paths made absolute.
         root = str(Path(__file__).resolve().parent.parent)
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, PYTHONPATH=path)
+        files = [str(Path(str(p)).resolve()) for p in (cfg.tls_ca, cfg.tls_cert, cfg.tls_key)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtransfer.tls_relay", "--ctrl-fd", str(theirs.fileno()),
-             "--ca", str(cfg.tls_ca), "--cert", str(cfg.tls_cert), "--key", str(cfg.tls_key),
+             "--ca", files[0], "--cert", files[1], "--key", files[2],
              "--handshake-timeout", str(cfg.handshake_timeout_s), "--name", f"kv-tls-{index}",
              *(["--piece", str(piece)] if piece else [])],
-            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+            pass_fds=(theirs.fileno(),), cwd=root, stdin=subprocess.DEVNULL)
         theirs.close()
         self.ctrl = mine
         self.index = index
