@@ -29,6 +29,41 @@ _WRITE = 16 << 20
 _READ = 1 << 20
 
 
+def _send_bytes(sock, nbytes: int) -> None:
+    """Write nbytes (zeros) in _WRITE pieces."""
+    data = memoryview(bytearray(_WRITE))
+    sent = 0
+    while sent < nbytes:
+        n = min(_WRITE, nbytes - sent)
+        sock.sendall(data[:n])
+        sent += n
+
+
+def _recv_bytes(sock, nbytes: int) -> None:
+    """Read exactly nbytes in _READ pieces."""
+    buf = memoryview(bytearray(_READ))
+    got = 0
+    while got < nbytes:
+        n = sock.recv_into(buf, min(_READ, nbytes - got))
+        if not n:
+            raise ConnectionError("the sender closed early")
+        got += n
+
+
+def _timed(threads: list[threading.Thread], start: threading.Barrier) -> float:
+    """Start the threads, release them together at the barrier; seconds until all have ended."""
+    for th in threads:
+        th.start()
+    try:
+        start.wait()
+    except threading.BrokenBarrierError:
+        pass
+    t0 = time.perf_counter()
+    for th in threads:
+        th.join()
+    return time.perf_counter() - t0
+
+
 def _tls_stat() -> dict[str, int]:
     try:
         text = Path("/proc/net/tls_stat").read_text()
@@ -63,14 +98,8 @@ def _run(mode: str, conns: int, nbytes: int, certs: Path) -> dict:
         try:
             raw, _ = srv.accept()
             sock = server_ctx.wrap_socket(raw, server_side=True) if tls else raw
-            buf = memoryview(bytearray(_READ))
             done.wait()
-            got = 0
-            while got < per:
-                n = sock.recv_into(buf, min(_READ, per - got))
-                if not n:
-                    raise ConnectionError("sender closed early")
-                got += n
+            _recv_bytes(sock, per)
             sock.sendall(b"k")
             sock.close()
         except BaseException as exc:  # reported below
@@ -81,13 +110,8 @@ def _run(mode: str, conns: int, nbytes: int, certs: Path) -> dict:
         try:
             raw = socket.create_connection(("127.0.0.1", port))
             sock = client_ctx.wrap_socket(raw) if tls else raw
-            data = memoryview(bytearray(_WRITE))
             done.wait()
-            sent = 0
-            while sent < per:
-                n = min(_WRITE, per - sent)
-                sock.sendall(data[:n])
-                sent += n
+            _send_bytes(sock, per)
             if sock.recv(1) != b"k":
                 raise ConnectionError("no ack")
             sock.close()
@@ -98,17 +122,8 @@ def _run(mode: str, conns: int, nbytes: int, certs: Path) -> dict:
     threads = []
     for _ in range(conns):
         threads += [threading.Thread(target=receive), threading.Thread(target=send)]
-    for th in threads:
-        th.start()
     before = _tls_stat()
-    try:
-        done.wait()
-    except threading.BrokenBarrierError:
-        pass
-    t0 = time.perf_counter()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
+    wall = _timed(threads, done)
     srv.close()
     after = _tls_stat()
     moved = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
@@ -193,33 +208,16 @@ def _relay_run(conns: int, nbytes: int, certs: Path, procs: int, piece: int | No
     start = threading.Barrier(2 * conns + 1)
 
     def send(sock) -> None:
-        data = memoryview(bytearray(_WRITE))
         start.wait()
-        sent = 0
-        while sent < per:
-            n = min(_WRITE, per - sent)
-            sock.sendall(data[:n])
-            sent += n
+        _send_bytes(sock, per)
 
     def receive(sock) -> None:
-        buf = memoryview(bytearray(_WRITE))
         start.wait()
-        got = 0
-        while got < per:
-            n = sock.recv_into(buf, min(len(buf), per - got))
-            if not n:
-                raise ConnectionError("closed early")
-            got += n
+        _recv_bytes(sock, per)
 
     cpu0 = _children_cpu()
     threads = [threading.Thread(target=f, args=(s,)) for o, i in pairs for f, s in ((send, o), (receive, i))]
-    for th in threads:
-        th.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
+    wall = _timed(threads, start)
     helpers_cpu = _children_cpu() - cpu0
     for o, i in pairs:
         o.close()
