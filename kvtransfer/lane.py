@@ -21,8 +21,9 @@ import socket
 import time
 
 from .errors import PeerUnavailable, TransferError
+from .iovec import advance
 from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
-from .tls import TlsChannel, client_context, skip_sent, tls_send_blocking
+from .tls import TlsChannel, client_context, tls_send_blocking
 from .tls_relay import client_status
 
 _IOV_MAX = 512
@@ -51,7 +52,7 @@ def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int, stop
             continue
         progress[0] = time.monotonic()
         calls, nbytes = calls + 1, nbytes + sent
-        i = skip_sent(views, i, sent)
+        i = advance(views, i, sent)
     return calls, nbytes, polled, time.monotonic() - start
 
 
@@ -166,7 +167,7 @@ class Lane:
                 if self.chan is not None:
                     views = [memoryview(p) for p in self.chan.encrypt(views)]
                 try:
-                    i = skip_sent(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
+                    i = advance(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
                     self.progress[0] = time.monotonic()
                 except (BlockingIOError, InterruptedError):
                     i = 0

@@ -26,6 +26,7 @@ import ssl
 import time
 
 from .errors import ProtocolError, TransferError, error_to_wire
+from .iovec import advance
 from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
 from .tls import TlsChannel, tls_recv_all
 
@@ -64,14 +65,7 @@ def _readv_all(fd: int, views: list[memoryview], stop: list[bool],
             raise ConnectionResetError("sender closed the connection mid-frame")
         progress[0] = time.monotonic()
         calls, nbytes = calls + 1, nbytes + got
-        while got:
-            head = views[i]
-            if got >= len(head):
-                got -= len(head)
-                i += 1
-            else:
-                views[i] = head[got:]
-                got = 0
+        i = advance(views, i, got)
     return calls, nbytes, polled, time.monotonic() - start
 
 

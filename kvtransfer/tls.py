@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from .config import TransportConfig
+from .iovec import advance
 
 # Plaintext encrypted (or decrypted) per lock hold: bounds how long the event loop can wait for the
 # channel while an I/O thread holds it, and the ciphertext held in memory at once.
@@ -149,26 +150,12 @@ class TlsChannel:
         return pos
 
 
-def skip_sent(views: list[memoryview], i: int, sent: int) -> int:
-    """After a sendmsg of views[i:] wrote sent bytes: the index of the first view not fully written (the
-    partly written one is cut to its rest in place)."""
-    while sent:
-        head = views[i]
-        if sent >= len(head):
-            sent -= len(head)
-            i += 1
-        else:
-            views[i] = head[sent:]
-            sent = 0
-    return i
-
-
 def sendall_parts(sock: socket.socket, parts: list) -> None:
     """Write every part, in order, on a blocking socket (sendmsg: one syscall for many parts)."""
     views = [memoryview(p) for p in parts if len(p)]
     i = 0
     while i < len(views):
-        i = skip_sent(views, i, sock.sendmsg(views[i:i + 512]))
+        i = advance(views, i, sock.sendmsg(views[i:i + 512]))
 
 
 def _wait(poller, stop: list[bool], what: str) -> float:
@@ -202,7 +189,7 @@ def tls_send_blocking(sock: socket.socket, chan: TlsChannel, views: list[memoryv
                     continue
                 progress[0] = time.monotonic()
                 calls, nbytes = calls + 1, nbytes + sent
-                i = skip_sent(parts, i, sent)
+                i = advance(parts, i, sent)
     return calls, nbytes, polled, time.monotonic() - start
 
 
