@@ -39,7 +39,7 @@ from .protocol import Msg
 from .send_ops import FINISH
 from .sender_nixl import NixlPath
 from .sender_tcp import TcpPath
-from .trace import emit
+from .trace import emit, frame_summary
 
 log = logging.getLogger("kvtransfer.tx")
 
@@ -75,7 +75,8 @@ class SendHandle(FutureResult):
         self.timeline = {"start": self.started}
         # device memory over TCP: (staging issued, staged bytes ready, frame on the socket) per DATA frame,
         # time.monotonic(); shows whether a streamed send waits on the GPU copies or on the socket
-        self.frame_times: list[tuple[float, float, float]] = []
+        # TCP with trace on: per DATA frame (staging issued, staged, lane picked, written)
+        self.frame_times: list[tuple[float, float, float, float]] = []
         self.deadline = self.started + timeout
         self._pushed: set[int] = set()
         self._finished = False
@@ -221,6 +222,8 @@ class SendHandle(FutureResult):
             self.state = "done"
             if self.t.config.trace:
                 emit("tx", self.request_id, self.timeline)
+                if self.frame_times:
+                    emit("tx-frames", self.request_id, frame_summary(self.frame_times))
             self._future.set_result({"request_id": self.request_id, "bytes": self.nbytes,
                                      "backend": self.backend, "seconds": time.monotonic() - self.started})
         except asyncio.CancelledError:

@@ -146,14 +146,15 @@ class TcpPath:
             ready = time.monotonic()
             last = i == len(plan) - 1
             lane = await self._pick(first=bool(head) and i == 0)
+            picked = time.monotonic()
             batch = (head if i == 0 else []) + [self._data_frame(frame, views)]
             if last and tail and not self.stripe:
                 batch, tail = batch + tail, []  # in order on the one lane
             task = self.t.loop.create_task(lane.send_frames(batch))
             task.add_done_callback(lambda f: f.cancelled() or f.exception())
-            if mem.staged:
+            if self.t.config.trace:  # staged, waited for a lane, written (lane queue + socket)
                 task.add_done_callback(
-                    lambda f, a=issued, b=ready: h.frame_times.append((a, b, time.monotonic())))
+                    lambda f, a=issued, b=ready, c=picked: h.frame_times.append((a, b, c, time.monotonic())))
             self._busy[lane] = task
             issued = time.monotonic()
             staged = None if last else mem.stage_out(segs[i + 1])

@@ -7,7 +7,9 @@ and the receiver each completed expectation's (``Expectation.timeline``: expect,
 end, complete), as ``time.monotonic()`` instants. Workers on one host share that clock, so the two
 sides' lines of one request id line up: e.g. the sender's ``wrote_sent`` against the receiver's
 ``wrote`` is the side channel's delay, the receiver's ``complete`` against the sender's ``acked`` the
-way back. One INFO line per transfer: meant for benchmarks and debugging, off by default.
+way back. One INFO line per transfer: meant for benchmarks and debugging, off by default. Over TCP the sender
+adds a ``kvtrace tx-frames`` line: its DATA frames' summed seconds waiting for their staging copies,
+for a free lane of the transfer, and in the lane (its queue and the socket write).
 """
 
 from __future__ import annotations
@@ -22,3 +24,12 @@ def emit(side: str, request_id: str, timeline: dict) -> None:
     """One line: ``kvtrace <side> <request id> {step: monotonic seconds, ...}``."""
     log.info("kvtrace %s %s %s", side, request_id,
              json.dumps({k: round(v, 6) for k, v in timeline.items()}, separators=(",", ":")))
+
+
+def frame_summary(frames: list[tuple[float, float, float, float]]) -> dict:
+    """Sums over a send's DATA frames of (staged - issued, picked - staged, written - picked), and the
+    span from the first staging to the last write."""
+    return {"frames": len(frames), "staging_s": sum(b - a for a, b, _c, _d in frames),
+            "lane_wait_s": sum(c - b for _a, b, c, _d in frames),
+            "in_lane_s": sum(d - c for _a, _b, c, d in frames),
+            "span_s": max(d for *_x, d in frames) - min(a for a, *_y in frames)}

@@ -45,6 +45,9 @@ def test_both_sides_log_their_timeline_only_when_asked(monkeypatch, caplog):
     assert run_one(monkeypatch, caplog, on=False) == []
     lines = run_one(monkeypatch, caplog, on=True)
     sides = {line.split()[1]: json.loads(line.split(maxsplit=3)[3]) for line in lines}
-    assert set(sides) == {"tx", "rx"} and all(line.split()[2] == "r1" for line in lines)
-    tx, rx = sides["tx"], sides["rx"]
+    assert set(sides) == {"tx", "tx-frames", "rx"} and all(line.split()[2] == "r1" for line in lines)
+    tx, rx, frames = sides["tx"], sides["rx"], sides["tx-frames"]
     assert tx["start"] <= tx["acked"] and rx["begin"] <= rx["complete"] <= tx["acked"]
+    # the sender's DATA frames: where their time went (one frame here)
+    assert frames["frames"] == 1 and min(frames["staging_s"], frames["lane_wait_s"], frames["in_lane_s"]) >= 0
+    assert frames["span_s"] >= frames["in_lane_s"]
