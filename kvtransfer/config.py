@@ -57,6 +57,12 @@ class TransportConfig:
     # receiver that advertises it, protocol.CAP_STRIPE), so one transfer is not bounded by one
     # connection's rate. False: each transfer rides one connection (for comparison).
     tcp_stripe: bool = True
+    # TCP from device memory: DATA frames of one transfer whose device->host staging copies are queued
+    # ahead of the frame being handed to a lane. 1 staged frame i+1 only once frame i had a lane, so the
+    # copy stream idled between frames and a lone striped transfer waited ~0.9 ms per 16 MiB frame before
+    # its last lanes started (kvtrace tx-frames). More costs page-locked memory: this many frames per
+    # transfer in flight.
+    tcp_stage_ahead: int = 4
     # A TCP transfer past its deadline (receiver: the expect() deadline; sender: start_send's timeout) is
     # failed only when its connection has moved no byte for this long: one queued behind others' frames
     # is making progress, and the deadline is for a sender that never came or stalled.
@@ -165,6 +171,9 @@ class TransportConfig:
         if not (isinstance(self.tcp_connections, int) and 1 <= self.tcp_connections <= 64):
             raise ValueError("TransportConfig.tcp_connections must be in [1, 64], "
                              f"got {self.tcp_connections!r}")
+        if not (isinstance(self.tcp_stage_ahead, int) and 1 <= self.tcp_stage_ahead <= 64):
+            raise ValueError("TransportConfig.tcp_stage_ahead must be in [1, 64], "
+                             f"got {self.tcp_stage_ahead!r}")
         if not (isinstance(self.stall_timeout_s, (int, float)) and self.stall_timeout_s > 0):
             raise ValueError(f"TransportConfig.stall_timeout_s must be > 0, got {self.stall_timeout_s!r}")
         if not (isinstance(self.tls_procs, int) and 0 <= self.tls_procs <= 64):

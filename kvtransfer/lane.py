@@ -1,23 +1,29 @@
 """One sender-side connection to a receiver (a ``Peer`` holds one or more): whole frames out, replies in.
 
 Plaintext: frames go out with scatter-gather ``sendmsg`` straight from the source blocks; a small write
-is tried at once on the event loop, a large one (TransportConfig.inline_write_max_bytes) and whatever did
-not fit in the socket buffer is written by a worker thread (GIL released), so a large payload costs the
-event loop nothing. TLS: by default the socket is a TLS relay's plaintext end (tls_relay.py: the
-record work runs in a helper process) and nothing here differs; with ``TransportConfig.tls_procs`` 0,
-the TCP socket under a ``TlsChannel`` (tls.py), a large frame encrypted by the thread that writes it.
+is tried at once on the event loop when nothing is queued, a large one (TransportConfig.
+inline_write_max_bytes) and whatever did not fit in the socket buffer is written by the lane's own
+writer thread (GIL released), so a large payload costs the event loop nothing, and the next queued
+frame starts the moment one ends (no event-loop round trip between frames: with 16 transfers over 8
+lanes that round trip left each lane idle between frames). TLS: by default the socket is a TLS
+relay's plaintext end (tls_relay.py: the record work runs in a helper process) and nothing here
+differs; with ``TransportConfig.tls_procs`` 0, the TCP socket under a ``TlsChannel`` (tls.py), a large
+frame encrypted by the writer thread.
 
-A frame is written whole under the lane's lock (FIFO), so frames of transfers sharing a lane interleave
-frame by frame. A write interrupted halfway poisons the stream: the peer is closed. ``progress`` is the
-last instant bytes moved either way (worker threads update it too): a transfer past its deadline is
-failed only when its lane stopped moving (TransportConfig.stall_timeout_s).
+Frames are written whole and in the order they were handed over (FIFO: the writer thread's queue), so
+frames of transfers sharing a lane interleave frame by frame. A write interrupted halfway poisons the
+stream: the peer is closed. ``progress`` is the last instant bytes moved either way (the writer thread
+updates it too): a transfer past its deadline is failed only when its lane stopped moving
+(TransportConfig.stall_timeout_s).
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import select
 import socket
+import threading
 import time
 
 from .errors import PeerUnavailable, TransferError
@@ -69,7 +75,8 @@ class Lane:
         self.closed = False
         self.progress = [time.monotonic()]
         self.load = 0  # bytes of the transfers riding this lane now (the least loaded takes the next)
-        self._lock = asyncio.Lock()
+        self._writes: queue.SimpleQueue | None = None  # batches for the writer thread (started on first use)
+        self._queued = 0  # batches handed to the writer thread and not written yet
         self._stop = [False]
         self.reader: asyncio.Task | None = None
 
@@ -152,50 +159,82 @@ class Lane:
         return PeerUnavailable(f"KV receiver {self.name} connection lost while sending: {exc}")
 
     async def _write(self, bufs: list) -> None:
+        """Write one batch of whole frames, after every batch written before it on this lane (FIFO).
+
+        A small batch (TransportConfig.inline_write_max_bytes) is tried at once on the event loop when
+        nothing is queued (BEGIN, WROTE, ...: no thread hop); everything else (and a small batch's part
+        that did not fit in the socket buffer) goes to the lane's writer thread, which takes the next
+        queued batch the moment one is done: frames of transfers sharing a lane follow each other with
+        no event-loop round trip between them. With TLS in this process the thread encrypts too."""
         if self.closed:
             raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
-        async with self._lock:
-            if self.closed:
-                raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
-            views = [memoryview(b).cast("B") for b in bufs if len(b)]
-            # Small frames (BEGIN, WROTE, ...) usually fit in the socket buffer: written here, at once,
-            # without a task and an event-loop turn (nothing to cut short, so no cancellation concern).
-            # Large ones go whole to a thread, encryption included: the loop thread is shared by every
-            # connection.
-            i = 0
-            if sum(len(v) for v in views) <= self.t.config.inline_write_max_bytes:
-                if self.chan is not None:
-                    views = [memoryview(p) for p in self.chan.encrypt(views)]
-                try:
-                    i = advance(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
-                    self.progress[0] = time.monotonic()
-                except (BlockingIOError, InterruptedError):
-                    i = 0
-                except OSError as exc:
-                    raise self._lost(exc) from exc
-                if i == len(views):
-                    return
-                write = self.loop.run_in_executor(self.t.send_pool, _sendmsg_blocking, self.sock, views[i:],
-                                                  0, self._stop, self.progress)
-            elif self.chan is not None:
-                write = self.loop.run_in_executor(self.t.send_pool, tls_send_blocking, self.sock, self.chan,
-                                                  views, self._stop, self.progress)
-            else:
-                write = self.loop.run_in_executor(self.t.send_pool, _sendmsg_blocking, self.sock, views,
-                                                  0, self._stop, self.progress)
+        views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        encrypted = False
+        if not self._queued and sum(len(v) for v in views) <= self.t.config.inline_write_max_bytes:
+            if self.chan is not None:
+                views, encrypted = [memoryview(p) for p in self.chan.encrypt(views)], True
             try:
-                done = await asyncio.shield(write)
-                if done is not None:
-                    self.t.io_tx.add(*done)
-            except asyncio.CancelledError:
-                # Let the write finish (the stream must stay in sync) unless it is stuck.
-                try:
-                    await asyncio.wait_for(write, 2.0)
-                except BaseException:
-                    self.peer.dead(PeerUnavailable(f"frame to {self.name} cut short"))
-                raise
+                i = advance(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
+                self.progress[0] = time.monotonic()
+            except (BlockingIOError, InterruptedError):
+                i = 0
             except OSError as exc:
                 raise self._lost(exc) from exc
+            if i == len(views):
+                return
+            views = views[i:]
+        write = self.loop.create_future()
+        self._queued += 1
+        self._writer_queue().put((views, encrypted, write))
+        try:
+            done = await asyncio.shield(write)
+            if done is not None:
+                self.t.io_tx.add(*done)
+        except asyncio.CancelledError:
+            # Let the write finish (the stream must stay in sync) unless it is stuck.
+            try:
+                await asyncio.wait_for(write, 2.0)
+            except BaseException:
+                self.peer.dead(PeerUnavailable(f"frame to {self.name} cut short"))
+            raise
+        except OSError as exc:
+            raise self._lost(exc) from exc
+
+    def _writer_queue(self) -> queue.SimpleQueue:
+        if self._writes is None:
+            self._writes = queue.SimpleQueue()
+            threading.Thread(target=self._write_loop, args=(self._writes,), daemon=True,
+                             name=f"kvtransfer-send-{self.name}").start()
+        return self._writes
+
+    def _write_loop(self, writes: queue.SimpleQueue) -> None:
+        """The lane's writer thread: batches in order; after a failed one the stream is broken, so every
+        later one fails with the same error (the peer is closed by whoever awaits them)."""
+        failed: BaseException | None = None
+        while (item := writes.get()) is not None:
+            views, encrypted, fut = item
+            result: object = None
+            if failed is None:
+                try:
+                    if self.chan is not None and not encrypted:
+                        result = tls_send_blocking(self.sock, self.chan, views, self._stop, self.progress)
+                    else:
+                        result = _sendmsg_blocking(self.sock, views, 0, self._stop, self.progress)
+                except BaseException as exc:  # noqa: BLE001 (handed to the awaiting coroutine)
+                    failed = exc
+            try:
+                self.loop.call_soon_threadsafe(self._written, fut, result, failed)
+            except RuntimeError:  # the event loop is gone (interpreter teardown): nobody waits
+                return
+
+    def _written(self, fut: asyncio.Future, result, failed: BaseException | None) -> None:
+        self._queued -= 1
+        if fut.done():
+            return
+        if failed is not None:
+            fut.set_exception(failed if isinstance(failed, OSError) else OSError(str(failed)))
+        else:
+            fut.set_result(result)
 
     # -- reading -----------------------------------------------------------------------------------
     async def _recv_exact(self, n: int) -> bytes | bytearray:
@@ -241,6 +280,8 @@ class Lane:
             return
         self.closed = True
         self._stop[0] = True
+        if self._writes is not None:
+            self._writes.put(None)  # the writer thread ends after the batch in hand (it sees _stop)
         sock, self.sock = self.sock, None
         reader = self.reader
         if reader is not None and not reader.done() and reader is not asyncio.current_task():

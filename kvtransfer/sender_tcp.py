@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
+from collections import deque
 
 from .blocks import plan_segments
 from .protocol import CAP_STRIPE, Msg
@@ -130,8 +131,8 @@ class TcpPath:
         """head frames (BEGIN), DATA frames of these layers' blocks, each on a lane (see _pick), then tail
         frames (END) once every frame is written; returns when all are written. Unstriped, the tail rides
         with the last frame (a small one-shot transfer is one write: BEGIN + DATA + END). Host memory:
-        zero-copy views. Device memory: page-locked staging, the next frame's device->host copies running
-        while frames are on the socket."""
+        zero-copy views. Device memory: page-locked staging, the next frames' device->host copies (up to
+        TransportConfig.tcp_stage_ahead) queued while frames are on the socket."""
         h, mem, bb = self.h, self.t.memory, self.t.layout.block_bytes
         plan = plan_segments(layers, h.runs, bb, self.t.config.max_frame_bytes) if layers else []
         if not plan:
@@ -139,9 +140,12 @@ class TcpPath:
                 await self._on_home(head + tail)
             return
         segs = [[(mem.offset(layer, s), n * bb, layer) for layer, s, _d, n in frame] for frame in plan]
-        issued, staged = time.monotonic(), mem.stage_out(segs[0])
+        ahead = self.t.config.tcp_stage_ahead if mem.staged else 1
+        staged: deque = deque()  # (issued, (views, event)) of the next frames, copies queued in order
         for i, frame in enumerate(plan):
-            views, event = staged
+            while len(staged) < ahead and i + len(staged) < len(plan):
+                staged.append((time.monotonic(), mem.stage_out(segs[i + len(staged)])))
+            issued, (views, event) = staged.popleft()
             await mem.ready(event)
             ready = time.monotonic()
             last = i == len(plan) - 1
@@ -156,8 +160,6 @@ class TcpPath:
                 task.add_done_callback(
                     lambda f, a=issued, b=ready, c=picked: h.frame_times.append((a, b, c, time.monotonic())))
             self._busy[lane] = task
-            issued = time.monotonic()
-            staged = None if last else mem.stage_out(segs[i + 1])
         await self._drain()
         if tail:
             await self._on_home(tail)
