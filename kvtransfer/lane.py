@@ -204,7 +204,7 @@ class Lane:
         if self._writes is None:
             self._writes = queue.SimpleQueue()
             threading.Thread(target=self._write_loop, args=(self._writes,), daemon=True,
-                             name=f"kvtransfer-send-{self.name}").start()
+                             name=f"kvtransfer-send_{self.index}").start()
         return self._writes
 
     def _write_loop(self, writes: queue.SimpleQueue) -> None:

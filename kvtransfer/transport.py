@@ -107,14 +107,13 @@ class KVTransport:
         self._connecting: dict[tuple, asyncio.Task] = {}
         self._sends: dict[str, SendHandle] = {}
         self._closed = False
-        # Dedicated I/O threads for large payloads (separate pools: a receive never waits on a send of
-        # this process, so they cannot starve each other, nor the application's default executor). One
-        # per connection of a peer and as many again for a second peer; beyond that a frame waits for a
-        # thread (its connection's reading or writing pauses meanwhile, nothing else does).
+        # Dedicated threads receiving large payloads (a pool of their own: never starved by the
+        # application's default executor). One per connection of a peer and as many again for a second
+        # peer; beyond that a frame waits for a thread (its connection's reading pauses meanwhile,
+        # nothing else does). Sending: each lane has a writer thread of its own (lane.py).
         threads = max(4, 2 * config.tcp_connections)
-        self.send_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtransfer-send")
         self.recv_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtransfer-recv")
-        self.io_tx = IoStats()  # what the send threads did (counters())
+        self.io_tx = IoStats()  # what the lanes' writer threads did (counters())
         # TLS in helper processes (tls_relay.py); None: no TLS, or TLS on this process's I/O threads.
         self.relays = TlsRelays(config, config.tls_procs) if config.tls and config.tls_procs else None
         self._listeners: list[socket.socket] = []  # with relays: our accepting copies of the listen sockets
@@ -191,11 +190,10 @@ class KVTransport:
             await self._server.wait_closed()
         await asyncio.sleep(0)  # let cancelled readers unregister their sockets
         # I/O threads notice the closed connections within ~100 ms (their poll timeout).
-        for pool in (self.send_pool, self.recv_pool):
-            if self.loop is not None:
-                await self.loop.run_in_executor(None, pool.shutdown)
-            else:
-                pool.shutdown(wait=False)
+        if self.loop is not None:
+            await self.loop.run_in_executor(None, self.recv_pool.shutdown)
+        else:
+            self.recv_pool.shutdown(wait=False)
         if self.relays is not None:
             if self.loop is not None:
                 await self.loop.run_in_executor(None, self.relays.close)

@@ -1,0 +1,118 @@
+"""Receiving side, TCP half: DATA frames into the expected blocks, END, and completion after the
+host->device copies of staged frames. A mixin of ``Receiver`` (receiver.py owns the table of expected
+transfers and the lifecycle; rx_nixl.py the NIXL half): ``RxConnection`` (rx_conn.py) calls ``on_data``
+once a DATA frame's metadata is parsed, before a byte of its payload is accepted, and
+``on_data_complete`` once the payload is in."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .errors import InvalidTransfer
+from .protocol import meta_int
+
+if TYPE_CHECKING:
+    from .receiver import Expectation
+
+
+@dataclass
+class _DataCtx:
+    exp: Expectation
+    segments: list[tuple[int, int, int]]
+    views: list[memoryview]
+    staging: object | None  # host staging buffer (device memory), flushed once the payload is in
+    crc: int | None
+
+
+class TcpReceiving:
+    """The TCP frame handlers of ``Receiver`` (which provides expectations, memory, loop, _bound, _fail,
+    _complete)."""
+
+    def on_data(self, conn, meta: dict, payload_len: int) -> tuple[_DataCtx, list[memoryview]]:
+        exp = self._bound(conn, meta, "tcp")
+        try:
+            segs = meta.get("segs")
+            if not isinstance(segs, list) or not segs or len(segs) > (1 << 20):
+                raise InvalidTransfer("DATA frame without segments")
+            bb, planned, marks = self.memory.block_bytes, [], []
+            for seg in segs:
+                if (not isinstance(seg, list) or len(seg) != 3
+                        or not all(isinstance(v, int) and not isinstance(v, bool) for v in seg)):
+                    raise InvalidTransfer(f"malformed segment {seg!r:.80}")
+                layer, start, count = seg
+                if not (0 <= layer < exp.num_layers) or count < 1:
+                    raise InvalidTransfer(f"segment {seg} outside {exp.num_layers} layers")
+                for b in range(start, start + count):
+                    i = exp.index.get(b)
+                    if i is None:
+                        raise InvalidTransfer(f"block {b} is not reserved for request {exp.request_id!r}")
+                    mark = layer * len(exp.dst) + i
+                    if exp.written[mark]:
+                        raise InvalidTransfer(f"(layer {layer}, block {b}) of {exp.request_id!r} sent twice")
+                    marks.append(mark)
+                planned.append((self.memory.offset(layer, start), count * bb, layer))
+            if len(set(marks)) != len(marks):
+                raise InvalidTransfer(f"DATA frame of {exp.request_id!r} names a (layer, block) twice")
+            if payload_len != len(marks) * bb:
+                raise InvalidTransfer(f"DATA frame of {exp.request_id!r} carries {payload_len} bytes for "
+                                      f"{len(marks)} blocks of {bb} bytes ({len(marks) * bb})")
+            crc = meta.get("crc")
+            if crc is not None and not isinstance(crc, int):
+                raise InvalidTransfer("crc must be an int")
+        except InvalidTransfer as exc:
+            self._fail(exp, exc, notify=False)
+            raise
+        for mark in marks:
+            exp.written[mark] = 1
+        views, staging = self.memory.recv_views(planned)
+        return _DataCtx(exp, planned, views, staging, crc), views
+
+    def on_data_complete(self, conn, ctx: _DataCtx) -> None:
+        exp = ctx.exp
+        if ctx.crc is not None:
+            crc = 0
+            for view in ctx.views:
+                crc = zlib.crc32(view, crc)
+            if crc != ctx.crc:
+                err = InvalidTransfer(f"checksum mismatch in a DATA frame of {exp.request_id!r}")
+                self._fail(exp, err, notify=True)
+                return
+        if ctx.staging is not None:
+            exp.flushing = self.memory.flush(ctx.segments, ctx.staging)
+        exp.received += sum(n for _, n, _ in ctx.segments)
+        if exp.end_seen and exp.received == exp.nbytes and self.expectations.get(exp.request_id) is exp:
+            self._end(exp)  # a striped transfer's last frame after its END
+
+    def _on_end(self, conn, meta: dict) -> None:
+        exp = self._bound(conn, meta, "tcp")
+        if exp.striped and exp.received < exp.nbytes and not exp.end_seen:
+            # Frames still on the sender's other connections (or being read): they complete it.
+            if meta_int(meta, "nbytes") != exp.nbytes:
+                raise InvalidTransfer(f"END of {exp.request_id!r} announces {meta.get('nbytes')} bytes, "
+                                      f"expected {exp.nbytes}")
+            exp.end_seen = True
+            return
+        self._end(exp)
+
+    def _end(self, exp: Expectation) -> None:
+        missing = exp.written.count(0)
+        if missing or exp.received != exp.nbytes:
+            raise InvalidTransfer(f"END of {exp.request_id!r} before all KV arrived: {missing} "
+                                  f"(layer, block) pairs missing, {exp.received}/{exp.nbytes} bytes")
+        exp.timeline["end"] = time.monotonic()
+        event, exp.flushing = exp.flushing, None
+        if event is None or event.query():
+            self._complete(exp)
+            return
+        # Staged device memory: complete once this request's host->device copies have landed (the side
+        # stream runs them in order, so its last one's event covers them all), waited for off the loop.
+        exp.state = "flushing"
+        self.loop.create_task(self._complete_after(exp, event))
+
+    async def _complete_after(self, exp: Expectation, event) -> None:
+        await self.memory.ready(event)
+        if self.expectations.get(exp.request_id) is exp:  # not failed or released meanwhile
+            self._complete(exp)
