@@ -34,3 +34,4 @@ _.exitstatus  # pytest hook signature
 _.torch_single_thread  # pytest fixture requested by name
 _.decode_replicas  # e2e target records
 _.watches  # fake Kubernetes API server state read by its handler
+__getattr__  # module-level: Python calls it for a missing name (kvtransfer/__init__.py, PEP 562 lazy imports)
