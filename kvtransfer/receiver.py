@@ -86,6 +86,7 @@ class Expectation(FutureResult):
         self.started = time.monotonic()
         # Monotonic instants of its steps (expect, begin, notif / end, complete): diagnostics for benches.
         self.timeline = {"expect": self.started}
+        self.frame_stats: dict = {}  # trace, TCP: sums over its large DATA frames (rx_conn._trace_frame)
         self.timer: asyncio.TimerHandle | None = None
         self.flushing = None  # device memory: the CUDA event after this request's last host->device copy
         self._future = loop.create_future()
@@ -186,6 +187,8 @@ class Receiver(TcpReceiving):
         now = exp.timeline["complete"] = time.monotonic()
         if self.config.trace:
             trace.emit("rx", exp.request_id, exp.timeline)
+            if exp.frame_stats:
+                trace.emit("rx-frames", exp.request_id, exp.frame_stats)
         exp._future.set_result({"request_id": exp.request_id, "bytes": exp.nbytes, "backend": exp.backend,
                                 "seconds": now - exp.started})
         exp.conn.send(Msg.DONE, {"rid": exp.request_id})

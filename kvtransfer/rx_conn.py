@@ -98,6 +98,8 @@ class RxConnection(asyncio.BufferedProtocol):
         self._scratch: memoryview | None = None
         self._fd: int | None = None
         self._stop = [False]
+        self._t_meta = 0.0  # trace: when the current DATA frame's payload was dispatched to a thread
+        self._t_done = 0.0  # trace: when this connection's previous thread-read frame ended
 
     # -- asyncio callbacks -------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -255,6 +257,7 @@ class RxConnection(asyncio.BufferedProtocol):
         self._state = "payload" if self._targets else "header"
         if self._payload_len >= _THREAD_MIN and self._fd is not None:
             self._state = "thread"
+            self._t_meta = time.monotonic()
             self.transport.pause_reading()
             loop = asyncio.get_running_loop()
             if self.chan is not None:
@@ -282,10 +285,26 @@ class RxConnection(asyncio.BufferedProtocol):
             self.close()
             return
         self.rx.io_rx.add(*fut.result())
+        if self.rx.config.trace:
+            self._trace_frame(ctx.exp, fut.result())
         self.transport.resume_reading()
         self.rx.on_data_complete(self, ctx)
         if self.chan is not None:
             self._guarded(self._pump)  # the thread may have decrypted past its frame: the next one is here
+
+    def _trace_frame(self, exp, io: tuple[int, int, float, float]) -> None:
+        """Sums for the ``kvtrace rx-frames`` line (trace.py): this frame's time from dispatch to done,
+        its thread's seconds (and of them in poll, waiting for bytes), and the gap since this connection's
+        previous frame ended (the sender's next frame not there yet, or the hops in between)."""
+        now = time.monotonic()
+        f = exp.frame_stats
+        f["frames"] = f.get("frames", 0) + 1
+        f["frame_s"] = f.get("frame_s", 0.0) + now - self._t_meta
+        f["thread_s"] = f.get("thread_s", 0.0) + io[3]
+        f["poll_s"] = f.get("poll_s", 0.0) + io[2]
+        if self._t_done:
+            f["gap_s"] = f.get("gap_s", 0.0) + self._t_meta - self._t_done
+        self._t_done = now
 
     # -- replies -----------------------------------------------------------------------------------
     def send(self, msg: Msg, meta: dict) -> None:

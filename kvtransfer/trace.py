@@ -9,7 +9,10 @@ sides' lines of one request id line up: e.g. the sender's ``wrote_sent`` against
 ``wrote`` is the side channel's delay, the receiver's ``complete`` against the sender's ``acked`` the
 way back. One INFO line per transfer: meant for benchmarks and debugging, off by default. Over TCP the sender
 adds a ``kvtrace tx-frames`` line: its DATA frames' summed seconds waiting for their staging copies,
-for a free lane of the transfer, and in the lane (its queue and the socket write).
+for a free lane of the transfer, and in the lane (its queue and the socket write); the receiver a
+``kvtrace rx-frames`` line: its large DATA frames' seconds from dispatch to done, in their read threads
+(and of that in poll, waiting for bytes), and the gaps on each connection since its previous frame
+ended.
 """
 
 from __future__ import annotations
