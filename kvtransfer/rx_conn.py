@@ -295,14 +295,15 @@ class RxConnection(asyncio.BufferedProtocol):
     def _trace_frame(self, exp, io: tuple[int, int, float, float]) -> None:
         """Sums for the ``kvtrace rx-frames`` line (trace.py): this frame's time from dispatch to done,
         its thread's seconds (and of them in poll, waiting for bytes), and the gap since this connection's
-        previous frame ended (the sender's next frame not there yet, or the hops in between)."""
+        previous frame ended, when that was after this transfer was expected (the sender's next frame not
+        there yet, or the hops in between)."""
         now = time.monotonic()
         f = exp.frame_stats
         f["frames"] = f.get("frames", 0) + 1
         f["frame_s"] = f.get("frame_s", 0.0) + now - self._t_meta
         f["thread_s"] = f.get("thread_s", 0.0) + io[3]
         f["poll_s"] = f.get("poll_s", 0.0) + io[2]
-        if self._t_done:
+        if self._t_done >= exp.started:  # idle time before this transfer began is not a gap of it
             f["gap_s"] = f.get("gap_s", 0.0) + self._t_meta - self._t_done
         self._t_done = now
 
