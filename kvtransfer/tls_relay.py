@@ -45,6 +45,7 @@ from .tls import TlsChannel, client_context, sendall_parts, server_context
 log = logging.getLogger("kvtransfer.tls_relay")
 _CHUNK = 1 << 20  # bytes moved per write either way
 _BUFFERS = 4  # per direction of a connection, between its reading and its writing thread
+_FLUSH_S = 10.0  # at a clean end, how long what was read may take to be written out
 _SOCKBUF = 4 << 20  # the socketpair's buffers (SO_SNDBUF/SO_RCVBUF ask; the kernel may cap them)
 _OK, _FAIL = b"\x01", b"\x00"
 _SERVER, _CLIENT = b"S", b"C"
@@ -199,6 +200,10 @@ class _Stage:
             self.free.put(memoryview(bytearray(_CHUNK)))
 
     def run(self) -> None:
+        """Until the reading side ends. At its end (EOF, or the TLS peer's close_notify) what was read is
+        written out first (within _FLUSH_S: a last ERROR frame before a close reaches the other side);
+        on an error both sockets are shut at once. Either way both are shut after, which ends the other
+        direction's stage too."""
         writer = threading.Thread(target=self._write, daemon=True)
         writer.start()
         try:
@@ -211,9 +216,10 @@ class _Stage:
                     return
                 self.full.put((buf, n))
         except (OSError, ssl.SSLError):
-            return
+            _shut(*self.socks)
         finally:
             self.full.put(None)
+            writer.join(_FLUSH_S)
             _shut(*self.socks)
             writer.join()
 
@@ -235,7 +241,10 @@ def _pump_in(tcp: socket.socket, plain: socket.socket, chan: TlsChannel) -> None
 
     def fill(out: memoryview) -> int:
         while True:
-            got = chan.decrypt_all_into(out)
+            try:
+                got = chan.decrypt_all_into(out)
+            except ConnectionResetError:  # the peer's close_notify: a clean end, like EOF
+                return 0
             if got:
                 return got
             n = tcp.recv_into(raw)

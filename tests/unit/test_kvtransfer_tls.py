@@ -271,3 +271,41 @@ def test_kv_tls_procs_reaches_the_transport_only_with_tls(tmp_path):
     assert "tls_procs" not in kv_transport_options(ServeSettings(**base, tls_dir=str(tmp_path)), env={})
     with pytest.raises(ValueError, match="kv-tls-procs"):
         ServeSettings(**base, kv_tls_procs=65)
+
+
+def test_relays_deliver_everything_written_before_a_close_both_ways(certs):
+    """Bytes written into a relay's plaintext end just before that end closes reach the other side whole
+    (a last ERROR frame before a close, say), then the other side sees the end; both ways."""
+    from kvtransfer.config import TransportConfig
+    from kvtransfer.tls_relay import TlsRelays, client_status
+
+    def cfg(role):
+        good = certs[0]
+        return TransportConfig(tls_ca=str(good / "ca.crt"), tls_cert=str(good / f"{role}.crt"),
+                               tls_key=str(good / f"{role}.key"))
+
+    rx, tx = TlsRelays(cfg("decode"), 1), TlsRelays(cfg("prefill"), 1)
+    try:
+        for direction in ("out", "back"):
+            srv = socket.create_server(("127.0.0.1", 0))
+            out = socket.create_connection(srv.getsockname())
+            inn, _ = srv.accept()
+            srv.close()
+            out, inn = tx.attach(out, server_side=False), rx.attach(inn, server_side=True)
+            for s in (out, inn):
+                s.setblocking(True)
+                s.settimeout(30)
+            assert client_status(out.recv(1)) is None
+            src, dst = (out, inn) if direction == "out" else (inn, out)
+            payload = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MiB, several relay buffers
+            src.sendall(payload)
+            src.close()
+            got = bytearray()
+            while chunk := dst.recv(1 << 20):
+                got += chunk
+            assert bytes(got) == payload, direction
+            dst.close()
+    finally:
+        rx.close()
+        tx.close()
+    assert not rx.pids() and not tx.pids()
