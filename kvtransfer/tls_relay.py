@@ -127,7 +127,8 @@ class TlsRelays:
                         if attempt:
                             mine.close()
                             raise
-                        helper.proc.kill()
+                        helper.proc.kill()  # its control socket is broken: start another one
+                        helper.proc.wait()
                 self.handed += 1
         finally:
             sock.close()
