@@ -64,7 +64,7 @@ class _Helper:
              "--ca", files[0], "--cert", files[1], "--key", files[2],
              "--handshake-timeout", str(cfg.handshake_timeout_s), "--name", f"kv-tls-{index}",
              *(["--piece", str(piece)] if piece else [])],
-            pass_fds=(theirs.fileno(),), cwd=root, stdin=subprocess.DEVNULL)
+            pass_fds=(theirs.fileno(),), cwd=root, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         theirs.close()
         self.ctrl = mine
         self.index = index
