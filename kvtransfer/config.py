@@ -60,9 +60,10 @@ class TransportConfig:
     # TCP from device memory: DATA frames of one transfer whose device->host staging copies are queued
     # ahead of the frame being handed to a lane. 1 staged frame i+1 only once frame i had a lane, so the
     # copy stream idled between frames and a lone striped transfer waited ~0.9 ms per 16 MiB frame before
-    # its last lanes started (kvtrace tx-frames). More costs page-locked memory: this many frames per
-    # transfer in flight.
-    tcp_stage_ahead: int = 4
+    # its last lanes started (kvtrace tx-frames). 2 keeps the copy stream busy (a 16 MiB copy takes
+    # longer than handing a frame to a lane); each one more costs a frame of page-locked memory per
+    # transfer in flight, beside the frames already in lanes.
+    tcp_stage_ahead: int = 2
     # A TCP transfer past its deadline (receiver: the expect() deadline; sender: start_send's timeout) is
     # failed only when its connection has moved no byte for this long: one queued behind others' frames
     # is making progress, and the deadline is for a sender that never came or stalled.
