@@ -18,7 +18,7 @@
 #   tp         one worker at TP 2 vs TP 1 (llama3-8b decode b1/b64 x 4k, 4k prefill; llama3-70b-short at TP 2), 2 GPUs
 #   tp-serving 1P(TP1) -> 1D(TP1) vs one TP-2 colocated worker, log-normal mix, 2 GPUs (bench.gpu_tp --serving)
 #   tp4        1P(TP2) -> 1D(TP2), hetero 1P(TP1) -> 1D(TP2), beside the 2-GPU modes; needs 4 GPUs (bench.gpu_tp4)
-#   kv-trace   where TCP frame time goes on both sides (kvtrace tx-frames / rx-frames), staging depth 4 vs 1
+#   kv-trace   where TCP frame time goes on both sides (kvtrace tx-frames / rx-frames), staging depth 2 vs 1 vs 4
 #   kv-concurrency  TCP KV transfers GPU0 -> GPU1, 1/4/16 in flight (2k tokens, llama3-8b layout), each
 #              beside a raw socket over the same connections; mutual TLS (relay helpers, and in-process) vs plaintext
 #              at 1 and 16 (bench.kv_bench;
@@ -123,11 +123,11 @@ from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve
                 rc=$(( rc | ${PIPESTATUS[0]} ))
             done ;;
         kv-trace)  # where TCP frame time goes on both sides (kvtrace tx-frames / rx-frames), 1 and 16 in
-                   # flight, beside the staging depth of one frame (bench/kvtrace_frames.py summarises)
+                   # flight, staging depth 2 (default) beside 1 and 4 (bench/kvtrace_frames.py summarises)
             rx_gpu=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
             KVTRANSFER_LOG=INFO python3 -m bench.kv_bench --device cuda --rx-gpu "$rx_gpu" --backends "" \
                 --concurrency 1,16 --conc-tokens 2048 --tls-concurrency "" --variant traced=trace=true \
-                --variant traced1=trace=true,tcp_stage_ahead=1 --json "$OUT/kvtransfer-trace-gpu.json" \
+                --variant traced1=trace=true,tcp_stage_ahead=1 --variant traced4=trace=true,tcp_stage_ahead=4 --json "$OUT/kvtransfer-trace-gpu.json" \
                 "${extra[@]}" > "$OUT/kv-trace.log" 2>&1
             rc=$(( rc | $? ))
             grep -v "kvtrace" "$OUT/kv-trace.log" | grep -v "^ " | tail -12
