@@ -225,3 +225,51 @@ def test_a_stalled_sender_fails_at_its_deadline_once_idle_for_the_stall_timeout(
         sock.close()
         await settled(b)
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_an_abort_among_transfers_sharing_one_lane_leaves_the_others_byte_exact():
+    """Six transfers of 1 MiB frames queued on one connection (its writer thread takes them in turn);
+    one is aborted by its sender while its frames are queued there: it fails, the other five arrive
+    byte-exact over the same connection, and nothing is left behind."""
+    from kvtransfer import TransferAborted
+
+    big = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")  # 16 KiB
+
+    async def main():
+        per = 128  # blocks per transfer: 4 MiB, four 1 MiB frames
+        src, dst = big.allocate(6 * per), big.allocate(6 * per)
+        fill_random(src, 13)
+        cfg = {"max_frame_bytes": 1 << 20, "tcp_connections": 1}
+        a = await make_transport("tcp", big, src, **cfg).start()
+        b = await make_transport("tcp", big, dst, **cfg).start()
+        plans = {f"r{i}": list(range(i * per, (i + 1) * per)) for i in range(6)}
+        exps = {rid: b.expect(rid, ids, timeout=60) for rid, ids in plans.items()}
+        handles = {rid: a.start_send(rid, b.endpoint(), ids, ids) for rid, ids in plans.items()}
+        # The sender aborts r3 the moment its first frame has landed on the receiver: its other frames
+        # (one in flight per lane per transfer) are still to come, behind the other transfers' frames.
+        rx, aborted = b.receiver, []
+        on_data_complete = rx.on_data_complete
+
+        def first_frame_then_abort(conn, ctx):
+            on_data_complete(conn, ctx)
+            if ctx.exp.request_id == "r3" and not aborted:
+                assert ctx.exp.received < ctx.exp.nbytes
+                aborted.append(asyncio.ensure_future(a.abort("r3", "test")))
+
+        rx.on_data_complete = first_frame_then_abort
+        results = await asyncio.gather(*(h.wait() for h in handles.values()), return_exceptions=True)
+        outcome = dict(zip(handles, results, strict=True))
+        assert aborted and isinstance(outcome["r3"], TransferAborted), outcome["r3"]
+        await aborted[0]
+        with pytest.raises(TransferAborted):  # the sender's ABORT fails it on the receiver too
+            await asyncio.wait_for(exps["r3"].wait(), 30)
+        b.release("r3")  # (idempotent) as the decode worker does when the router gives the request up
+        for rid, ids in plans.items():
+            if rid == "r3":
+                continue
+            assert isinstance(outcome[rid], dict), outcome[rid]
+            await exps[rid].wait()
+            assert torch.equal(dst[:, ids].view(torch.uint8), src[:, ids].view(torch.uint8)), rid
+        await settled(a, b)
+
+    asyncio.run(asyncio.wait_for(main(), 100))
