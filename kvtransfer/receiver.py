@@ -52,7 +52,7 @@ from .errors import (
     UnknownRequest,
     error_to_wire,
 )
-from .future_result import FutureResult
+from .expectation import Expectation
 from .iostats import IoStats
 from .memory import KVMemory
 from .protocol import CAPS, PROTOCOL_VERSION, Msg, meta_int, meta_int_list, meta_str
@@ -60,38 +60,6 @@ from .rx_nixl import NixlNotifications
 from .rx_tcp import TcpReceiving
 
 log = logging.getLogger("kvtransfer.rx")
-
-
-class Expectation(FutureResult):
-    """Handle for one expected transfer; ``await wait()`` returns when its KV is complete, or raises once
-    nothing of the request can be written any more (sender confirmed or gone, or abort_ack_timeout_s)."""
-
-    def __init__(self, rid: str, dst: tuple[int, ...], num_layers: int, block_bytes: int,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = rid
-        self.dst = dst
-        self.index = {b: i for i, b in enumerate(dst)}
-        self.num_layers = num_layers
-        self.nbytes = num_layers * len(dst) * block_bytes
-        self.written = bytearray(num_layers * len(dst))
-        self.received = 0
-        self.state = "waiting"
-        self.conn = None  # the connection its BEGIN came on (DONE, ABORT go there)
-        self.conns: set = set()  # every connection its frames came on (striped: the sender's others too)
-        self.striped = False  # BEGIN {stripe}: DATA on any connection of the same sender, END maybe early
-        self.end_seen = False  # striped: END came before all bytes (they complete it)
-        self.backend: str | None = None
-        self.sender_agent: str | None = None
-        self.xid: str | None = None  # the sender's transfer id (BEGIN "xid"; None from older senders)
-        self.started = time.monotonic()
-        # Monotonic instants of its steps (expect, begin, notif / end, complete): diagnostics for benches.
-        self.timeline = {"expect": self.started}
-        self.frame_stats: dict = {}  # trace, TCP: sums over its large DATA frames (rx_conn._trace_frame)
-        self.timer: asyncio.TimerHandle | None = None
-        self.flushing = None  # device memory: the CUDA event after this request's last host->device copy
-        self._future = loop.create_future()
-        # Nobody awaiting a failed expectation must not produce "exception never retrieved" noise.
-        self._future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 class Receiver(TcpReceiving):

@@ -9,13 +9,10 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .errors import InvalidTransfer
+from .expectation import Expectation
 from .protocol import meta_int
-
-if TYPE_CHECKING:
-    from .receiver import Expectation
 
 
 @dataclass
