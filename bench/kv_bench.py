@@ -134,15 +134,23 @@ async def bench_backend(name: str, tokens: list[int], quick: bool) -> list[dict]
     return rows
 
 
-async def _timed(rx, tx, rtid, ttid, endpoint, nblocks, iters, tag):
-    rids = [f"{tag}-{i}" for i in range(iters)]
+async def expect_send_wait(rx, tx, rtid, ttid, endpoint, nblocks: int, rids: list[str], op: str) -> dict:
+    """The receiver expects the first nblocks for each request id, the sender runs ``op`` (send_many:
+    one after the other; send_concurrent: all at once) and the receiver sees each complete; the
+    sender's reply."""
     blocks = list(range(nblocks))
     for rid in rids:
         await rx.call("expect", tid=rtid, rid=rid, dst=blocks, timeout=900)
-    reply = await tx.call("send_many", tid=ttid, rids=rids, endpoint=endpoint, src=blocks, dst=blocks,
+    reply = await tx.call(op, tid=ttid, rids=rids, endpoint=endpoint, src=blocks, dst=blocks,
                           timeout=900, wait_s=1800)
     for rid in rids:
         await rx.call("wait", tid=rtid, rid=rid)
+    return reply
+
+
+async def _timed(rx, tx, rtid, ttid, endpoint, nblocks, iters, tag):
+    rids = [f"{tag}-{i}" for i in range(iters)]
+    reply = await expect_send_wait(rx, tx, rtid, ttid, endpoint, nblocks, rids, "send_many")
     return reply["seconds"], reply["backend"]
 
 

@@ -12,7 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.kv_bench import LLAMA8B, _gbps
+from bench.kv_bench import LLAMA8B, _gbps, expect_send_wait
 from bench.kv_peers import PeerClient
 
 
@@ -202,13 +202,7 @@ async def _concurrent(rx, tx, side, nblocks, c, tag) -> tuple[float, list[float]
     """c transfers of nblocks started at once; (wall seconds, each one's seconds)."""
     rtid, ttid, endpoint = side
     rids = [f"{tag}-{i}" for i in range(c)]
-    blocks = list(range(nblocks))
-    for rid in rids:
-        await rx.call("expect", tid=rtid, rid=rid, dst=blocks, timeout=900)
-    reply = await tx.call("send_concurrent", tid=ttid, rids=rids, endpoint=endpoint, src=blocks, dst=blocks,
-                          timeout=900, wait_s=1800)
-    for rid in rids:
-        await rx.call("wait", tid=rtid, rid=rid)
+    reply = await expect_send_wait(rx, tx, rtid, ttid, endpoint, nblocks, rids, "send_concurrent")
     return reply["seconds"], reply["each"]
 
 
