@@ -80,7 +80,7 @@ def test_router_flags() -> None:
 def _args(**given):
     import argparse
 
-    from pdserve.settings import add_serve_arguments
+    from pdserve.serve_flags import add_serve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from pdserve.settings import ServeSettings, add_serve_arguments
+from pdserve.serve_flags import add_serve_arguments
+from pdserve.settings import ServeSettings
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> ServeSettings:

@@ -13,7 +13,8 @@ import logging
 import os
 import sys
 
-from pdserve.settings import ServeSettings, add_serve_arguments
+from pdserve.serve_flags import add_serve_arguments
+from pdserve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
