@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+IOV_MAX = 512  # buffers per sendmsg / readv call (Linux allows 1024)
+
 
 def advance(views: list[memoryview], i: int, n: int) -> int:
     """After a sendmsg or readv over views[i:] moved n bytes: the index of the first view not done (a

@@ -27,17 +27,16 @@ import threading
 import time
 
 from .errors import PeerUnavailable, TransferError
-from .iovec import advance
+from .iovec import IOV_MAX, advance
 from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
 from .tls import TlsChannel, client_context, tls_send_blocking
 from .tls_relay import client_status
 
-_IOV_MAX = 512
-
 
 def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int, stop: list[bool],
                       progress: list[float]) -> tuple[int, int, float, float]:
-    """Finish a frame from a worker thread: sendmsg, and poll() for room when the socket buffer is full.
+    """Write a frame from the lane's writer thread: sendmsg, and poll() for room when the socket buffer
+    is full.
     Returns (sendmsg calls, bytes, seconds in poll, seconds in all) for IoStats."""
     start = time.monotonic()
     poller = select.poll()
@@ -46,7 +45,7 @@ def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int, stop
     polled = 0.0
     while i < len(views):
         try:
-            sent = sock.sendmsg(views[i:i + _IOV_MAX])
+            sent = sock.sendmsg(views[i:i + IOV_MAX])
         except (BlockingIOError, InterruptedError):
             t = time.monotonic()
             for _fd, ev in poller.poll(100):
@@ -174,7 +173,7 @@ class Lane:
             if self.chan is not None:
                 views, encrypted = [memoryview(p) for p in self.chan.encrypt(views)], True
             try:
-                i = advance(views, 0, self.sock.sendmsg(views[:_IOV_MAX]))
+                i = advance(views, 0, self.sock.sendmsg(views[:IOV_MAX]))
                 self.progress[0] = time.monotonic()
             except (BlockingIOError, InterruptedError):
                 i = 0

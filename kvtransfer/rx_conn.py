@@ -26,7 +26,7 @@ import ssl
 import time
 
 from .errors import ProtocolError, TransferError, error_to_wire
-from .iovec import advance
+from .iovec import IOV_MAX, advance
 from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
 from .tls import TlsChannel, tls_recv_all
 
@@ -35,7 +35,6 @@ _SCRATCH = 1 << 20
 # Payloads at least this large are received by a worker thread (reading paused on the event loop):
 # one readv() per socket-buffer fill, GIL released, instead of one loop iteration per recv.
 _THREAD_MIN = 1 << 20
-_IOV_MAX = 512
 _RAW = 1 << 18  # TLS: ciphertext read per loop callback
 
 
@@ -51,7 +50,7 @@ def _readv_all(fd: int, views: list[memoryview], stop: list[bool],
     polled = 0.0
     while i < len(views):
         try:
-            got = os.readv(fd, views[i:i + _IOV_MAX])
+            got = os.readv(fd, views[i:i + IOV_MAX])
         except (BlockingIOError, InterruptedError):
             t = time.monotonic()
             for _fd, ev in poller.poll(100):

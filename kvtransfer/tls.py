@@ -6,11 +6,13 @@ byte of the pdkv protocol is read. Identity is membership of the cluster: worker
 advertised IP, which a certificate made before the pod was scheduled cannot name, so the host name is
 not checked (``check_hostname`` off); the chain to the cluster CA is (``CERT_REQUIRED``).
 
-Every TLS connection is a ``TlsChannel``: an ``ssl.SSLObject`` over two memory BIOs, so the same code
-moves its bytes as the plaintext path does (a non-blocking socket; small frames on the event loop, large
-ones on an I/O thread) and the crypto of a large frame runs on that connection's I/O thread, the GIL
-released, instead of on the one event-loop thread that all connections of a process share (asyncio's
-SSL transport), which held TLS at ~1.3 GB/s per process whatever the number of connections.
+Every TLS connection is a ``TlsChannel``: an ``ssl.SSLObject`` over two memory BIOs. By default it
+lives in a TLS relay helper process (tls_relay.py), which pumps records between the TCP socket and a
+socketpair whose other end the worker reads and writes as plaintext: CPython's ``ssl`` holds one
+process at one GIL's worth of 16 KiB record calls (~1-1.5 GB/s), and each helper has a GIL of its own.
+With ``TransportConfig.tls_procs`` 0 it lives in the worker instead, on the plaintext path's
+non-blocking socket: small frames on the event loop, a large frame's crypto on that connection's I/O
+thread (the lane's writer thread; the receiving connection's read thread), the GIL released.
 
 NIXL's metadata (the agent blob and the registered region) is only handed out in HELLO_OK on such an
 authenticated connection, and the receiver accepts NIXL completions only from agents named in a HELLO
@@ -28,7 +30,7 @@ import time
 from pathlib import Path
 
 from .config import TransportConfig
-from .iovec import advance
+from .iovec import IOV_MAX, advance
 
 # Plaintext encrypted (or decrypted) per lock hold: bounds how long the event loop can wait for the
 # channel while an I/O thread holds it, and the ciphertext held in memory at once.
@@ -69,7 +71,8 @@ class TlsChannel:
     (OpenSSL objects are not safe to use from two threads at once): the event loop encrypts and
     decrypts small frames, an I/O thread a large frame, up to _CHUNK bytes per hold. Records leave in
     the order they were made: encrypt() returns everything the BIO holds, and the callers write one
-    frame at a time per connection (the sender's Lane lock; the receiver writes only from the loop)."""
+    frame at a time per connection (a lane's writer thread, or its loop when nothing is queued; the
+    receiver writes only from the loop; a relay from its one pumping thread)."""
 
     def __init__(self, ctx: ssl.SSLContext, *, server_side: bool, piece: int = _PIECE) -> None:
         self.piece = piece  # plaintext per memory-BIO write in encrypt()
@@ -155,7 +158,7 @@ def sendall_parts(sock: socket.socket, parts: list) -> None:
     views = [memoryview(p) for p in parts if len(p)]
     i = 0
     while i < len(views):
-        i = advance(views, i, sock.sendmsg(views[i:i + 512]))
+        i = advance(views, i, sock.sendmsg(views[i:i + IOV_MAX]))
 
 
 def _wait(poller, stop: list[bool], what: str) -> float:
