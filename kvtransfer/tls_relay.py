@@ -67,7 +67,6 @@ class _Helper:
             pass_fds=(theirs.fileno(),), cwd=root, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         theirs.close()
         self.ctrl = mine
-        self.index = index
 
     def alive(self) -> bool:
         return self.proc.poll() is None
