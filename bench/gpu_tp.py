@@ -11,6 +11,7 @@ as ``pdserve serve --tensor-parallel-size N`` runs them) is timed through the en
 * ``decode_b{B}``: median ms of one decode step of B sequences, each holding ``--context`` tokens of
   KV (reserved and committed, as a decode worker receives them, so no prefill is needed to fill them);
 * ``prefill``: median ms of one ``--prefill`` token prompt in one step;
+* ``decode_b{B}_profile`` (``--profile``): the step's host phases and GPU kernels (bench/tp_profile.py);
 * ``greedy``: 16 greedy tokens of 4 prompts, compared with TP 1's (bf16 sums in another order may
   legitimately flip a near tie; the table reports how many sequences match exactly).
 
@@ -74,7 +75,10 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def decode_ms(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
+def decode_ms(engine: LLMEngine, batch: int, context: int, steps: int,
+              profile: dict | None = None, trace: Path | None = None) -> float:
+    """Median ms of a decode step of ``batch`` sequences of ``context`` tokens; with ``profile`` (a
+    dict), also where the step's time goes (bench/tp_profile.py), stored in it."""
     rng = random.Random(batch)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
@@ -88,6 +92,10 @@ def decode_ms(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
         t0 = time.perf_counter()
         engine.step()
         times.append((time.perf_counter() - t0) * 1e3)
+    if profile is not None:
+        from bench.tp_profile import profile_steps
+
+        profile.update(profile_steps(engine, min(steps, 8), trace))
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
@@ -144,7 +152,14 @@ def run_one(preset: str, size: int, args, ceil: dict, reference: dict) -> dict:
         prompts = [_prompt(rng, 24 + 8 * i, cfg.vocab_size) for i in range(GREEDY_PROMPTS)]
         row["greedy"] = engine.generate(prompts, SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True))
         for b in batches:
-            row[f"decode_b{b}_ms"] = decode_ms(engine, b, args.context, args.steps)
+            prof = {} if args.profile else None
+            trace = Path(args.out) / f"trace-{preset}-tp{size}-b{b}.json.gz" if args.profile else None
+            row[f"decode_b{b}_ms"] = decode_ms(engine, b, args.context, args.steps, prof, trace)
+            if prof:
+                from bench.tp_profile import describe
+
+                row[f"decode_b{b}_profile"] = prof
+                print(f"  decode b{b}: {describe(prof)}", flush=True)
             row[f"decode_b{b}_bound_ms"] = bounds(cfg, size, ceil, batch=b, context=args.context,
                                                   prefill=args.prefill).get("decode_ms")
         row["prefill_ms"] = prefill_ms(engine, args.prefill)
@@ -185,6 +200,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="")
     ap.add_argument("--cpu-check", action="store_true", help="tiny model on CPU (gloo), small shapes")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile each decode batch too: host phases, kernels by group (bench/tp_profile.py)")
     ap.add_argument("--serving", action="store_true",
                     help="1P(TP1) -> 1D(TP1) vs one TP-2 colocated worker under the log-normal workload")
     args = ap.parse_args()
