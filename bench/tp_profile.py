@@ -102,6 +102,7 @@ def profile_steps(engine, steps: int, trace_path: Path | None = None) -> dict:
         with open(raw, "rb") as src, gzip.open(trace_path, "wb") as dst:
             shutil.copyfileobj(src, dst)
         raw.unlink()
+    host_top = _host_functions(engine, steps)
     groups: dict[str, float] = defaultdict(float)
     for name, (ms, _n) in kernels.items():
         groups[_group(name)] += ms / steps
@@ -111,15 +112,35 @@ def profile_steps(engine, steps: int, trace_path: Path | None = None) -> dict:
     host["other_ms"] = wall - sum(host.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:12]
     return {"steps": steps, "wall_ms": wall, "host": {k: round(v, 3) for k, v in host.items()},
-            "gpu_busy_ms": round(_busy_ms(intervals) / steps, 3),
+            "gpu_busy_ms": round(_busy_ms(intervals) / steps, 3), "host_functions": host_top,
             "kernel_groups_ms": {k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
             "top_kernels": [{"name": n[:120], "ms_per_step": round(ms / steps, 3),
                              "calls_per_step": c / steps} for n, (ms, c) in top]}
 
 
+def _host_functions(engine, steps: int, top: int = 25) -> list[dict]:
+    """rank 0's Python functions by own time over ``steps`` more steps under cProfile (which slows
+    Python-heavy code: the shares matter, not the absolute milliseconds)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_step": nc / steps,
+             "own_ms_per_step": round(tt * 1e3 / steps, 3), "cum_ms_per_step": round(ct * 1e3 / steps, 3)}
+            for (f, line, name), (_cc, nc, tt, ct, _callers) in rows]
+
+
 def describe(prof: dict) -> str:
     h = prof["host"]
     g = "  ".join(f"{k} {v:.2f}" for k, v in prof["kernel_groups_ms"].items())
+    fns = "".join(f"\n      {f['own_ms_per_step']:7.3f} own {f['cum_ms_per_step']:7.3f} cum  {f['function']}"
+                  for f in prof.get("host_functions", [])[:12])
     return (f"wall {prof['wall_ms']:.2f} ms | host: schedule {h['schedule_ms']:.2f} send-plan "
             f"{h['send_plan_ms']:.2f} launch {h['launch_ms']:.2f} sync {h['sync_ms']:.2f} other "
-            f"{h['other_ms']:.2f} | GPU busy {prof['gpu_busy_ms']:.2f}: {g}")
+            f"{h['other_ms']:.2f} | GPU busy {prof['gpu_busy_ms']:.2f}: {g}{fns}")

@@ -101,9 +101,10 @@ class ModelRunner:
         ends = np.cumsum(spec.query_lens) - 1
         rows = [int(ends[i]) for i, s in enumerate(batch) if s.samples]
         replay = after_layer is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(spec)
+        sent = None
         if self.tp is not None:  # the other ranks replay their graph exactly when this one does
-            send_step(self.tp, StepPlan(input_ids=input_ids, spec=spec, rows=rows,
-                                        flags=FLAG_GRAPH if replay else 0))
+            sent = send_step(self.tp, StepPlan(input_ids=input_ids, spec=spec, rows=rows,
+                                               flags=FLAG_GRAPH if replay else 0))
         t0 = time.monotonic()
         throttle = (launch_throttle(self.launch_ahead_layers)
                     if self.launch_ahead_layers and len(input_ids) >= LAUNCH_THROTTLE_MIN_TOKENS else None)
@@ -117,7 +118,8 @@ class ModelRunner:
             meta = self.backend.plan(spec)
             hidden = self.model(self._to_device(input_ids), meta.positions, self.kv_cache, meta,
                                 after_layer=hook)
-
+        if sent is not None:  # posted before this rank's own planning and launch (engine.tp_plan)
+            sent.wait()
         t1 = time.monotonic()
         samplers = [s for s in batch if s.samples]
         if not samplers:

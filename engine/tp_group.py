@@ -58,10 +58,15 @@ class TPGroup:
     # ---- control (CPU, gloo) --------------------------------------------------------------------
     def broadcast_cpu(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s CPU tensor into ``x`` on every rank (same shape and dtype everywhere)."""
+        self.broadcast_cpu_async(x, src).wait()
+        return x
+
+    def broadcast_cpu_async(self, x: torch.Tensor, src: int = 0):
+        """``broadcast_cpu`` posted, not waited for: returns the work (``wait()`` it; keep ``x`` alive
+        until then)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self.ctrl.broadcast([x], opts).wait()
-        return x
+        return self.ctrl.broadcast([x], opts)
 
     def barrier(self) -> None:
         self.ctrl.allreduce([torch.zeros(1)]).wait()

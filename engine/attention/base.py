@@ -22,6 +22,7 @@ num_kv_heads, head_dim]`` (0 = K, 1 = V) — flashinfer's paged "NHD" layout.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ class BatchSpec:
 
     query_lens: list[int]
     context_lens: list[int]
-    block_tables: list[list[int]]
+    block_tables: Sequence[Sequence[int]]  # lists on rank 0; numpy views on a TP follower (engine.tp_plan)
 
     def __post_init__(self) -> None:
         if not (len(self.query_lens) == len(self.context_lens) == len(self.block_tables)):

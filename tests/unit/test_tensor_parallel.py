@@ -191,7 +191,9 @@ def test_step_plan_carries_rank_zeros_graph_decision(monkeypatch) -> None:
         return receive(group)
 
     got = run_ranks(2, rank)[1]
-    assert got.flags == FLAG_GRAPH and got.spec == spec and got.input_ids == [11, 12]
+    assert got.flags == FLAG_GRAPH and got.input_ids == [11, 12] and got.rows == [0, 1]
+    assert (got.spec.query_lens, got.spec.context_lens) == (spec.query_lens, spec.context_lens)
+    assert [list(t) for t in got.spec.block_tables] == spec.block_tables
     monkeypatch.delenv("PDSERVE_TP_CUDA_GRAPHS", raising=False)
     assert tp_graphs()
     monkeypatch.setenv("PDSERVE_TP_CUDA_GRAPHS", "0")
