@@ -42,7 +42,7 @@ async def bench_concurrency(args) -> list[dict]:
             if name in tls_rows and not tls_levels:
                 continue
             extra_rx = extra_tx = {k: v for k, v in variants.get(name, {}).items()
-                                   if k not in ("switch_interval", "tls")}
+                                   if k not in _PROCESS_KNOBS + ("tls",)}
             if name in tls_rows:
                 extra_rx = {**extra_rx, **tls_config(certs, "decode")}
                 extra_tx = {**extra_tx, **tls_config(certs, "prefill")}
@@ -76,7 +76,7 @@ async def bench_concurrency(args) -> list[dict]:
                     if name in tls_rows and c not in tls_levels:
                         continue
                     async with _cpu_into(rx, tx, cpu[name], sides[name], io[name]), \
-                            _switch_interval(rx, tx, variants.get(name, {}).get("switch_interval")):
+                            _process_knobs(rx, tx, variants.get(name, {})):
                         wall, per = await _concurrent(rx, tx, sides[name], nblocks, c, f"{name}-c{c}-{rep}")
                     got[name].append(wall)
                     each[name] += per
@@ -159,19 +159,29 @@ async def _cpu_into(rx, tx, acc: dict, side: tuple | None = None, io: dict | Non
                 into[key] = into.get(key, 0) + value - io0[name][key]
 
 
+_PROCESS_KNOBS = ("switch_interval", "busy_python")  # variant keys that are no TransportConfig field
+
+
 @contextlib.asynccontextmanager
-async def _switch_interval(rx, tx, seconds: float | None):
-    """Both peers run the block with this GIL switch interval (sys.setswitchinterval), then the old one."""
-    if seconds is None:
-        yield
-        return
-    old = await asyncio.gather(rx.call("switch_interval", seconds=seconds),
-                               tx.call("switch_interval", seconds=seconds))
+async def _process_knobs(rx, tx, variant: dict):
+    """Both peers run the block with the variant's process knobs, then as before: ``switch_interval``
+    (sys.setswitchinterval) and ``busy_python`` (a thread spinning in Python beside the transport, as a
+    worker's engine thread runs a step's host work: the GIL is then contended, as in serving)."""
+    seconds, busy = variant.get("switch_interval"), bool(variant.get("busy_python"))
+    old = None
+    if seconds is not None:
+        old = await asyncio.gather(rx.call("switch_interval", seconds=seconds),
+                                   tx.call("switch_interval", seconds=seconds))
+    if busy:
+        await asyncio.gather(rx.call("busy_python", on=True), tx.call("busy_python", on=True))
     try:
         yield
     finally:
-        await asyncio.gather(rx.call("switch_interval", seconds=old[0]["old"]),
-                             tx.call("switch_interval", seconds=old[1]["old"]))
+        if busy:
+            await asyncio.gather(rx.call("busy_python", on=False), tx.call("busy_python", on=False))
+        if old is not None:
+            await asyncio.gather(rx.call("switch_interval", seconds=old[0]["old"]),
+                                 tx.call("switch_interval", seconds=old[1]["old"]))
 
 
 def _io_summary(io: dict, wall_s: float, conns: int) -> dict:

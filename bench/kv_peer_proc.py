@@ -9,7 +9,8 @@ does not block a later ``send``. Only JSON crosses the pipe.
 ops: init (new transport; returns tid + endpoint), fill (seeded random KV), expect, wait, send, push,
 finish, send_wait, send_many, send_concurrent, digest, stats, close, raw_listen (plain-socket baseline
 receiver), raw_send, raw_send_concurrent, listening (this process's listening TCP sockets), cpu (CPU
-seconds, per thread group too), switch_interval (sys.setswitchinterval), exit.
+seconds, per thread group too), switch_interval (sys.setswitchinterval), busy_python (a thread spinning in
+Python on/off: the GIL contended as by a worker's engine thread), exit.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ def block_digest(kv: torch.Tensor, blocks: list[int]) -> str:
     for b in blocks:
         h.update(kv[:, b].contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def _spin(run: list[bool]) -> None:
+    """Pure Python work until ``run[0]`` is False: holds the GIL as an engine thread's host work does."""
+    while run[0]:
+        x = 0
+        for i in range(2000):
+            x += i
 
 
 def _raw_server(nbytes_list_port: list, slots: int = 1) -> None:
@@ -256,6 +265,7 @@ class PeerProcess:
         self.sends: dict[str, object] = {}
         self.exps: dict[str, object] = {}
         self.out_lock = asyncio.Lock()
+        self.busy: list[bool] | None = None  # busy_python: the spinning thread's run flag
 
     async def handle(self, cmd: dict) -> dict:
         op = cmd["op"]
@@ -277,6 +287,13 @@ class PeerProcess:
             old = sys.getswitchinterval()
             sys.setswitchinterval(cmd["seconds"])
             return {"old": old}
+        if op == "busy_python":
+            if cmd["on"] and self.busy is None:
+                self.busy = [True]
+                threading.Thread(target=_spin, args=(self.busy,), daemon=True, name="busy-python").start()
+            elif not cmd["on"] and self.busy is not None:
+                self.busy[0], self.busy = False, None
+            return {}
         if op == "listening":
             return {"sockets": listening_sockets()}
         if op == "cpu":

@@ -64,6 +64,14 @@ class TransportConfig:
     # longer than handing a frame to a lane); each one more costs a frame of page-locked memory per
     # transfer in flight, beside the frames already in lanes.
     tcp_stage_ahead: int = 2
+    # The process's GIL switch interval (sys.setswitchinterval), lowered to this when the transport
+    # starts (never raised; 0 leaves it). A TCP I/O thread takes the GIL back after every socket call;
+    # while the engine's thread runs Python (a decode step's host work, an eager prefill's launches) it
+    # waits up to the interval for it, Python's default 5 ms, and meanwhile the socket buffer fills and
+    # the sender stalls. A receiving thread beside a busy Python thread moved 0.67 GB/s at 5 ms and
+    # 2.06 GB/s at 0.5 ms, the busy thread's progress unchanged (docs/kvtransfer.md); in a serving
+    # decode worker the KV connections moved ~0.8 GB/s each where the benchmark's moved ~2.
+    gil_switch_interval_s: float = 0.0005
     # A TCP transfer past its deadline (receiver: the expect() deadline; sender: start_send's timeout) is
     # failed only when its connection has moved no byte for this long: one queued behind others' frames
     # is making progress, and the deadline is for a sender that never came or stalled.
@@ -165,6 +173,10 @@ class TransportConfig:
         if not (isinstance(self.inline_write_max_bytes, int) and self.inline_write_max_bytes >= 0):
             raise ValueError("TransportConfig.inline_write_max_bytes must be an int >= 0, "
                              f"got {self.inline_write_max_bytes!r}")
+        gil = self.gil_switch_interval_s
+        if not (isinstance(gil, (int, float)) and 0 <= gil <= 1):
+            raise ValueError("TransportConfig.gil_switch_interval_s must be in [0, 1] seconds, "
+                             f"got {self.gil_switch_interval_s!r}")
         if self.socket_buffer_bytes < 0:
             raise ValueError("TransportConfig.socket_buffer_bytes must be >= 0")
         if self.listen_host in ("0.0.0.0", "::", "") and not self.advertise_host:

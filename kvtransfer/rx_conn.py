@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import select
 import socket
 import ssl
+import struct
 import time
 
 from .errors import ProtocolError, TransferError, error_to_wire
@@ -36,36 +36,49 @@ _SCRATCH = 1 << 20
 # one readv() per socket-buffer fill, GIL released, instead of one loop iteration per recv.
 _THREAD_MIN = 1 << 20
 _RAW = 1 << 18  # TLS: ciphertext read per loop callback
+_RECV_TIMEOUT_S = 0.1
+_RECV_TIMEOUT = struct.pack("ll", 0, int(_RECV_TIMEOUT_S * 1e6))  # struct timeval for SO_RCVTIMEO
 
 
-def _readv_all(fd: int, views: list[memoryview], stop: list[bool],
-               progress: list[float]) -> tuple[int, int, float, float]:
-    """Fill views from a (non-blocking) socket fd owned by the caller; raise on EOF/reset/stop.
-    Returns (readv calls, bytes, seconds in poll, seconds in all) for IoStats."""
+def _recv_all(fd: int, views: list[memoryview], stop: list[bool],
+              progress: list[float]) -> tuple[int, int, float, float]:
+    """Fill views from the connection's socket (fd: a dup the caller owns) in as few calls as the frame
+    allows: the socket is made blocking for the frame and each ``recvmsg_into`` waits for all its
+    buffers (MSG_WAITALL), so the thread takes the GIL back once per frame (per IOV_MAX buffers), not
+    once per socket-buffer fill. Each such return waited for the GIL (up to the switch interval, while
+    the engine's thread runs Python) with the socket buffer full and the sender stalled: non-blocking
+    reads beside a busy Python thread moved 0.67 GB/s, these 1.67 (3.29 at a 0.5 ms switch interval;
+    TransportConfig.gil_switch_interval_s). SO_RCVTIMEO bounds each call (a partial read returns) so
+    ``stop`` is seen within _RECV_TIMEOUT_S. Raises on EOF/reset/stop; the socket is non-blocking again on
+    return (the loop reads it next). Returns (calls, bytes, 0.0, seconds in all) for IoStats.
+
+    Making the socket blocking affects the event loop's side too (one file description): during the
+    frame the loop does not read it (reading is paused), and its writes are small replies into a send
+    buffer the sender keeps drained."""
     start = time.monotonic()
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    views = list(views)
-    i = calls = nbytes = 0
-    polled = 0.0
-    while i < len(views):
-        try:
-            got = os.readv(fd, views[i:i + IOV_MAX])
-        except (BlockingIOError, InterruptedError):
-            t = time.monotonic()
-            for _fd, ev in poller.poll(100):
-                if ev & select.POLLNVAL:
-                    raise ConnectionResetError("socket closed while receiving") from None
-            polled += time.monotonic() - t
-            if stop[0]:
-                raise ConnectionAbortedError("connection closed locally while receiving") from None
-            continue
-        if got == 0:
-            raise ConnectionResetError("sender closed the connection mid-frame")
-        progress[0] = time.monotonic()
-        calls, nbytes = calls + 1, nbytes + got
-        i = advance(views, i, got)
-    return calls, nbytes, polled, time.monotonic() - start
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _RECV_TIMEOUT)
+        sock.setblocking(True)
+        views = list(views)
+        i = calls = nbytes = 0
+        while i < len(views):
+            try:
+                got = sock.recvmsg_into(views[i:i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
+            except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO with nothing received
+                got = -1
+            if got == 0:
+                raise ConnectionResetError("sender closed the connection mid-frame")
+            if got > 0:
+                progress[0] = time.monotonic()
+                calls, nbytes = calls + 1, nbytes + got
+                i = advance(views, i, got)
+            if stop[0] and i < len(views):
+                raise ConnectionAbortedError("connection closed locally while receiving")
+    finally:
+        sock.setblocking(False)
+        sock.detach()
+    return calls, nbytes, 0.0, time.monotonic() - start
 
 
 class RxConnection(asyncio.BufferedProtocol):
@@ -263,7 +276,7 @@ class RxConnection(asyncio.BufferedProtocol):
                 fut = loop.run_in_executor(self.rx.recv_pool, tls_recv_all, self._fd, self.chan,
                                            self._targets, self._stop, self.progress)
             else:
-                fut = loop.run_in_executor(self.rx.recv_pool, _readv_all, self._fd, self._targets, self._stop,
+                fut = loop.run_in_executor(self.rx.recv_pool, _recv_all, self._fd, self._targets, self._stop,
                                            self.progress)
             fut.add_done_callback(self._thread_done)
         if not self._targets:

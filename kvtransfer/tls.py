@@ -200,7 +200,7 @@ def tls_recv_all(fd: int, chan: TlsChannel, views: list[memoryview], stop: list[
                  progress: list[float]) -> tuple[int, int, float, float]:
     """Fill views with plaintext from an I/O thread: what the channel already holds first, then
     ciphertext read from the (non-blocking) socket fd, decrypted straight into the views. Returns
-    (read calls, bytes, seconds in poll, seconds in all) as rx_conn._readv_all."""
+    (read calls, bytes, seconds in poll, seconds in all) as rx_conn._recv_all."""
     start = time.monotonic()
     poller = select.poll()
     poller.register(fd, select.POLLIN)

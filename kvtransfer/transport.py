@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -122,6 +123,7 @@ class KVTransport:
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> KVTransport:
         self.loop = asyncio.get_running_loop()
+        lower_gil_switch_interval(self.config.gil_switch_interval_s)
         if self.config.fine_timer_slack and self.nixl is not None:
             fine_timer_slack()  # this thread's fast-wait naps (sender.py) last what they ask for
         self.receiver = Receiver(layout=self.layout, memory=self.memory, config=self.config, nixl=self.nixl,
@@ -328,6 +330,15 @@ class KVTransport:
         ep = parse_endpoint(endpoint)
         peer = self._peers.get((ep["host"], ep["port"], ep["instance"]))
         return peer.backend if peer is not None else None
+
+
+def lower_gil_switch_interval(seconds: float) -> None:
+    """Lower the process's GIL switch interval to ``seconds`` (TransportConfig.gil_switch_interval_s says
+    why); never raise it, and 0 leaves it as it is."""
+    if 0 < seconds < sys.getswitchinterval():
+        log.info("kvtransfer: GIL switch interval %.1f ms -> %.2f ms (gil_switch_interval_s)",
+                 sys.getswitchinterval() * 1e3, seconds * 1e3)
+        sys.setswitchinterval(seconds)
 
 
 def parse_endpoint(endpoint: dict) -> dict:
