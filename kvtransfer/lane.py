@@ -3,12 +3,13 @@
 Plaintext: frames go out with scatter-gather ``sendmsg`` straight from the source blocks; a small write
 is tried at once on the event loop when nothing is queued, a large one (TransportConfig.
 inline_write_max_bytes) and whatever did not fit in the socket buffer is written by the lane's own
-writer thread (GIL released), so a large payload costs the event loop nothing, and the next queued
-frame starts the moment one ends (no event-loop round trip between frames: with 16 transfers over 8
-lanes that round trip left each lane idle between frames). TLS: by default the socket is a TLS
-relay's plaintext end (tls_relay.py: the record work runs in a helper process) and nothing here
-differs; with ``TransportConfig.tls_procs`` 0, the TCP socket under a ``TlsChannel`` (tls.py), a large
-frame encrypted by the writer thread.
+writer thread, whole frames per call with the GIL released (the socket is blocking, iovec.
+whole_frame_io; the loop's own calls pass MSG_DONTWAIT), so a large payload costs the event loop
+nothing, and the next queued frame starts the moment one ends (no event-loop round trip between
+frames: with 16 transfers over 8 lanes that round trip left each lane idle between frames).
+TLS: by default the socket is a TLS relay's plaintext end (tls_relay.py: the record work runs in a
+helper process) and nothing here differs; with ``TransportConfig.tls_procs`` 0, the TCP socket under
+a ``TlsChannel`` (tls.py), a large frame encrypted by the writer thread.
 
 Frames are written whole and in the order they were handed over (FIFO: the writer thread's queue), so
 frames of transfers sharing a lane interleave frame by frame. A write interrupted halfway poisons the
@@ -27,7 +28,7 @@ import threading
 import time
 
 from .errors import PeerUnavailable, TransferError
-from .iovec import IOV_MAX, advance
+from .iovec import IOV_MAX, advance, whole_frame_io
 from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
 from .tls import TlsChannel, client_context, tls_send_blocking
 from .tls_relay import client_status
@@ -35,8 +36,9 @@ from .tls_relay import client_status
 
 def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int, stop: list[bool],
                       progress: list[float]) -> tuple[int, int, float, float]:
-    """Write a frame from the lane's writer thread: sendmsg, and poll() for room when the socket buffer
-    is full.
+    """Write a frame from the lane's writer thread: the socket is blocking (iovec.whole_frame_io), so one
+    sendmsg moves the whole frame (per IOV_MAX buffers) with the GIL released, returning early only at
+    IO_TIMEOUT_S (then ``stop`` is checked); poll() covers a call that moved nothing in that time.
     Returns (sendmsg calls, bytes, seconds in poll, seconds in all) for IoStats."""
     start = time.monotonic()
     poller = select.poll()
@@ -59,6 +61,11 @@ def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int, stop
         calls, nbytes = calls + 1, nbytes + sent
         i = advance(views, i, sent)
     return calls, nbytes, polled, time.monotonic() - start
+
+
+def _set_once(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class Lane:
@@ -108,6 +115,7 @@ class Lane:
             what = "TLS connection to" if cfg.tls else "connect to"
             raise PeerUnavailable(f"cannot {what} KV receiver {self.name}: "
                                   f"{type(exc).__name__}: {exc}") from exc
+        whole_frame_io(self.sock)  # from here on every call on the loop passes MSG_DONTWAIT
         self.progress[0] = time.monotonic()
         self.reader = self.loop.create_task(self._read_loop(), name=f"kvtransfer-peer-{self.name}")
 
@@ -173,7 +181,7 @@ class Lane:
             if self.chan is not None:
                 views, encrypted = [memoryview(p) for p in self.chan.encrypt(views)], True
             try:
-                i = advance(views, 0, self.sock.sendmsg(views[:IOV_MAX]))
+                i = advance(views, 0, self.sock.sendmsg(views[:IOV_MAX], (), socket.MSG_DONTWAIT))
                 self.progress[0] = time.monotonic()
             except (BlockingIOError, InterruptedError):
                 i = 0
@@ -244,22 +252,38 @@ class Lane:
                 if got:
                     self._plain += scratch[:got]
                     continue
-                raw = await self.loop.sock_recv(self.sock, 1 << 16)
-                if not raw:
+                got = await self._recv_into(scratch)
+                if not got:
                     raise PeerUnavailable(f"KV receiver {self.name} closed the connection")
-                self.chan.feed(raw)
+                self.chan.feed(scratch[:got])
             data, self._plain = self._plain[:n], self._plain[n:]
             self.progress[0] = time.monotonic()
             return data
         buf = bytearray(n)
         view, pos = memoryview(buf), 0
         while pos < n:
-            got = await self.loop.sock_recv_into(self.sock, view[pos:])
+            got = await self._recv_into(view[pos:])
             if not got:
                 raise PeerUnavailable(f"KV receiver {self.name} closed the connection")
             pos += got
         self.progress[0] = time.monotonic()
         return buf
+
+    async def _recv_into(self, view: memoryview) -> int:
+        """One receive on the event loop: whatever is there (MSG_DONTWAIT: the socket itself is blocking
+        for the writer thread, iovec.whole_frame_io), else wait until the socket is readable."""
+        while True:
+            try:
+                return self.sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                pass
+            ready = self.loop.create_future()
+            fd = self.sock.fileno()
+            self.loop.add_reader(fd, _set_once, ready)
+            try:
+                await ready
+            finally:
+                self.loop.remove_reader(fd)
 
     async def _read_loop(self) -> None:
         try:

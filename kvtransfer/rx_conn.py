@@ -22,11 +22,10 @@ import logging
 import os
 import socket
 import ssl
-import struct
 import time
 
 from .errors import ProtocolError, TransferError, error_to_wire
-from .iovec import IOV_MAX, advance
+from .iovec import IOV_MAX, advance, whole_frame_io
 from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
 from .tls import TlsChannel, tls_recv_all
 
@@ -36,36 +35,31 @@ _SCRATCH = 1 << 20
 # one readv() per socket-buffer fill, GIL released, instead of one loop iteration per recv.
 _THREAD_MIN = 1 << 20
 _RAW = 1 << 18  # TLS: ciphertext read per loop callback
-_RECV_TIMEOUT_S = 0.1
-_RECV_TIMEOUT = struct.pack("ll", 0, int(_RECV_TIMEOUT_S * 1e6))  # struct timeval for SO_RCVTIMEO
 
 
 def _recv_all(fd: int, views: list[memoryview], stop: list[bool],
               progress: list[float]) -> tuple[int, int, float, float]:
     """Fill views from the connection's socket (fd: a dup the caller owns) in as few calls as the frame
-    allows: the socket is made blocking for the frame and each ``recvmsg_into`` waits for all its
-    buffers (MSG_WAITALL), so the thread takes the GIL back once per frame (per IOV_MAX buffers), not
-    once per socket-buffer fill. Each such return waited for the GIL (up to the switch interval, while
-    the engine's thread runs Python) with the socket buffer full and the sender stalled: non-blocking
-    reads beside a busy Python thread moved 0.67 GB/s, these 1.67 (3.29 at a 0.5 ms switch interval;
-    TransportConfig.gil_switch_interval_s). SO_RCVTIMEO bounds each call (a partial read returns) so
-    ``stop`` is seen within _RECV_TIMEOUT_S. Raises on EOF/reset/stop; the socket is non-blocking again on
-    return (the loop reads it next). Returns (calls, bytes, 0.0, seconds in all) for IoStats.
+    allows: the socket is blocking for the frame (iovec.whole_frame_io) and each ``recvmsg_into`` waits
+    for all its buffers (MSG_WAITALL), so the thread takes the GIL back once per frame (per IOV_MAX
+    buffers, per IO_TIMEOUT_S), not once per socket-buffer fill: beside a thread running Python,
+    non-blocking reads moved 0.67 GB/s and these 1.67 (3.29 at a 0.5 ms switch interval,
+    TransportConfig.gil_switch_interval_s). Raises on EOF/reset/stop; the socket is non-blocking again
+    on return (the loop reads it next). Returns (calls, bytes, 0.0, seconds in all) for IoStats.
 
-    Making the socket blocking affects the event loop's side too (one file description): during the
-    frame the loop does not read it (reading is paused), and its writes are small replies into a send
-    buffer the sender keeps drained."""
+    The blocking mode is the event loop's too (one file description): during the frame the loop does not
+    read the socket (reading is paused), and its writes are small replies into a send buffer the
+    sender keeps drained."""
     start = time.monotonic()
     sock = socket.socket(fileno=fd)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _RECV_TIMEOUT)
-        sock.setblocking(True)
+        whole_frame_io(sock)
         views = list(views)
         i = calls = nbytes = 0
         while i < len(views):
             try:
                 got = sock.recvmsg_into(views[i:i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
-            except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO with nothing received
+            except (BlockingIOError, InterruptedError):  # IO_TIMEOUT_S with nothing received
                 got = -1
             if got == 0:
                 raise ConnectionResetError("sender closed the connection mid-frame")
