@@ -273,3 +273,101 @@ def test_an_abort_among_transfers_sharing_one_lane_leaves_the_others_byte_exact(
         await settled(a, b)
 
     asyncio.run(asyncio.wait_for(main(), 100))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = sock.recv(n, socket.MSG_WAITALL)
+    if len(data) != n:
+        raise ConnectionResetError("peer closed")
+    return data
+
+
+def test_a_receiver_that_stops_reading_blocks_only_the_lanes_writer_thread_never_the_event_loop():
+    """A lane's socket is blocking for its writer thread (iovec.whole_frame_io). A receiver that answers
+    the handshake and then reads nothing: the frame's write waits in the writer thread while the sender's
+    event loop keeps running (its own reads and small writes pass MSG_DONTWAIT), and closing the sender
+    ends the stuck write (SO_SNDTIMEO bounds each call) without a leak."""
+    big = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    blocks = 128  # 2 MiB per layer: far more than the loopback socket buffers hold
+    lsock = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def fake_receiver() -> None:
+        conn, _ = lsock.accept()
+        held.append(conn)
+        while True:
+            msg, _f, meta_len, _p = decode_header(_recv_exact(conn, HEADER.size))
+            meta = decode_meta(_recv_exact(conn, meta_len))
+            if msg == Msg.HELLO:
+                conn.sendall(encode(Msg.HELLO_OK, {"version": 1, "layout_hash": meta["layout_hash"],
+                                                   "num_blocks": blocks, "backend": "tcp", "caps": []}))
+            elif msg == Msg.BEGIN:
+                return  # from here on nothing is read
+
+    async def main():
+        src = big.allocate(blocks)
+        fill_random(src, 5)
+        a = await make_transport("tcp", big, src, tcp_connections=1, max_frame_bytes=2 << 20,
+                                 send_timeout_s=30).start()
+        loop = asyncio.get_running_loop()
+        rx = loop.run_in_executor(None, fake_receiver)
+        endpoint = {**a.endpoint(), "host": "127.0.0.1", "port": lsock.getsockname()[1], "instance": "fake"}
+        ids = list(range(blocks))
+        handle = a.start_send("stuck", endpoint, ids, ids)
+        await rx
+        ticks, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 0.5:  # the loop turns while the write is stuck
+            await asyncio.sleep(0.005)
+            ticks += 1
+        assert ticks >= 20, ticks
+        assert not handle.done()
+        await a.close()
+        with pytest.raises(Exception):  # noqa: B017 (the stuck send fails, however the close words it)
+            await asyncio.wait_for(handle.wait(), 10)
+        s = a.stats()
+        assert s == {k: 0 for k in s}, s
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        for conn in held:
+            conn.close()
+        lsock.close()
+
+
+def test_a_sender_stalled_mid_way_through_a_thread_read_frame_fails_once_idle_and_the_thread_ends():
+    """A DATA frame big enough for a receive thread (blocking whole-frame reads, iovec.whole_frame_io),
+    half sent, then silence: the expectation fails with TransferTimeout once the connection is idle, and
+    closing the receiver ends the thread's read (SO_RCVTIMEO bounds each call) without a leak."""
+    big = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    blocks = 128  # 2 MiB per layer
+
+    async def main():
+        dst = big.allocate(blocks)
+        b = await make_transport("tcp", big, dst, stall_timeout_s=0.3).start()
+        port, bb = b.endpoint()["port"], big.block_bytes
+        ids = list(range(blocks))
+        exp = b.expect("half", ids, timeout=0.2)
+        sock = socket.create_connection(("127.0.0.1", port))
+        loop = asyncio.get_running_loop()
+
+        def start():
+            sock.sendall(encode(Msg.HELLO, {"version": 1, "layout_hash": big.compat_hash(), "want": "tcp"}))
+            head = _recv_exact(sock, HEADER.size)
+            _recv_exact(sock, decode_header(head)[2])
+            nbytes = big.num_layers * blocks * bb
+            sock.sendall(encode(Msg.BEGIN, {"rid": "half", "dst": ids, "nbytes": nbytes, "backend": "tcp"}))
+            frame = blocks * bb  # one layer: 2 MiB, read by a receive thread
+            sock.sendall(encode(Msg.DATA, {"rid": "half", "segs": [[0, 0, blocks]]}, frame)
+                         + b"\x05" * (frame // 2))
+
+        await loop.run_in_executor(None, start)
+        with pytest.raises(TransferTimeout, match="idle"):
+            await exp.wait()
+        assert b.counters()["tcp_rx_io"]["frames"] == 0  # the frame never completed
+        await b.close()
+        sock.close()
+        s = b.stats()
+        assert s == {k: 0 for k in s}, s
+
+    asyncio.run(asyncio.wait_for(main(), 60))

@@ -1,0 +1,99 @@
+"""Where a served request's KV time goes: the ``kvtrace`` lines of a cluster's worker logs, per rate.
+
+    PDSERVE_KV_TRACE=1 bash bench/device_run.sh frontier -- --modes 1p1d-tcp,1p1d-nixl --rates 6,10,14 ...
+    python3 bench/kvtrace_serving.py OUT/frontier-logs [--json FILE]
+
+For every mode directory (``<mode>/logs/*.log``) the prefill worker's ``kvtrace prefill`` lines and both
+sides' transfer lines (kvtransfer/trace.py) are joined by request id. Requests are grouped into the
+sweep's rate points by their arrival (a pause of more than ``--gap-s`` between two arrivals starts the
+next point). Per point, p50 / p90 in milliseconds of:
+
+* ``queue``: prefill RPC called -> the engine's first step of it;
+* ``compute``: first step -> prefill done (its last layer computed and sampled);
+* ``after``: prefill done -> the transfer acknowledged (what the KV plane adds to TTFT);
+* TCP only, per DATA frame: ``staging`` (device->host copy), ``lane_wait`` and ``in_lane`` on the
+  sender; ``rx_thread`` (its read) and ``rx_gap`` (the connection idle before it) on the receiver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+_LINE = re.compile(r"kvtrace (\S+) (\S+) (\{.*\})")
+
+
+def load(logs: Path) -> list[dict]:
+    """One dict per request id: {side: timeline} from every log under ``logs``."""
+    by_id: dict[str, dict] = {}
+    for path in sorted(logs.glob("*.log")):
+        for line in path.open(errors="replace"):
+            m = _LINE.search(line)
+            if m:
+                side, rid, body = m.groups()
+                by_id.setdefault(rid.split("/")[0], {})[side] = json.loads(body)
+    return sorted((v for v in by_id.values() if "prefill" in v), key=lambda v: v["prefill"]["called"])
+
+
+def points(requests: list[dict], gap_s: float) -> list[list[dict]]:
+    out: list[list[dict]] = []
+    last = None
+    for r in requests:
+        called = r["prefill"]["called"]
+        if last is None or called - last > gap_s:
+            out.append([])
+        out[-1].append(r)
+        last = called
+    return out
+
+
+def _per_frame(stats: dict, key: str) -> float | None:
+    frames = stats.get("frames")
+    return stats[key] / frames if frames and key in stats else None
+
+
+def measures(r: dict) -> dict[str, float | None]:
+    p, tx, rx = r["prefill"], r.get("tx-frames", {}), r.get("rx-frames", {})
+    return {"queue": p["first_step"] - p["called"], "compute": p["prefill_done"] - p["first_step"],
+            "after": p["acked"] - p["prefill_done"] if "acked" in p else None,
+            "staging": _per_frame(tx, "staging_s"), "lane_wait": _per_frame(tx, "lane_wait_s"),
+            "in_lane": _per_frame(tx, "in_lane_s"), "rx_thread": _per_frame(rx, "thread_s"),
+            "rx_gap": _per_frame(rx, "gap_s")}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def summarise(requests: list[dict]) -> dict:
+    rows = [measures(r) for r in requests]
+    out: dict = {"requests": len(rows)}
+    for key in rows[0] if rows else ():
+        xs = [row[key] for row in rows if row[key] is not None]
+        if xs:
+            out[key] = {"p50_ms": round(_pct(xs, 0.5) * 1e3, 1), "p90_ms": round(_pct(xs, 0.9) * 1e3, 1)}
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("logdir", help="a frontier run's frontier-logs directory (one sub-directory per mode)")
+    ap.add_argument("--gap-s", type=float, default=1.5, help="a pause in arrivals that starts a rate point")
+    ap.add_argument("--json", help="write the summary here")
+    args = ap.parse_args(argv)
+    result: dict = {}
+    for mode_dir in sorted(p for p in Path(args.logdir).iterdir() if (p / "logs").is_dir()):
+        result[mode_dir.name] = [summarise(group) for group in points(load(mode_dir / "logs"), args.gap_s)]
+        for i, s in enumerate(result[mode_dir.name]):
+            cells = "  ".join(f"{k} {v['p50_ms']}/{v['p90_ms']}" for k, v in s.items() if isinstance(v, dict))
+            print(f"{mode_dir.name:<12} point {i + 1} ({s['requests']} requests)  p50/p90 ms: {cells}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
