@@ -198,3 +198,42 @@ def test_step_plan_carries_rank_zeros_graph_decision(monkeypatch) -> None:
     assert tp_graphs()
     monkeypatch.setenv("PDSERVE_TP_CUDA_GRAPHS", "0")
     assert not tp_graphs()
+
+
+def test_step_plans_posted_back_to_back_arrive_in_order_on_every_follower() -> None:
+    """Rank 0 posts a plan's broadcasts without waiting (engine.tp_plan.PendingSend) and may post the next
+    before the first was waited for: every follower receives each plan whole and in order, its block
+    tables as numpy views (mixed prefill / decode shapes, 1..40 sequences, tables of 1..300 blocks)."""
+    from engine.tp_plan import StepPlan, receive, send_step, send_stop
+
+    rng = random.Random(7)
+    plans = []
+    for _ in range(12):
+        seqs = rng.randint(1, 40)
+        qlens = [rng.choice([1, 1, 1, rng.randint(2, 64)]) for _ in range(seqs)]
+        tables = [[rng.randrange(10_000) for _ in range(rng.randint(1, 300))] for _ in range(seqs)]
+        spec = BatchSpec(query_lens=qlens, context_lens=[rng.randint(0, 4000) for _ in range(seqs)],
+                         block_tables=tables)
+        plans.append(StepPlan(input_ids=[rng.randrange(32_000) for _ in range(sum(qlens))], spec=spec,
+                              rows=sorted(rng.sample(range(sum(qlens)), min(seqs, sum(qlens)))),
+                              flags=rng.randint(0, 1)))
+
+    def rank(group):
+        if group.rank == 0:
+            pending = [send_step(group, plan) for plan in plans]
+            for p in pending:
+                p.wait()
+            send_stop(group)
+            return None
+        got = []
+        while (plan := receive(group)) is not None:
+            got.append(plan)
+        return got
+
+    for got in run_ranks(3, rank)[1:]:
+        assert len(got) == len(plans)
+        for want, plan in zip(plans, got, strict=True):
+            assert (plan.input_ids, plan.rows, plan.flags) == (want.input_ids, want.rows, want.flags)
+            assert (plan.spec.query_lens, plan.spec.context_lens) == (want.spec.query_lens,
+                                                                        want.spec.context_lens)
+            assert [list(t) for t in plan.spec.block_tables] == want.spec.block_tables
