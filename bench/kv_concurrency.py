@@ -185,8 +185,9 @@ async def _process_knobs(rx, tx, variant: dict):
 
 
 def _io_summary(io: dict, wall_s: float, conns: int) -> dict:
-    """Per direction: KiB moved per syscall, the share of the I/O threads' time spent waiting in poll,
-    and how busy each connection's thread was (thread time over wall time x connections)."""
+    """Per direction: KiB moved per syscall, the share of the I/O threads' time spent waiting in poll
+    (plaintext moves whole frames per blocking call, iovec.whole_frame_io, so it waits inside the call:
+    ~0 there), and how busy each connection's thread was (thread time over wall time x connections)."""
     out = {}
     for name, d in io.items():
         if not d.get("frames"):

@@ -24,12 +24,15 @@ STAGES = ("kv_wait", "posted", "back", "seen", "begin_ok")
 
 
 def load(log_dir: Path) -> dict[str, dict]:
+    """{request id: {side: timeline}} from every log in ``log_dir``. A transfer's id carries its attempt
+    (``<request>/<n>``, the router's migration retries); it is filed under the request's id, so the
+    prefill worker's line and both transfer lines meet (a later attempt's line replaces an earlier)."""
     out: dict[str, dict] = {}
     for path in sorted(log_dir.glob("*.log")):
         for line in path.read_text(errors="replace").splitlines():
-            m = re.search(r"kvtrace (\w+) (\S+) (\{.*\})", line)
+            m = re.search(r"kvtrace ([\w-]+) (\S+) (\{.*\})", line)
             if m:
-                out.setdefault(m.group(2), {})[m.group(1)] = json.loads(m.group(3))
+                out.setdefault(m.group(2).split("/")[0], {})[m.group(1)] = json.loads(m.group(3))
     return out
 
 
@@ -48,7 +51,7 @@ def stages(traces: dict[str, dict], min_compute_s: float) -> list[dict]:
     return rows
 
 
-def _pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: float) -> float:
     v = sorted(values)
     return v[min(len(v) - 1, int(len(v) * q))] if v else float("nan")
 
@@ -60,14 +63,14 @@ def stalls(log_dir: Path) -> dict:
     for path in log_dir.glob("*.log"):
         for m in re.finditer(r"event loop stuck over \d+ ms at (\S+ \S+)", path.read_text(errors="replace")):
             where[m.group(1)] = where.get(m.group(1), 0) + 1
-    return {"episodes": len(ms), "median_ms": _pct(ms, 0.5) if ms else None, "max_ms": max(ms, default=None),
+    return {"episodes": len(ms), "median_ms": pct(ms, 0.5) if ms else None, "max_ms": max(ms, default=None),
             "innermost": where}
 
 
 def report(log_dir: Path, min_compute_s: float) -> dict:
     rows = stages(load(log_dir), min_compute_s)
-    summary = {k: {"p50_ms": _pct([r[k] for r in rows], 0.5) * 1e3,
-                   "p90_ms": _pct([r[k] for r in rows], 0.9) * 1e3,
+    summary = {k: {"p50_ms": pct([r[k] for r in rows], 0.5) * 1e3,
+                   "p90_ms": pct([r[k] for r in rows], 0.9) * 1e3,
                    "max_ms": max((r[k] for r in rows), default=float("nan")) * 1e3} for k in STAGES}
     return {"log_dir": str(log_dir), "requests": len(rows), "stages": summary, "loop_stalls": stalls(log_dir)}
 

@@ -4,9 +4,10 @@
     python3 bench/kvtrace_serving.py OUT/frontier-logs [--json FILE]
 
 For every mode directory (``<mode>/logs/*.log``) the prefill worker's ``kvtrace prefill`` lines and both
-sides' transfer lines (kvtransfer/trace.py) are joined by request id. Requests are grouped into the
-sweep's rate points by their arrival (a pause of more than ``--gap-s`` between two arrivals starts the
-next point). Per point, p50 / p90 in milliseconds of:
+sides' transfer lines (kvtransfer/trace.py) are joined by request id (``kvtrace_report.load``; that
+report takes the NIXL path's stages after the prefill, this one the TCP path's frames and the rate
+points). Requests are grouped into the sweep's rate points by their arrival (a pause of more than
+``--gap-s`` between two arrivals starts the next point). Per point, p50 / p90 in milliseconds of:
 
 * ``queue``: prefill RPC called -> the engine's first step of it;
 * ``compute``: first step -> prefill done (its last layer computed and sampled);
@@ -19,22 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
-_LINE = re.compile(r"kvtrace (\S+) (\S+) (\{.*\})")
+from kvtrace_report import load, pct  # bench/ is on the path when this runs as a script
 
 
-def load(logs: Path) -> list[dict]:
-    """One dict per request id: {side: timeline} from every log under ``logs``."""
-    by_id: dict[str, dict] = {}
-    for path in sorted(logs.glob("*.log")):
-        for line in path.open(errors="replace"):
-            m = _LINE.search(line)
-            if m:
-                side, rid, body = m.groups()
-                by_id.setdefault(rid.split("/")[0], {})[side] = json.loads(body)
-    return sorted((v for v in by_id.values() if "prefill" in v), key=lambda v: v["prefill"]["called"])
+def requests(logs: Path) -> list[dict]:
+    """The requests that have the prefill worker's line, by arrival (kvtrace_report.load joins the lines)."""
+    return sorted((v for v in load(logs).values() if "prefill" in v), key=lambda v: v["prefill"]["called"])
 
 
 def points(requests: list[dict], gap_s: float) -> list[list[dict]]:
@@ -63,18 +56,13 @@ def measures(r: dict) -> dict[str, float | None]:
             "rx_gap": _per_frame(rx, "gap_s")}
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def summarise(requests: list[dict]) -> dict:
     rows = [measures(r) for r in requests]
     out: dict = {"requests": len(rows)}
     for key in rows[0] if rows else ():
         xs = [row[key] for row in rows if row[key] is not None]
         if xs:
-            out[key] = {"p50_ms": round(_pct(xs, 0.5) * 1e3, 1), "p90_ms": round(_pct(xs, 0.9) * 1e3, 1)}
+            out[key] = {"p50_ms": round(pct(xs, 0.5) * 1e3, 1), "p90_ms": round(pct(xs, 0.9) * 1e3, 1)}
     return out
 
 
@@ -86,7 +74,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     result: dict = {}
     for mode_dir in sorted(p for p in Path(args.logdir).iterdir() if (p / "logs").is_dir()):
-        result[mode_dir.name] = [summarise(group) for group in points(load(mode_dir / "logs"), args.gap_s)]
+        groups = points(requests(mode_dir / "logs"), args.gap_s)
+        result[mode_dir.name] = [summarise(group) for group in groups]
         for i, s in enumerate(result[mode_dir.name]):
             cells = "  ".join(f"{k} {v['p50_ms']}/{v['p90_ms']}" for k, v in s.items() if isinstance(v, dict))
             print(f"{mode_dir.name:<12} point {i + 1} ({s['requests']} requests)  p50/p90 ms: {cells}")

@@ -68,9 +68,10 @@ class TransportConfig:
     # starts (never raised; 0 leaves it). A TCP I/O thread takes the GIL back after every socket call;
     # while the engine's thread runs Python (a decode step's host work, an eager prefill's launches) it
     # waits up to the interval for it, Python's default 5 ms, and meanwhile the socket buffer fills and
-    # the sender stalls. A receiving thread beside a busy Python thread moved 0.67 GB/s at 5 ms and
-    # 2.06 GB/s at 0.5 ms, the busy thread's progress unchanged (docs/kvtransfer.md); in a serving
-    # decode worker the KV connections moved ~0.8 GB/s each where the benchmark's moved ~2.
+    # the sender stalls. A receiving thread beside a busy Python thread moved 0.66-0.67 GB/s at 5 ms and
+    # 2.06-2.23 GB/s at 0.5 ms (bench/gil_probe.py); in a serving decode worker (1P1D over
+    # TCP, 10 req/s) a receive thread took a median 6.8 ms per 16 MiB frame, 4.3 ms with this and
+    # whole-frame socket calls (docs/kvtransfer.md, "The GIL in a serving worker").
     gil_switch_interval_s: float = 0.0005
     # A TCP transfer past its deadline (receiver: the expect() deadline; sender: start_send's timeout) is
     # failed only when its connection has moved no byte for this long: one queued behind others' frames

@@ -43,9 +43,10 @@ def _recv_all(fd: int, views: list[memoryview], stop: list[bool],
     allows: the socket is blocking for the frame (iovec.whole_frame_io) and each ``recvmsg_into`` waits
     for all its buffers (MSG_WAITALL), so the thread takes the GIL back once per frame (per IOV_MAX
     buffers, per IO_TIMEOUT_S), not once per socket-buffer fill: beside a thread running Python,
-    non-blocking reads moved 0.67 GB/s and these 1.67 (3.29 at a 0.5 ms switch interval,
-    TransportConfig.gil_switch_interval_s). Raises on EOF/reset/stop; the socket is non-blocking again
-    on return (the loop reads it next). Returns (calls, bytes, 0.0, seconds in all) for IoStats.
+    non-blocking reads moved 0.66-0.67 GB/s and these 1.54-1.67 (2.70-3.29 at a 0.5 ms switch
+    interval, TransportConfig.gil_switch_interval_s; bench/gil_probe.py). Raises on EOF/reset/stop;
+    the socket is non-blocking again on return (the loop reads it next). Returns (calls, bytes, 0.0,
+    seconds in all) for IoStats.
 
     The blocking mode is the event loop's too (one file description): during the frame the loop does not
     read the socket (reading is paused), and its writes are small replies into a send buffer the
@@ -300,9 +301,9 @@ class RxConnection(asyncio.BufferedProtocol):
 
     def _trace_frame(self, exp, io: tuple[int, int, float, float]) -> None:
         """Sums for the ``kvtrace rx-frames`` line (trace.py): this frame's time from dispatch to done,
-        its thread's seconds (and of them in poll, waiting for bytes), and the gap since this connection's
-        previous frame ended, when that was after this transfer was expected (the sender's next frame not
-        there yet, or the hops in between)."""
+        its thread's seconds (and of them in poll: TLS on this thread only, trace.py), and the gap since
+        this connection's previous frame ended, when that was after this transfer was expected (the
+        sender's next frame not there yet, or the hops in between)."""
         now = time.monotonic()
         f = exp.frame_stats
         f["frames"] = f.get("frames", 0) + 1

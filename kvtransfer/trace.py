@@ -11,8 +11,9 @@ way back. One INFO line per transfer: meant for benchmarks and debugging, off by
 adds a ``kvtrace tx-frames`` line: its DATA frames' summed seconds waiting for their staging copies,
 for a free lane of the transfer, and in the lane (its queue and the socket write); the receiver a
 ``kvtrace rx-frames`` line: its large DATA frames' seconds from dispatch to done, in their read threads
-(and of that in poll, waiting for bytes), and the gaps on each connection since its previous frame
-ended.
+(and of that in poll, waiting for bytes: TLS on the I/O threads only, since a plaintext read waits
+inside its whole-frame socket call, iovec.whole_frame_io), and the gaps on each connection since its
+previous frame ended.
 """
 
 from __future__ import annotations
