@@ -159,24 +159,32 @@ async def _cpu_into(rx, tx, acc: dict, side: tuple | None = None, io: dict | Non
                 into[key] = into.get(key, 0) + value - io0[name][key]
 
 
-_PROCESS_KNOBS = ("switch_interval", "busy_python")  # variant keys that are no TransportConfig field
+# variant keys that are no TransportConfig field
+_PROCESS_KNOBS = ("switch_interval", "busy_python", "busy_loop")
 
 
 @contextlib.asynccontextmanager
 async def _process_knobs(rx, tx, variant: dict):
     """Both peers run the block with the variant's process knobs, then as before: ``switch_interval``
     (sys.setswitchinterval) and ``busy_python`` (a thread spinning in Python beside the transport, as a
-    worker's engine thread runs a step's host work: the GIL is then contended, as in serving)."""
+    worker's engine thread runs a step's host work: the GIL is then contended, as in serving) and
+    ``busy_loop`` (the transport's event loop also runs other callbacks, ~1 ms of Python each, as a
+    serving worker's loop runs its token streams: every turn the transport needs waits behind them;
+    ``rx`` or ``tx`` for one side only: in a cluster it is the decode worker's loop that streams)."""
     seconds, busy = variant.get("switch_interval"), bool(variant.get("busy_python"))
+    side = variant.get("busy_loop")
+    loops = [p for p, name in ((rx, "rx"), (tx, "tx")) if side is True or side == name]
     old = None
     if seconds is not None:
         old = await asyncio.gather(rx.call("switch_interval", seconds=seconds),
                                    tx.call("switch_interval", seconds=seconds))
     if busy:
         await asyncio.gather(rx.call("busy_python", on=True), tx.call("busy_python", on=True))
+    await asyncio.gather(*(p.call("busy_loop", on=True) for p in loops))
     try:
         yield
     finally:
+        await asyncio.gather(*(p.call("busy_loop", on=False) for p in loops))
         if busy:
             await asyncio.gather(rx.call("busy_python", on=False), tx.call("busy_python", on=False))
         if old is not None:

@@ -10,7 +10,8 @@ ops: init (new transport; returns tid + endpoint), fill (seeded random KV), expe
 finish, send_wait, send_many, send_concurrent, digest, stats, close, raw_listen (plain-socket baseline
 receiver), raw_send, raw_send_concurrent, listening (this process's listening TCP sockets), cpu (CPU
 seconds, per thread group too), switch_interval (sys.setswitchinterval), busy_python (a thread spinning in
-Python on/off: the GIL contended as by a worker's engine thread), exit.
+Python on/off: the GIL contended as by a worker's engine thread), busy_loop (chores of ~1 ms on the
+event loop on/off: the loop shared as with a worker's token streams), exit.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import socket
 import sys
 import threading
+import time
 
 import torch
 
@@ -52,6 +54,16 @@ def _spin(run: list[bool]) -> None:
         x = 0
         for i in range(2000):
             x += i
+
+
+async def _loop_chores(run: list[bool]) -> None:
+    """~1 ms of Python, then yield to the loop, until ``run[0]`` is False: one of a serving worker's token
+    streams as its event loop sees it (each turn of the loop runs every ready chore once)."""
+    while run[0]:
+        end = time.perf_counter() + 0.001
+        while time.perf_counter() < end:
+            pass
+        await asyncio.sleep(0)
 
 
 def _raw_server(nbytes_list_port: list, slots: int = 1) -> None:
@@ -266,6 +278,7 @@ class PeerProcess:
         self.exps: dict[str, object] = {}
         self.out_lock = asyncio.Lock()
         self.busy: list[bool] | None = None  # busy_python: the spinning thread's run flag
+        self.busy_loop: list[bool] | None = None  # busy_loop: the loop chores' run flag
 
     async def handle(self, cmd: dict) -> dict:
         op = cmd["op"]
@@ -293,6 +306,14 @@ class PeerProcess:
                 threading.Thread(target=_spin, args=(self.busy,), daemon=True, name="busy-python").start()
             elif not cmd["on"] and self.busy is not None:
                 self.busy[0], self.busy = False, None
+            return {}
+        if op == "busy_loop":
+            if cmd["on"] and self.busy_loop is None:
+                self.busy_loop = [True]
+                for _ in range(4):  # four "streams": a turn of the loop runs ~4 ms of them
+                    asyncio.get_running_loop().create_task(_loop_chores(self.busy_loop))
+            elif not cmd["on"] and self.busy_loop is not None:
+                self.busy_loop[0], self.busy_loop = False, None
             return {}
         if op == "listening":
             return {"sockets": listening_sockets()}

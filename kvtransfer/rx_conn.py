@@ -35,10 +35,11 @@ _SCRATCH = 1 << 20
 # one readv() per socket-buffer fill, GIL released, instead of one loop iteration per recv.
 _THREAD_MIN = 1 << 20
 _RAW = 1 << 18  # TLS: ciphertext read per loop callback
+_PEEK = 64 << 10  # the most of a next frame's head a receive thread looks at (DATA metadata is ~1 KiB)
 
 
 def _recv_all(fd: int, views: list[memoryview], stop: list[bool],
-              progress: list[float]) -> tuple[int, int, float, float]:
+              progress: list[float], chain: bool = False) -> tuple[int, int, float, float, bytes | None]:
     """Fill views from the connection's socket (fd: a dup the caller owns) in as few calls as the frame
     allows: the socket is blocking for the frame (iovec.whole_frame_io) and each ``recvmsg_into`` waits
     for all its buffers (MSG_WAITALL), so the thread takes the GIL back once per frame (per IOV_MAX
@@ -46,7 +47,8 @@ def _recv_all(fd: int, views: list[memoryview], stop: list[bool],
     non-blocking reads moved 0.66-0.67 GB/s and these 1.54-1.67 (2.70-3.29 at a 0.5 ms switch
     interval, TransportConfig.gil_switch_interval_s; bench/gil_probe.py). Raises on EOF/reset/stop;
     the socket is non-blocking again on return (the loop reads it next). Returns (calls, bytes, 0.0,
-    seconds in all) for IoStats.
+    seconds in all) for IoStats, and with ``chain`` the next frame's header and metadata when they were
+    already in the socket (``_next_frame_head``), else None.
 
     The blocking mode is the event loop's too (one file description): during the frame the loop does not
     read the socket (reading is paused), and its writes are small replies into a send buffer the
@@ -70,10 +72,38 @@ def _recv_all(fd: int, views: list[memoryview], stop: list[bool],
                 i = advance(views, i, got)
             if stop[0] and i < len(views):
                 raise ConnectionAbortedError("connection closed locally while receiving")
+        head = _next_frame_head(sock) if chain else None
     finally:
         sock.setblocking(False)
         sock.detach()
-    return calls, nbytes, 0.0, time.monotonic() - start
+    return calls, nbytes, 0.0, time.monotonic() - start, head
+
+
+def _next_frame_head(sock: socket.socket) -> bytes | None:
+    """The next frame's header and metadata, taken off the socket only when both are wholly there now
+    (never waits: ``MSG_PEEK | MSG_DONTWAIT`` first), else None and nothing consumed.
+
+    Why (TransportConfig.tcp_rx_chain): in a serving decode worker the event loop also runs every token
+    stream, and each frame taken back to the loop cost it three turns before the next payload was on a
+    thread (thread done, header, metadata), each behind the loop's other callbacks: the connection sat
+    idle ~12 ms per 16 MiB frame at 10 req/s (docs/kvtransfer.md). With the head read here, the loop's
+    one turn for the finished frame also dispatches the next. Anything odd (a short or malformed header)
+    is left on the socket for the loop's parser, which reports it as before."""
+    try:
+        peek = sock.recv(_PEEK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        if len(peek) < HEADER_SIZE:
+            return None
+        _msg, _flags, meta_len, _payload = decode_header(peek[:HEADER_SIZE])
+    except (BlockingIOError, InterruptedError, ProtocolError):
+        return None
+    want = HEADER_SIZE + meta_len
+    if len(peek) < want:
+        return None
+    buf = bytearray(want)
+    got = sock.recv_into(buf, want, socket.MSG_DONTWAIT)  # already queued: all of it comes
+    if got != want:  # cannot happen with one reader; fail the connection rather than lose sync
+        raise ConnectionResetError(f"read {got} of a {want}-byte frame head the socket had queued")
+    return bytes(buf)
 
 
 class RxConnection(asyncio.BufferedProtocol):
@@ -272,7 +302,7 @@ class RxConnection(asyncio.BufferedProtocol):
                                            self._targets, self._stop, self.progress)
             else:
                 fut = loop.run_in_executor(self.rx.recv_pool, _recv_all, self._fd, self._targets, self._stop,
-                                           self.progress)
+                                           self.progress, self.rx.config.tcp_rx_chain)
             fut.add_done_callback(self._thread_done)
         if not self._targets:
             ctx, self._ctx = self._ctx, None
@@ -291,13 +321,29 @@ class RxConnection(asyncio.BufferedProtocol):
             log.warning("kvtransfer: connection from %s broke mid-frame: %s", self.peer, exc)
             self.close()
             return
-        self.rx.io_rx.add(*fut.result())
+        io = fut.result()
+        self.rx.io_rx.add(*io[:4])
         if self.rx.config.trace:
-            self._trace_frame(ctx.exp, fut.result())
-        self.transport.resume_reading()
+            self._trace_frame(ctx.exp, io)
         self.rx.on_data_complete(self, ctx)
         if self.chan is not None:
+            self.transport.resume_reading()
             self._guarded(self._pump)  # the thread may have decrypted past its frame: the next one is here
+            return
+        if len(io) > 4 and io[4] is not None and not self.closed:
+            self._guarded(self._take_head, io[4])  # may put the next payload on a thread at once
+        if self._state != "thread" and not self.closed:
+            self.transport.resume_reading()
+
+    def _take_head(self, head: bytes) -> None:
+        """Parse a frame head a receive thread read past its payload (``_next_frame_head``) as if the loop
+        had received it: header, then metadata, then the frame's handler."""
+        self._hdr[:] = head[:HEADER_SIZE]
+        self._pos = HEADER_SIZE
+        self._advance(0)  # header -> "meta" with its buffer sized
+        self._meta[:] = head[HEADER_SIZE:]
+        self._pos = len(self._meta)
+        self._advance(0)  # -> _on_meta
 
     def _trace_frame(self, exp, io: tuple[int, int, float, float]) -> None:
         """Sums for the ``kvtrace rx-frames`` line (trace.py): this frame's time from dispatch to done,
@@ -310,6 +356,8 @@ class RxConnection(asyncio.BufferedProtocol):
         f["frame_s"] = f.get("frame_s", 0.0) + now - self._t_meta
         f["thread_s"] = f.get("thread_s", 0.0) + io[3]
         f["poll_s"] = f.get("poll_s", 0.0) + io[2]
+        if len(io) > 4 and io[4] is not None:  # the thread took the next frame's head too (tcp_rx_chain)
+            f["chained"] = f.get("chained", 0) + 1
         if self._t_done >= exp.started:  # idle time before this transfer began is not a gap of it
             f["gap_s"] = f.get("gap_s", 0.0) + self._t_meta - self._t_done
         self._t_done = now

@@ -65,6 +65,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-stripe", choices=ON_OFF, help="TCP KV transport: spread one transfer's frames over all the "
       "connections (default on: a lone 2k-token transfer ~3x faster on 2x H200; off: one connection per "
       "transfer, fewer receive threads busy at once beside decode)")
+    a("--kv-rx-chain", choices=ON_OFF, help="TCP KV transport, receiving: a receive thread that finished a "
+      "frame also takes the next frame's head off the socket when it is there, so the event loop spends "
+      "one turn per frame, not three (default on)")
     a("--kv-tls-procs", type=int, help="TCP KV transport with TLS: helper processes doing the TLS record "
       "work (each has a GIL of its own; default a quarter of the cores, 1..8; 0 = in the worker)")
     a("--kv-stream-layers", choices=ON_OFF, help="prefill: push each layer's KV while the next layer "

@@ -92,6 +92,8 @@ class ServeSettings:
     kv_connections: int = 8
     # TCP KV plane: spread a transfer of more than one frame over all of those connections
     kv_stripe: str = "on"
+    # TCP KV plane: a receive thread takes the next frame's head off the socket when it is there
+    kv_rx_chain: str = "on"
     # TLS on the TCP KV plane: helper processes doing the record work (-1: the transport's default)
     kv_tls_procs: int = -1
     # prefill: push each layer's KV while the next one computes (when the transport supports it)
@@ -319,6 +321,7 @@ def kv_transport_options(settings: ServeSettings, env: Mapping[str, str] | None 
     host = settings.kv_host or settings.host
     opts: dict = {"listen_host": host, "listen_port": settings.kv_port,
                   "tcp_connections": settings.kv_connections, "tcp_stripe": settings.kv_stripe == "on",
+                  "tcp_rx_chain": settings.kv_rx_chain == "on",
                   "trace": env_switch("PDSERVE_KV_TRACE", False)}
     if host in ("0.0.0.0", "::", ""):
         opts["advertise_host"] = settings.advertise_host
