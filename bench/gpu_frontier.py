@@ -4,6 +4,8 @@ control on, then each at 1.5x its own SLO-goodput rate.
 
     bash bench/device_run.sh frontier -- --size small        # ~8 minutes of device time
     python3 bench/gpu_frontier.py --out DIR --size small [--modes ...] [--dry-run]
+    bash bench/device_run.sh frontier -- --modes 1p1d-tcp,1p1d-tcp@nochain \
+        --variant nochain="--kv-rx-chain off"   # a mode beside a variant of itself
     bash bench/device_run.sh frontier -- --modes 1p1d-nixl,1p1d-tcp --rates 6,10,14 --stop-below 0 \
         --overload-factor 0 --tag tcp   # TCP at NIXL's rates, every rate swept
 
@@ -24,6 +26,7 @@ Writes ``gpu-frontier-<device>-<date>[-TAG].{json,md,png}`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -59,6 +62,9 @@ def plan(args: argparse.Namespace, model: str, n_gpus: int, kv_gb: float) -> tup
     modes = [m for m in args.modes.split(",") if m]
     opts = mode_options(model, n_gpus=n_gpus, kv_gb=kv_gb, transport="nixl",
                         router_args=("--max-queue-wait-s", str(args.max_queue_wait_s)))
+    variants = tuple((tag, tuple(shlex.split(flags)))
+                     for tag, _, flags in (v.partition("=") for v in getattr(args, "variant", ())))
+    opts = dataclasses.replace(opts, variants=variants)
     cfg = SweepConfig(rates=tuple(rates), seconds_per_rate=secs, min_requests=16, target=0.95,
                       stop_below=args.stop_below, overload_factor=args.overload_factor,
                       label="frontier-lognormal",
@@ -109,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. to see whether TCP fails requests up to NIXL's goodput rate)")
     ap.add_argument("--budget-s", type=float, help="device time for the sweeps (default: the size's)")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--variant", action="append", default=[], metavar="TAG=FLAGS",
+                    help="flags every worker of a MODE@TAG gets, e.g. --modes 1p1d-tcp,1p1d-tcp@nochain "
+                         "--variant nochain='--kv-rx-chain off' (repeatable)")
     ap.add_argument("--dry-run", action="store_true", help="print the clusters and rate points; no GPU")
     args = ap.parse_args(argv)
     if args.dry_run:

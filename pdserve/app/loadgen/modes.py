@@ -15,6 +15,10 @@ router, placement, admission control and metrics are the same code in each; only
     1p1d-tp1-tp2   1 prefill at TP 1 (GPU 0) + 1 decode at TP 2 (GPUs 1-2): each decode rank gets its
                    KV heads from the prefill rank's staging (docs/tensor-parallel.md)
 
+A mode may carry a variant, ``MODE@TAG``: the same cluster with ``opts.variants[TAG]`` added to every
+worker's flags (say ``1p1d-tcp@nochain`` with ``--kv-rx-chain off``), so two settings of one mode run
+side by side in one sweep.
+
 ``prefill_args`` go to the prefill pool only (compute-tuned, e.g. ``--max-num-batched-tokens 8192``);
 ``router_args`` to every mode's router (admission flags: the same in every mode). Devices: ``gpus=0``
 runs everything on this host's CPU; 1 GPU shares GPU0 (a functional check); 2 or more put each worker
@@ -23,6 +27,7 @@ on its own GPU, seeing its peer after it for UCX's cuda_ipc (``DevicePlan(peers=
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,6 +58,8 @@ class ModeOptions:
     transport: str = "tcp"  # of "1p1d" and "conditional"
     policy: str = "prefix"
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+    # TAG -> extra flags of every worker of a ``MODE@TAG``
+    variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.gpus < 0 or self.colocated_workers < 1:
@@ -63,7 +70,7 @@ class ModeOptions:
 
 
 def check_modes(modes: list[str] | tuple[str, ...]) -> None:
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m.partition("@")[0] not in MODES]
     if unknown or not modes:
         raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
 
@@ -71,6 +78,12 @@ def check_modes(modes: list[str] | tuple[str, ...]) -> None:
 def cluster_spec(mode: str, opts: ModeOptions) -> ClusterSpec:
     """The cluster of ``mode`` (no process started)."""
     check_modes([mode])
+    mode, _, tag = mode.partition("@")
+    if tag:
+        flags = dict(opts.variants)
+        if tag not in flags:
+            raise ValueError(f"mode variant {tag!r} has no flags; known: {', '.join(flags) or 'none'}")
+        opts = dataclasses.replace(opts, worker_args=(*opts.worker_args, *flags[tag]))
     gpus = tuple(str(i) for i in range(opts.gpus))
     common = dict(model=opts.model, worker_args=opts.worker_args, policy=opts.policy,
                   drain_timeout=opts.drain_timeout, router_args=opts.router_args)
