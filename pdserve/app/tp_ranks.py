@@ -145,9 +145,13 @@ def start_ranks(engine_config, size: int, kv: KVRankConfig | None = None) -> TPR
     return TPRanks(group=group, procs=procs, store=store)
 
 
-async def make_rank_link(settings, engine):
+async def make_rank_link(settings, engine, *, own_loop: bool = False):
     """Rank 0's KV link (kvtransfer.ranks.link.RankedLink) for a prefill / decode worker at any TP size:
-    its own agent over ``engine.kv_cache``, the other ranks' through their control services."""
+    its own agent over ``engine.kv_cache``, the other ranks' through their control services.
+
+    ``own_loop``: rank 0's agent (and its control service) runs on an event loop of its own thread
+    (kvtransfer/ranks/agent_thread.py), not on this one, which serves the worker's gRPC streams."""
+    from kvtransfer.ranks.agent_thread import ThreadedAgent
     from kvtransfer.ranks.control import RankClient, serve_agent
     from kvtransfer.ranks.link import RankedLink
 
@@ -155,12 +159,34 @@ async def make_rank_link(settings, engine):
     ranks: TPRanks | None = getattr(engine, "tp_ranks", None)
     size = ranks.group.size if ranks is not None else 1
     layout = engine.kv_layout
-    agent = kv.agent(layout=layout, num_kv_heads=layout.num_kv_heads, tp=size, rank=0, cache=engine.kv_cache)
-    await agent.start()
+
+    made: dict = {}
+
+    async def setup():  # on the loop the agent lives on
+        cache = engine.kv_cache
+        if own_loop and cache.is_cuda:  # this thread's copies must not queue behind the forward's stream
+            import torch
+
+            torch.cuda.set_device(cache.device)
+            torch.cuda.set_stream(torch.cuda.Stream(cache.device))
+        agent = kv.agent(layout=layout, num_kv_heads=layout.num_kv_heads, tp=size, rank=0, cache=cache)
+        await agent.start()
+        try:
+            server, made["port"] = await serve_agent(agent)
+        except BaseException:
+            await agent.close()
+            raise
+        return agent, [lambda: server.stop(0)]
+
+    if own_loop:
+        local = await ThreadedAgent.start(setup, name="kv-rank0")
+        agent, closers = local.agent, []  # the control service stops on the agent's loop, at its close
+    else:
+        agent, closers = await setup()
+        local = agent
     endpoint, view = agent.endpoints()
-    members, endpoints, views = [agent], [endpoint], [view]
-    server, port = await serve_agent(agent)
-    controls = [f"127.0.0.1:{port}"]
+    members, endpoints, views = [local], [endpoint], [view]
+    controls = [f"127.0.0.1:{made['port']}"]
     for r in range(1, size):
         info = await asyncio.to_thread(ranks.kv_agent_info, r)
         members.append(RankClient(r, info["control"]))
@@ -169,8 +195,9 @@ async def make_rank_link(settings, engine):
         controls.append(info["control"])
     link = RankedLink(ranks=members, layout=layout, shape=agent.shape, lease_s=settings.lease_ms / 1000.0)
     link.set_rank_endpoints(endpoints, views)
-    link.closers.append(lambda: server.stop(0))
-    log.info("KV ranks: %s; control %s", agent.shape.describe(), " ".join(controls))
+    link.closers.extend(closers)
+    log.info("KV ranks: %s; control %s; rank 0 on %s", agent.shape.describe(), " ".join(controls),
+             "an event loop of its own" if own_loop else "the worker's event loop")
     return link
 
 

@@ -15,6 +15,7 @@ import torch
 from engine.kv_layout import KVLayout
 from kvtransfer import LayoutMismatch, TransferError
 from kvtransfer.ranks.agent import RankAgent
+from kvtransfer.ranks.agent_thread import ThreadedAgent
 from kvtransfer.ranks.control import RankClient, serve_agent
 from kvtransfer.ranks.link import RankedLink
 from kvtransfer.ranks.shape import WorkerShape, parse_endpoint, plan_pieces
@@ -33,17 +34,31 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 80))
 
 
-async def worker(full: torch.Tensor | None, k: int, tp: int, source_tp: int = 0, *, remote: bool = False):
-    """A worker's ranks over ``full`` (the whole model's cache; zeros if None): (link, agents, servers)."""
+async def worker(full: torch.Tensor | None, k: int, tp: int, source_tp: int = 0, *, remote: bool = False,
+                 threaded: bool = False):
+    """A worker's ranks over ``full`` (the whole model's cache; zeros if None): (link, agents, servers).
+    ``threaded``: rank 0's agent on an event loop of its own thread, as a decode worker runs it."""
     shape = WorkerShape.receiving(num_kv_heads=k, tp=tp, source_tp=source_tp)
     whole = full if full is not None else base(k).allocate(NB)
     agents = []
     for r in range(tp):
         h0, h1 = shape.heads(r)
-        agent = RankAgent(layout=base(k), shape=shape, rank=r, cache=whole[..., h0:h1, :].contiguous(),
-                          kind="tcp", options={"listen_host": "127.0.0.1"}, staging_blocks=8)
-        agents.append(await agent.start())
+
+        async def make(r=r, h0=h0, h1=h1):
+            agent = RankAgent(layout=base(k), shape=shape, rank=r, cache=whole[..., h0:h1, :].contiguous(),
+                              kind="tcp", options={"listen_host": "127.0.0.1"}, staging_blocks=8)
+            return await agent.start()
+
+        if r == 0 and threaded:
+            async def setup():
+                return await make(), []
+
+            local = await ThreadedAgent.start(setup, name="test-kv-rank0")
+            agents.append(local)
+        else:
+            agents.append(await make())
     members, servers = list(agents), []
+    agents = [a.agent if isinstance(a, ThreadedAgent) else a for a in agents]
     if remote:
         for r in range(1, tp):
             server, port = await serve_agent(agents[r])
@@ -72,10 +87,10 @@ def expected_rank(full: torch.Tensor, heads: tuple[int, int]) -> torch.Tensor:
 
 
 async def transfer(k: int, a: int, b: int, *, streamed: bool, source_tp: int = 0,
-                   remote: bool = False) -> None:
+                   remote: bool = False, threaded: bool = False) -> None:
     full = base(k).allocate(NB).uniform_(-1, 1)
-    p = await worker(full, k, a, remote=remote)
-    d = await worker(None, k, b, source_tp, remote=remote)
+    p = await worker(full, k, a, remote=remote, threaded=threaded)
+    d = await worker(None, k, b, source_tp, remote=remote, threaded=threaded)
     rid = "req-1"
     await d[0].expect(rid, DST)
     wait = asyncio.ensure_future(d[0].wait(rid))
@@ -103,6 +118,40 @@ async def transfer(k: int, a: int, b: int, *, streamed: bool, source_tp: int = 0
 @pytest.mark.parametrize("streamed", [False, True], ids=["one-piece", "streamed"])
 def test_heads_land_on_the_ranks_that_own_them(k, a, b, source_tp, streamed) -> None:
     run(transfer(k, a, b, streamed=streamed, source_tp=source_tp))
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["one-piece", "streamed"])
+def test_rank_0_on_a_loop_of_its_own_thread_moves_the_same_bytes(streamed) -> None:
+    """Rank 0's agent on its own thread's loop (``--kv-own-loop``) on both sides, beside followers on the
+    caller's: the same heads land, every call crosses to the agent's loop and back, nothing is left
+    behind and the thread ends at close."""
+    import threading
+
+    before = {t.name for t in threading.enumerate()}
+    run(transfer(2, 1, 1, streamed=streamed, threaded=True))
+    run(transfer(4, 2, 2, streamed=streamed, source_tp=2, threaded=True))
+    assert not {t.name for t in threading.enumerate()} - before
+
+
+async def _threaded_wait_cancelled() -> None:
+    """The decode worker's KV wait cancelled (the Decode RPC went away) while rank 0's agent lives on its
+    own loop: the wait is cancelled there too, the request aborted on every rank, and a release after it
+    leaves nothing behind."""
+    k = 2
+    d = await worker(None, k, 2, threaded=True)
+    await d[0].expect("r", DST)
+    wait = asyncio.ensure_future(d[0].wait("r"))
+    await asyncio.sleep(0.05)
+    wait.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await wait
+    await d[0].release("r")
+    assert await d[0].ranks[0].stats() == dict.fromkeys(d[1][0].stats(), 0)
+    await close(*d)
+
+
+def test_a_cancelled_wait_on_a_threaded_rank_0_aborts_it_on_every_rank() -> None:
+    run(_threaded_wait_cancelled())
 
 
 def test_other_ranks_driven_through_their_control_services() -> None:
