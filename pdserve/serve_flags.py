@@ -68,8 +68,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-rx-chain", choices=ON_OFF, help="TCP KV transport, receiving: a receive thread that finished a "
       "frame also takes the next frame's head off the socket when it is there, so the event loop spends "
       "one turn per frame, not three (default on)")
-    a("--kv-own-loop", choices=ON_OFF, help="decode: receive KV on an event loop of its own thread, so no "
-      "frame or completion waits behind the token streams on the gRPC loop (default on)")
+    a("--kv-own-loop", choices=ON_OFF, help="decode: receive KV on an event loop of its own thread instead "
+      "of the gRPC streams' loop (default off: on 2x H200 a third thread contending for the GIL cost more "
+      "than the loop turns it saved)")
     a("--kv-tls-procs", type=int, help="TCP KV transport with TLS: helper processes doing the TLS record "
       "work (each has a GIL of its own; default a quarter of the cores, 1..8; 0 = in the worker)")
     a("--kv-stream-layers", choices=ON_OFF, help="prefill: push each layer's KV while the next layer "

@@ -95,7 +95,8 @@ class ServeSettings:
     # TCP KV plane: a receive thread takes the next frame's head off the socket when it is there
     kv_rx_chain: str = "on"
     # decode: the KV plane (rank 0's agent) on an event loop of its own thread, not the gRPC streams' loop
-    kv_own_loop: str = "on"
+    # (off: measured slower on 2x H200, docs/kvtransfer.md "An event loop of its own")
+    kv_own_loop: str = "off"
     # TLS on the TCP KV plane: helper processes doing the record work (-1: the transport's default)
     kv_tls_procs: int = -1
     # prefill: push each layer's KV while the next one computes (when the transport supports it)

@@ -1,11 +1,13 @@
 """A ``RankAgent`` on an event loop of its own thread, driven from the worker's loop.
 
-Why: a decode worker's event loop also runs every token stream (and gRPC's callbacks for them); the KV
-plane's turns on it (a TCP frame's hand-off to a receive thread, a NIXL notification poll, an
-expectation's completion) waited behind those: a receiving connection sat idle ~8-16 ms before each
-16 MiB frame at 10 req/s on 2x H200 (docs/kvtransfer.md). On a loop of its own the KV plane turns as
-soon as the GIL lets it, whatever the streams do. Tensor-parallel follower ranks already run their
-agents this way (pdserve/app/tp_ranks.py); this gives rank 0 the same, in process.
+Why it exists: a decode worker's event loop also runs every token stream (and gRPC's callbacks for
+them), and the KV plane's turns on it (a TCP frame's hand-off to a receive thread, a NIXL notification
+poll, an expectation's completion) wait behind those. On a loop of its own the KV plane turns as soon
+as the GIL lets it. Tensor-parallel follower ranks run their agents this way (pdserve/app/tp_ranks.py);
+``--kv-own-loop on`` gives rank 0 the same, in process. Measured on 2x H200 it did not pay: the idle
+time before each TCP frame stayed ~8 ms and the wait after a prefill grew (a third thread running
+Python contends for the GIL with the engine's and the gRPC loop's), so it is off by default
+(docs/kvtransfer.md, "An event loop of its own").
 
 ``ThreadedAgent`` offers what ``RankedLink`` uses of a local agent: the same coroutine methods (each runs
 on the agent's loop; cancelling the caller cancels it there), ``release`` and ``stats`` as coroutines,

@@ -203,7 +203,7 @@ async def _decode(settings: ServeSettings, server: GrpcServer):
 
     async def finish(settings: ServeSettings) -> None:
         engine, aengine = await _load_engine(settings, server)
-        # every rank moves its own KV heads; rank 0's away from this loop's token streams
+        # every rank moves its own KV heads (rank 0's on a loop of its own with --kv-own-loop on)
         kv = await make_rank_link(settings, engine, own_loop=settings.kv_own_loop == "on")
         worker = DecodeWorker(engine=aengine, kv=kv, worker_id=settings.worker_id,
                               block_size=engine.kv_layout.block_size, default_lease_ms=settings.lease_ms)
