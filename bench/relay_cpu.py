@@ -3,6 +3,8 @@
     python -m bench.relay_cpu --model DIR --trees /tmp/old,/work/main --rounds 3 \
         --rate 20 --num-requests 120 --output-len 128 --json out.json
     python -m bench.relay_cpu --model DIR --variant 1= --variant 4="--stream-interval 4"
+    python -m bench.relay_cpu --model DIR --rounds 1 --output-len 2 --num-requests 300 --rate 40 \
+        --py-spy .venv/bin/py-spy   # the per-request part, and where the router's main thread goes
 
 Each round runs every (tree, variant) pair once, alternating: a variant is a name and extra ``pdserve
 serve`` flags for the workers (default: one variant, no extra flags).
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,6 +43,48 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of ``pid`` by name (the main thread as ``main``; gRPC's C core threads
+    are ``event_engine``), summed over threads of one name."""
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = "main" if tid == str(pid) else f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+_IDLE = ("epoll_wait", "epoll_pwait", "poll (libc", "select (libc")
+_SYSCALLS = ("sendmsg (libc", "recvmsg (libc", "write (libc", "read (libc", "send (libc", "recv (libc")
+
+
+def py_spy_shares(raw: Path) -> dict:
+    """Where the router's main thread was busy, from ``py-spy record --native -f raw`` samples: in our
+    code's call tree (a frame of router/, pdserve/ or engine/ on the stack, gRPC calls it makes
+    included), in socket syscalls outside it, or in gRPC's own callbacks (its Cython completion
+    handling, server-side reads and writes) with none of our frames on the stack. Idle samples (the
+    loop waiting in epoll) are left out."""
+    counts = {"ours": 0, "syscalls": 0, "grpc_callbacks": 0}
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = stack.split(";")
+        if "MainThread" not in frames[0] or any(i in f for f in frames[-3:] for i in _IDLE):
+            continue
+        if any(("router/" in f or "pdserve/" in f or "engine/" in f) and ".py" in f for f in frames):
+            counts["ours"] += int(n)
+        elif any(c in frames[-1] for c in _SYSCALLS):
+            counts["syscalls"] += int(n)
+        else:
+            counts["grpc_callbacks"] += int(n)
+    total = sum(counts.values()) or 1
+    return {"samples": total, **{k: round(v / total, 3) for k, v in counts.items()}}
+
+
 def one(args: argparse.Namespace) -> dict:
     """One cluster of the tree this interpreter imports from, one load; returns the figures."""
     from pdserve.app.launcher.local import LocalCluster
@@ -53,16 +98,30 @@ def one(args: argparse.Namespace) -> dict:
             pids[h.role] = h.pid
         # warm-up: first-call costs (imports, channel setup) are not per-token costs
         _bench(c.router, args, 8, Path(run_dir) / "warm.json")
+        spy = raw = None
+        if args.py_spy:
+            raw = Path(run_dir) / "router.spy"
+            spy = subprocess.Popen([args.py_spy, "record", "-p", str(pids["router"]), "-r", "200", "--native",
+                                    "--threads", "-f", "raw", "-o", str(raw)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         before = {r: proc_cpu_s(p) for r, p in pids.items()}
+        threads0 = {r: thread_cpu_s(p) for r, p in pids.items()}
         res = _bench(c.router, args, args.num_requests, Path(run_dir) / "load.json")
         after = {r: proc_cpu_s(p) for r, p in pids.items()}
+        threads = {r: {name: round(v - threads0[r].get(name, 0.0), 3) for name, v in thread_cpu_s(p).items()
+                       if v - threads0[r].get(name, 0.0) > 0} for r, p in pids.items()}
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(60)
+            profile = py_spy_shares(raw) if raw.exists() else {"error": "py-spy wrote nothing"}
     toks = res["output_token_throughput"] * res["duration_s"]
     nreq = res["num_ok"]
     cpu = {r: after[r] - before[r] for r in pids}
     return {"output_tokens": round(toks), "requests": nreq, "errors": res["num_errors"],
             "duration_s": res["duration_s"], "ttft_p50_ms": res["ttft_ms"]["p50"],
             "ttft_p90_ms": res["ttft_ms"]["p90"], "itl_p50_ms": res["itl_ms"]["p50"],
-            "cpu_s": cpu,
+            "cpu_s": cpu, "thread_cpu_s": threads,
+            **({"router_main_thread": profile} if args.py_spy else {}),
             "us_per_token": {r: v / max(toks, 1) * 1e6 for r, v in cpu.items()},
             "ms_per_request": {r: v / max(nreq, 1) * 1e3 for r, v in cpu.items()}}
 
@@ -87,6 +146,9 @@ def main() -> None:
     ap.add_argument("--json", help="write every run and the medians here")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="extra worker flags under a name, e.g. 4='--stream-interval 4' (repeatable)")
+    ap.add_argument("--py-spy", default="", metavar="BIN",
+                    help="also sample the router under the load with this py-spy (--native; needs ptrace) "
+                         "and report where its main thread was busy (router_main_thread in the JSON)")
     ap.add_argument("--worker-args", default="", help=argparse.SUPPRESS)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -103,7 +165,7 @@ def main() -> None:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--model", args.model,
                        "--rate", str(args.rate), "--num-requests", str(args.num_requests),
                        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                       "--worker-args", flags]
+                       "--worker-args", flags, *(["--py-spy", args.py_spy] if args.py_spy else [])]
                 out = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True)
                 runs.setdefault(key, []).append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(f"{key}: {runs[key][-1]['us_per_token']}", file=sys.stderr, flush=True)
