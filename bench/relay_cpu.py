@@ -75,9 +75,12 @@ def py_spy_shares(raw: Path) -> dict:
         frames = stack.split(";")
         if "MainThread" not in frames[0] or any(i in f for f in frames[-3:] for i in _IDLE):
             continue
+        # what the loop is running: the frames below its last callback (above it: main, asyncio.run)
+        handled = [i for i, f in enumerate(frames) if f.startswith("Handle._run (asyncio/")]
+        frames = frames[handled[-1] + 1:] if handled else frames
         if any(("router/" in f or "pdserve/" in f or "engine/" in f) and ".py" in f for f in frames):
             counts["ours"] += int(n)
-        elif any(c in frames[-1] for c in _SYSCALLS):
+        elif frames and any(c in frames[-1] for c in _SYSCALLS):
             counts["syscalls"] += int(n)
         else:
             counts["grpc_callbacks"] += int(n)
