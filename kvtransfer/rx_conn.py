@@ -330,7 +330,7 @@ class RxConnection(asyncio.BufferedProtocol):
             self.transport.resume_reading()
             self._guarded(self._pump)  # the thread may have decrypted past its frame: the next one is here
             return
-        if len(io) > 4 and io[4] is not None and not self.closed:
+        if io[4] is not None and not self.closed:
             self._guarded(self._take_head, io[4])  # may put the next payload on a thread at once
         if self._state != "thread" and not self.closed:
             self.transport.resume_reading()
@@ -345,7 +345,7 @@ class RxConnection(asyncio.BufferedProtocol):
         self._pos = len(self._meta)
         self._advance(0)  # -> _on_meta
 
-    def _trace_frame(self, exp, io: tuple[int, int, float, float]) -> None:
+    def _trace_frame(self, exp, io: tuple) -> None:
         """Sums for the ``kvtrace rx-frames`` line (trace.py): this frame's time from dispatch to done,
         its thread's seconds (and of them in poll: TLS on this thread only, trace.py), and the gap since
         this connection's previous frame ended, when that was after this transfer was expected (the
@@ -356,7 +356,7 @@ class RxConnection(asyncio.BufferedProtocol):
         f["frame_s"] = f.get("frame_s", 0.0) + now - self._t_meta
         f["thread_s"] = f.get("thread_s", 0.0) + io[3]
         f["poll_s"] = f.get("poll_s", 0.0) + io[2]
-        if len(io) > 4 and io[4] is not None:  # the thread took the next frame's head too (tcp_rx_chain)
+        if io[4] is not None:  # the thread took the next frame's head too (tcp_rx_chain)
             f["chained"] = f.get("chained", 0) + 1
         if self._t_done >= exp.started:  # idle time before this transfer began is not a gap of it
             f["gap_s"] = f.get("gap_s", 0.0) + self._t_meta - self._t_done

@@ -197,10 +197,11 @@ def tls_send_blocking(sock: socket.socket, chan: TlsChannel, views: list[memoryv
 
 
 def tls_recv_all(fd: int, chan: TlsChannel, views: list[memoryview], stop: list[bool],
-                 progress: list[float]) -> tuple[int, int, float, float]:
+                 progress: list[float]) -> tuple[int, int, float, float, None]:
     """Fill views with plaintext from an I/O thread: what the channel already holds first, then
     ciphertext read from the (non-blocking) socket fd, decrypted straight into the views. Returns
-    (read calls, bytes, seconds in poll, seconds in all) as rx_conn._recv_all."""
+    (read calls, bytes, seconds in poll, seconds in all, None) as rx_conn._recv_all (no next frame
+    head: the loop decrypts what the thread read past its frame, ``RxConnection._pump``)."""
     start = time.monotonic()
     poller = select.poll()
     poller.register(fd, select.POLLIN)
@@ -224,4 +225,4 @@ def tls_recv_all(fd: int, chan: TlsChannel, views: list[memoryview], stop: list[
             progress[0] = time.monotonic()
             calls, nbytes = calls + 1, nbytes + n
             chan.feed(raw[:n])
-    return calls, nbytes, polled, time.monotonic() - start
+    return calls, nbytes, polled, time.monotonic() - start, None

@@ -56,6 +56,16 @@ class AgentThread:
         await asyncio.to_thread(self._thread.join, 30)
 
 
+def own_copy_stream(device: Any) -> None:
+    """On a KV agent's own thread (a TP follower's, or rank 0's with ``--kv-own-loop``): this thread's
+    device, and a stream of its own, so the agent's copies never queue behind the forward's stream."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.set_stream(torch.cuda.Stream(device))
+
+
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 

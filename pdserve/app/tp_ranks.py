@@ -151,7 +151,7 @@ async def make_rank_link(settings, engine, *, own_loop: bool = False):
 
     ``own_loop``: rank 0's agent (and its control service) runs on an event loop of its own thread
     (kvtransfer/ranks/agent_thread.py), not on this one, which serves the worker's gRPC streams."""
-    from kvtransfer.ranks.agent_thread import ThreadedAgent
+    from kvtransfer.ranks.agent_thread import ThreadedAgent, own_copy_stream
     from kvtransfer.ranks.control import RankClient, serve_agent
     from kvtransfer.ranks.link import RankedLink
 
@@ -164,11 +164,8 @@ async def make_rank_link(settings, engine, *, own_loop: bool = False):
 
     async def setup():  # on the loop the agent lives on
         cache = engine.kv_cache
-        if own_loop and cache.is_cuda:  # this thread's copies must not queue behind the forward's stream
-            import torch
-
-            torch.cuda.set_device(cache.device)
-            torch.cuda.set_stream(torch.cuda.Stream(cache.device))
+        if own_loop:
+            own_copy_stream(cache.device)
         agent = kv.agent(layout=layout, num_kv_heads=layout.num_kv_heads, tp=size, rank=0, cache=cache)
         await agent.start()
         try:
@@ -204,8 +201,7 @@ async def make_rank_link(settings, engine, *, own_loop: bool = False):
 def _serve_kv_rank(follower, group, kv: KVRankConfig, store):
     """Start this rank's KV agent and KVRank service on an event loop thread and publish them in the
     store; returns a function that stops them (after the follower left its loop)."""
-    import torch
-
+    from kvtransfer.ranks.agent_thread import own_copy_stream
     from kvtransfer.ranks.control import serve_agent
 
     loop = asyncio.new_event_loop()
@@ -214,10 +210,7 @@ def _serve_kv_rank(follower, group, kv: KVRankConfig, store):
     layout = follower.kv_layout
 
     async def start() -> None:
-        device = follower.kv_cache.device
-        if device.type == "cuda":  # this thread's copies must not queue behind the forward's stream
-            torch.cuda.set_device(device)
-            torch.cuda.set_stream(torch.cuda.Stream(device))
+        own_copy_stream(follower.kv_cache.device)
         agent = kv.agent(layout=layout, num_kv_heads=layout.num_kv_heads, tp=group.size, rank=group.rank,
                          cache=follower.kv_cache)
         await agent.start()

@@ -1,10 +1,11 @@
 """Shared pieces of the in-process kvtransfer tests: whether NIXL imports, a bounded event-loop run,
-and the leak check every scenario ends with (no expectations, sends or NIXL transfers left, and a
-closed transport whose every counter is zero)."""
+the leak checks scenarios end with (no expectations, sends or NIXL transfers left -- or, for TCP, peer
+handles and load -- and a closed transport whose every counter is zero), and an exact socket read."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
@@ -34,3 +35,25 @@ async def leak_free(*ts, polls: int = 200) -> None:
         await t.close()
         s = t.stats()
         assert s == {k: 0 for k in s}, s
+
+
+async def settled(*transports) -> None:
+    """``leak_free`` for TCP transports: also no peer connection handle or load left behind (their
+    NIXL counter is always 0)."""
+    for _ in range(300):
+        if all(t.stats()["expectations"] == t.stats()["sends"] == 0 for t in transports):
+            break
+        await asyncio.sleep(0.01)
+    for t in transports:
+        s = t.stats()
+        assert (s["expectations"], s["sends"], s["peer_handles"], s["peer_load"]) == (0, 0, 0, 0), s
+        await t.close()
+        s = t.stats()
+        assert s == {k: 0 for k in s}, s
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = sock.recv(n, socket.MSG_WAITALL)
+    if len(data) != n:
+        raise ConnectionResetError("peer closed")
+    return data
