@@ -16,8 +16,20 @@ Staging device memory (the TCP fallback between GPUs), per DATA frame (<= max_fr
                                  read while they run; returns the event after them: the receiver completes
                                  a request (END) once its last frame's event is done, awaited off the loop
 
+A frame's blocks are scattered over the cache (free lists fragment as requests come and go: a 2k-token
+prompt's 128 blocks may be dozens of runs), so a frame of more than one run is moved with a constant
+number of CUDA calls, however many runs it has: send gathers its rows on the device
+(``index_select``) and copies them to the host in one piece; receive copies the payload to the device
+in one piece and scatters it (``index_copy_``). Every torch call releases and retakes the GIL; one call
+per run cost the event loop a GIL hand-off per run beside a busy engine thread (0.5 ms at the switch
+interval), and past capacity that made the loop, not the socket, the KV plane's limit (py-spy of a
+decode worker at 18 req/s: its loop thread 99% busy, a third of it waiting for the GIL in per-run
+copies; bench/overload_profile.sh).
+
 Page-locked buffers come from torch's caching host allocator (pin_memory=True): a buffer is reused
 only once the copies recorded on it have finished, so nothing here frees or recycles them by hand.
+The device-side gather/scatter buffers come from torch's caching device allocator on the side
+stream, where every later use is ordered after the copies that read them.
 """
 
 from __future__ import annotations
@@ -90,23 +102,55 @@ class KVMemory:
         if not self.staged:
             return [self._host[off:off + n] for off, n, _ in segments], None
         buf = self._host_buffer(sum(n for _, n, _ in segments))
-        event = None
-        if self.is_host:  # force_staging on a host tensor (tests the staged path): plain copies
-            pos = 0
-            for off, n, _ in segments:
-                buf[pos:pos + n].copy_(self._flat[off:off + n])
-                pos += n
-        else:
-            stream = self._side_stream()
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # after the KV was written
-            with torch.cuda.stream(stream):
-                pos = 0
-                for off, n, _ in segments:
-                    buf[pos:pos + n].copy_(self._flat[off:off + n], non_blocking=True)
-                    pos += n
-                event = torch.cuda.Event(blocking=self._blocking_sync)
-                event.record(stream)
+        if self.is_host:  # force_staging on a host tensor (tests the staged path): the same gather
+            self._gather(segments, buf)
+            return self._split(memoryview(buf.numpy()), segments), None
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # after the KV was written
+        with torch.cuda.stream(stream):
+            self._gather(segments, buf)
+            event = torch.cuda.Event(blocking=self._blocking_sync)
+            event.record(stream)
         return self._split(memoryview(buf.numpy()), segments), event
+
+    def _rows(self, segments) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache seen as rows of one block of one layer (``offset // block_bytes``), in the widest
+        integer type the block size allows, and the segments' row numbers in order (host memory,
+        page-locked when the cache is on a device: its copy there is asynchronous)."""
+        bb = self.block_bytes
+        rows = [r for off, n, _ in segments for r in range(off // bb, (off + n) // bb)]
+        return (self._row_view(), torch.tensor(rows, dtype=torch.int64, pin_memory=not self.is_host))
+
+    def _row_view(self) -> torch.Tensor:
+        width = next(w for w in (8, 4, 2, 1) if self.block_bytes % w == 0)
+        dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
+        return self._flat.view(dtype).view(-1, self.block_bytes // width)
+
+    def _gather(self, segments, buf: torch.Tensor) -> None:
+        """``buf`` (host) <- the segments' bytes in order: one copy for a single segment, else one
+        gather of all their rows and one copy (on the current stream when the cache is on a device)."""
+        if len(segments) == 1:
+            off, n, _ = segments[0]
+            buf.copy_(self._flat[off:off + n], non_blocking=not self.is_host)
+            return
+        table, rows = self._rows(segments)
+        if not self.is_host:
+            rows = rows.to(self.device, non_blocking=True)
+        picked = table.index_select(0, rows)
+        buf.view(table.dtype).view(picked.shape).copy_(picked, non_blocking=not self.is_host)
+
+    def _scatter(self, segments, src: torch.Tensor) -> None:
+        """The segments' bytes <- ``src`` (host) in order: the mirror of ``_gather``."""
+        if len(segments) == 1:
+            off, n, _ = segments[0]
+            self._flat[off:off + n].copy_(src, non_blocking=not self.is_host)
+            return
+        table, rows = self._rows(segments)
+        src = src.view(table.dtype).view(len(rows), table.shape[1])
+        if not self.is_host:
+            rows = rows.to(self.device, non_blocking=True)
+            src = src.to(self.device, non_blocking=True)
+        table.index_copy_(0, rows, src)
 
     @staticmethod
     async def ready(event) -> None:
@@ -135,17 +179,11 @@ class KVMemory:
         (force_staging) at once (returns None)."""
         src = staging if isinstance(staging, torch.Tensor) else torch.frombuffer(staging, dtype=torch.uint8)
         if self.is_host:
-            pos = 0
-            for off, n, _ in segments:
-                self._flat[off:off + n].copy_(src[pos:pos + n])
-                pos += n
+            self._scatter(segments, src)
             return None
         stream = self._side_stream()
         with torch.cuda.stream(stream):
-            pos = 0
-            for off, n, _ in segments:
-                self._flat[off:off + n].copy_(src[pos:pos + n], non_blocking=True)
-                pos += n
+            self._scatter(segments, src)
             event = torch.cuda.Event(blocking=self._blocking_sync)
             event.record(stream)
         return event

@@ -69,3 +69,39 @@ def test_config_validation():
     with pytest.raises(ValueError, match="max_frame_bytes"):
         TransportConfig(max_frame_bytes=10)
     assert TransportConfig(listen_host="0.0.0.0", advertise_host="10.0.0.2").host_for_endpoint == "10.0.0.2"
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("float32", 8), ("bfloat16", 4), ("float16", 1)])
+def test_staged_frames_gather_and_scatter_scattered_runs_in_order(dtype, head_dim):
+    """A frame of many runs over several layers is staged as one gather and flushed as one scatter
+    (kvtransfer/memory.py); the staged bytes are the segments' in order and flushing them back
+    writes exactly those blocks (rows of 8- and 4-byte words)."""
+    import torch
+
+    from engine.kv_layout import KVLayout
+    from kvtransfer.memory import KVMemory
+
+    lay = KVLayout(num_layers=3, num_kv_heads=1, head_dim=head_dim, block_size=1, dtype=dtype, memory="cpu")
+    src = torch.randn(lay.cache_shape(12)).to(lay.torch_dtype)
+    mem = KVMemory(src, lay, force_staging=True)
+    bb = mem.block_bytes
+    segs = [(mem.offset(0, 7), 2 * bb, 0), (mem.offset(2, 1), bb, 2), (mem.offset(1, 4), 3 * bb, 1),
+            (mem.offset(0, 0), bb, 0)]
+    views, event = mem.stage_out(segs)
+    assert event is None and [len(v) for v in views] == [n for _o, n, _l in segs]
+    flat = src.view(-1).view(torch.uint8)
+    assert b"".join(bytes(v) for v in views) == b"".join(bytes(flat[o:o + n].numpy()) for o, n, _l in segs)
+    dst = torch.zeros_like(src)
+    rx = KVMemory(dst, lay, force_staging=True)
+    recv, staging = rx.recv_views(segs)
+    for v, s in zip(recv, views, strict=True):
+        v[:] = s
+    assert rx.flush(segs, staging) is None
+    got = dst.view(-1).view(torch.uint8)
+    for o, n, _l in segs:
+        assert torch.equal(got[o:o + n], flat[o:o + n])
+    untouched = torch.ones(got.numel(), dtype=torch.bool)
+    for o, n, _l in segs:
+        untouched[o:o + n] = False
+    assert not got[untouched].any()  # nothing else written
+    assert rx._row_view().dtype == (torch.int64 if bb % 8 == 0 else torch.int32)
