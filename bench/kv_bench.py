@@ -134,14 +134,28 @@ async def bench_backend(name: str, tokens: list[int], quick: bool) -> list[dict]
     return rows
 
 
-async def expect_send_wait(rx, tx, rtid, ttid, endpoint, nblocks: int, rids: list[str], op: str) -> dict:
-    """The receiver expects the first nblocks for each request id, the sender runs ``op`` (send_many:
-    one after the other; send_concurrent: all at once) and the receiver sees each complete; the
-    sender's reply."""
-    blocks = list(range(nblocks))
+def fragmented(nblocks: int, run: int, seed: int) -> list[int]:
+    """Block ids 0..nblocks-1 in runs of ``run`` consecutive ids, the runs shuffled (``run`` 0: in
+    order): a serving cache's free list after requests came and went."""
+    import random  # noqa: PLC0415
+
+    if run <= 0:
+        return list(range(nblocks))
+    runs = [list(range(i, min(i + run, nblocks))) for i in range(0, nblocks, run)]
+    random.Random(seed).shuffle(runs)
+    return [b for r in runs for b in r]
+
+
+async def expect_send_wait(rx, tx, rtid, ttid, endpoint, nblocks: int, rids: list[str], op: str,
+                           fragment: int = 0) -> dict:
+    """The receiver expects nblocks blocks for each request id (the first nblocks, or with ``fragment``
+    the same ones in shuffled runs of that many, differently on each side), the sender runs ``op``
+    (send_many: one after the other; send_concurrent: all at once) and the receiver sees each complete;
+    the sender's reply."""
+    src, dst = fragmented(nblocks, fragment, 1), fragmented(nblocks, fragment, 2)
     for rid in rids:
-        await rx.call("expect", tid=rtid, rid=rid, dst=blocks, timeout=900)
-    reply = await tx.call(op, tid=ttid, rids=rids, endpoint=endpoint, src=blocks, dst=blocks,
+        await rx.call("expect", tid=rtid, rid=rid, dst=dst, timeout=900)
+    reply = await tx.call(op, tid=ttid, rids=rids, endpoint=endpoint, src=src, dst=dst,
                           timeout=900, wait_s=1800)
     for rid in rids:
         await rx.call("wait", tid=rtid, rid=rid)
@@ -244,6 +258,9 @@ def main(argv=None) -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
                     help="concurrency rows: also a plaintext transport with these TransportConfig overrides "
                          "(e.g. spin=staging_blocking_sync=false), same rounds; repeatable")
+    ap.add_argument("--fragment", type=int, default=0, metavar="RUN",
+                    help="concurrency rows: each side's blocks in shuffled runs of RUN consecutive ids (a "
+                         "serving cache's fragmented free list; 0: contiguous)")
     ap.add_argument("--tx-gpu", type=int, default=0, help="--device cuda: the sender's GPU (default 0)")
     ap.add_argument("--rx-gpu", type=int, default=1,
                     help="--device cuda: the receiver's GPU (default 1; 0 on a one-GPU machine: both "

@@ -52,7 +52,7 @@ async def bench_concurrency(args) -> list[dict]:
                               config={**cfg, **extra_tx})
             await tx.call("fill", tid=t["tid"], seed=1)
             sides[name] = (r["tid"], t["tid"], r["endpoint"])
-            await _concurrent(rx, tx, sides[name], nblocks, 1, f"{name}-warm")
+            await _concurrent(rx, tx, sides[name], nblocks, 1, f"{name}-warm", args.fragment)
         raw = await rx.call("raw_listen", max_bytes=nbytes)
         cold = await rx.call("raw_listen", max_bytes=nbytes, slots=max(levels)) if args.raw_distinct else None
         plain_tid = sides["tcp"][1]
@@ -77,7 +77,8 @@ async def bench_concurrency(args) -> list[dict]:
                         continue
                     async with _cpu_into(rx, tx, cpu[name], sides[name], io[name]), \
                             _process_knobs(rx, tx, variants.get(name, {})):
-                        wall, per = await _concurrent(rx, tx, sides[name], nblocks, c, f"{name}-c{c}-{rep}")
+                        wall, per = await _concurrent(rx, tx, sides[name], nblocks, c, f"{name}-c{c}-{rep}",
+                                                        args.fragment)
                     got[name].append(wall)
                     each[name] += per
                 for n in set(lanes.values()):
@@ -94,6 +95,7 @@ async def bench_concurrency(args) -> list[dict]:
                     continue
                 n = lanes[name]
                 row = _conc_row(name, c, n, ntok, nbytes, got[name], each[name], got[("raw", n)], args.device)
+                row["fragment"] = args.fragment
                 if got[("cold", n)]:
                     row["distinct_baseline_gbps"] = _gbps(nbytes * c, got[("cold", n)])
                     row["distinct_ratio"] = round(row["gbps"] / row["distinct_baseline_gbps"], 3)
@@ -217,11 +219,11 @@ def _fmt_cores(cores: dict) -> str:
                      for side, groups in cores.items())
 
 
-async def _concurrent(rx, tx, side, nblocks, c, tag) -> tuple[float, list[float]]:
+async def _concurrent(rx, tx, side, nblocks, c, tag, fragment: int = 0) -> tuple[float, list[float]]:
     """c transfers of nblocks started at once; (wall seconds, each one's seconds)."""
     rtid, ttid, endpoint = side
     rids = [f"{tag}-{i}" for i in range(c)]
-    reply = await expect_send_wait(rx, tx, rtid, ttid, endpoint, nblocks, rids, "send_concurrent")
+    reply = await expect_send_wait(rx, tx, rtid, ttid, endpoint, nblocks, rids, "send_concurrent", fragment)
     return reply["seconds"], reply["each"]
 
 

@@ -43,6 +43,10 @@ class TransportConfig:
     # waiting thread sleeps) instead of the default spin-wait, which keeps one core busy per transfer
     # waiting on the copy stream.
     staging_blocking_sync: bool = True
+    # Device memory over TCP: a frame of several block runs is staged with one gather on the device and
+    # one copy (receiving: one copy and one scatter), a constant number of CUDA calls per frame (memory.py).
+    # False: one copy per run (each a GIL hand-off on the event loop; kept for comparison).
+    staging_gather: bool = True
     # TCP: CRC32 of every DATA frame's payload, verified by the receiver (costs a pass over the bytes).
     checksum: bool = False
     # TCP: connections a sender opens to one receiver. Each transfer rides one of them (the least loaded

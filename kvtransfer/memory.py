@@ -45,7 +45,7 @@ from .errors import InvalidTransfer
 
 class KVMemory:
     def __init__(self, tensor: torch.Tensor, layout: KVLayout, *, force_staging: bool = False,
-                 blocking_sync: bool = True) -> None:
+                 blocking_sync: bool = True, gather: bool = True) -> None:
         if tensor.dim() != 6:
             raise InvalidTransfer(f"KV tensor must be 6-D {layout.cache_shape(0)}, "
                                   f"got shape {tuple(tensor.shape)}")
@@ -72,6 +72,7 @@ class KVMemory:
         self._host = memoryview(self._flat.numpy()) if self.is_host else None
         self._blocking_sync = blocking_sync  # staging events sleep in synchronize() instead of spinning
         self._stream = None  # side stream for staging copies (device memory), made on first use
+        self._gather_runs = gather  # False: one copy per segment (TransportConfig.staging_gather)
 
     @property
     def base_address(self) -> int:
@@ -129,9 +130,11 @@ class KVMemory:
     def _gather(self, segments, buf: torch.Tensor) -> None:
         """``buf`` (host) <- the segments' bytes in order: one copy for a single segment, else one
         gather of all their rows and one copy (on the current stream when the cache is on a device)."""
-        if len(segments) == 1:
-            off, n, _ = segments[0]
-            buf.copy_(self._flat[off:off + n], non_blocking=not self.is_host)
+        if len(segments) == 1 or not self._gather_runs:
+            pos = 0
+            for off, n, _ in segments:
+                buf[pos:pos + n].copy_(self._flat[off:off + n], non_blocking=not self.is_host)
+                pos += n
             return
         table, rows = self._rows(segments)
         if not self.is_host:
@@ -141,9 +144,11 @@ class KVMemory:
 
     def _scatter(self, segments, src: torch.Tensor) -> None:
         """The segments' bytes <- ``src`` (host) in order: the mirror of ``_gather``."""
-        if len(segments) == 1:
-            off, n, _ = segments[0]
-            self._flat[off:off + n].copy_(src, non_blocking=not self.is_host)
+        if len(segments) == 1 or not self._gather_runs:
+            pos = 0
+            for off, n, _ in segments:
+                self._flat[off:off + n].copy_(src[pos:pos + n], non_blocking=not self.is_host)
+                pos += n
             return
         table, rows = self._rows(segments)
         src = src.view(table.dtype).view(len(rows), table.shape[1])

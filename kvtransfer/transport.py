@@ -76,7 +76,7 @@ class KVTransport:
         self.config = config
         self.kind = config.kind
         self.memory = KVMemory(kv_tensor, layout, force_staging=config.force_staging,
-                               blocking_sync=config.staging_blocking_sync)
+                               blocking_sync=config.staging_blocking_sync, gather=config.staging_gather)
         self.instance = uuid.uuid4().hex
         self.nixl = None
         self.nixl_error = ""

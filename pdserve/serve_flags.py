@@ -68,6 +68,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-rx-chain", choices=ON_OFF, help="TCP KV transport, receiving: a receive thread that finished a "
       "frame also takes the next frame's head off the socket when it is there, so the event loop spends "
       "one turn per frame, not three (default on)")
+    a("--kv-staging", choices=("gather", "runs"), help="TCP KV transport from GPU memory: stage a frame's "
+      "scattered block runs with one gather on the GPU and one copy (receiving: one copy, one scatter), or "
+      "one copy per run (default gather: a constant number of CUDA calls per frame, each a GIL hand-off)")
     a("--kv-own-loop", choices=ON_OFF, help="decode: receive KV on an event loop of its own thread instead "
       "of the gRPC streams' loop (default off: on 2x H200 a third thread contending for the GIL cost more "
       "than the loop turns it saved)")

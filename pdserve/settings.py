@@ -94,6 +94,9 @@ class ServeSettings:
     kv_stripe: str = "on"
     # TCP KV plane: a receive thread takes the next frame's head off the socket when it is there
     kv_rx_chain: str = "on"
+    # TCP KV plane from device memory: a frame of several block runs staged with one gather / one scatter
+    # on the GPU ("gather"), or one copy per run ("runs", for comparison)
+    kv_staging: str = "gather"
     # decode: the KV plane (rank 0's agent) on an event loop of its own thread, not the gRPC streams' loop
     # (off: measured slower on 2x H200, docs/kvtransfer.md "An event loop of its own")
     kv_own_loop: str = "off"
@@ -324,7 +327,7 @@ def kv_transport_options(settings: ServeSettings, env: Mapping[str, str] | None 
     host = settings.kv_host or settings.host
     opts: dict = {"listen_host": host, "listen_port": settings.kv_port,
                   "tcp_connections": settings.kv_connections, "tcp_stripe": settings.kv_stripe == "on",
-                  "tcp_rx_chain": settings.kv_rx_chain == "on",
+                  "tcp_rx_chain": settings.kv_rx_chain == "on", "staging_gather": settings.kv_staging == "gather",
                   "trace": env_switch("PDSERVE_KV_TRACE", False)}
     if host in ("0.0.0.0", "::", ""):
         opts["advertise_host"] = settings.advertise_host
