@@ -79,6 +79,7 @@ def test_staged_frames_gather_and_scatter_scattered_runs_in_order(dtype, head_di
     import torch
 
     from engine.kv_layout import KVLayout
+    from kvtransfer import memory
     from kvtransfer.memory import KVMemory
 
     lay = KVLayout(num_layers=3, num_kv_heads=1, head_dim=head_dim, block_size=1, dtype=dtype, memory="cpu")
@@ -86,7 +87,8 @@ def test_staged_frames_gather_and_scatter_scattered_runs_in_order(dtype, head_di
     mem = KVMemory(src, lay, force_staging=True)
     bb = mem.block_bytes
     segs = [(mem.offset(0, 7), 2 * bb, 0), (mem.offset(2, 1), bb, 2), (mem.offset(1, 4), 3 * bb, 1),
-            (mem.offset(0, 0), bb, 0)]
+            (mem.offset(0, 0), bb, 0), (mem.offset(2, 9), 3 * bb, 2), (mem.offset(1, 11), bb, 1)]
+    assert len(segs) > memory._COPY_MAX_SEGMENTS  # the gather/scatter path
     views, event = mem.stage_out(segs)
     assert event is None and [len(v) for v in views] == [n for _o, n, _l in segs]
     flat = src.view(-1).view(torch.uint8)
