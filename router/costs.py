@@ -17,6 +17,11 @@ What it learns, per worker or link, from what the workers report on every reques
 * **link bandwidth** (bytes/s) of each (prefill, decode) pair, an EWMA of one-piece pushes
   (``LinkStats``; small transfers are latency, not bandwidth, and are no sample).
 * **KV bytes per token** of each decode worker, from its ``GetStats`` (exact, not learned).
+* **push wait** of each prefill worker: how long its recent answers waited, after their prompt was
+  computed, for the receiver to acknowledge the KV (``kv_wait_ms``), an EWMA that fades with age
+  (``push_wait_s``). On a link slower than the prefill (TCP past ~10 req/s of the llama3-8b shape on
+  2x H200) transfers queue behind each other and this is where a request's TTFT goes: compute rate and
+  per-transfer bandwidth both miss it (a transfer's bytes over its time include its queueing).
 
 Until a rate is learned the configured prior stands (``--local-prefill-tokens-per-s``, one number
 for every worker of the model, and ``default_bandwidth_Bps`` for a link).
@@ -84,19 +89,23 @@ class CostConfig:
     rate_decay_per_s: float = 0.02
     bandwidth_ewma_alpha: float = 0.3
     min_bandwidth_sample_bytes: int = 64 * 1024
+    # The push wait's EWMA weight of a new sample, and its fading with age (1/s): a backlog seen a few
+    # seconds ago says little about the link now.
+    push_wait_alpha: float = 0.3
+    push_wait_decay_per_s: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "default_bandwidth_Bps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CostConfig.{name} must be > 0, got {getattr(self, name)}")
         for name in ("transfer_latency_s", "attention_s_per_token_pair", "rate_decay_per_s",
-                     "min_bandwidth_sample_bytes"):
+                     "min_bandwidth_sample_bytes", "push_wait_decay_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.kv_bytes_per_token <= 0:
             raise ValueError(f"CostConfig.kv_bytes_per_token must be > 0, got {self.kv_bytes_per_token}")
-        if not 0 < self.bandwidth_ewma_alpha <= 1:
-            raise ValueError("CostConfig.bandwidth_ewma_alpha must be in (0, 1]")
+        if not 0 < self.bandwidth_ewma_alpha <= 1 or not 0 < self.push_wait_alpha <= 1:
+            raise ValueError("CostConfig.bandwidth_ewma_alpha and push_wait_alpha must be in (0, 1]")
 
 
 class CostModel:
@@ -110,6 +119,7 @@ class CostModel:
                                bytes_per_block=cfg.kv_bytes_per_token * block_size)
         self._rate: dict[str, tuple[float, float]] = {}  # worker -> (tokens/s, when learned)
         self._kv_per_token: dict[str, int] = {}  # decode worker -> KV bytes per token (its layout)
+        self._push_wait: dict[str, tuple[float, float]] = {}  # prefill worker -> (seconds, when learned)
 
     # ---------------------------------------------------------------- learning
     def observe_prefill(self, worker_id: str, *, tokens: int, compute_s: float) -> None:
@@ -121,6 +131,26 @@ class CostModel:
         seen = worker_id in self._rate
         rate = self.prefill_rate(worker_id, now)
         self._rate[worker_id] = (max(sample, rate) if seen else sample, now)
+
+    def observe_push_wait(self, worker_id: str, seconds: float) -> None:
+        """A prefill worker's answer waited ``seconds`` after its prompt was computed for the KV's
+        acknowledgement (negative: no sample)."""
+        if seconds < 0:
+            return
+        now = self.clock()
+        old = self.push_wait_s(worker_id, now) if worker_id in self._push_wait else None
+        a = self.config.push_wait_alpha
+        self._push_wait[worker_id] = (seconds if old is None else old + a * (seconds - old), now)
+
+    def push_wait_s(self, worker_id: str, now: float | None = None) -> float:
+        """Seconds a prompt computed on ``worker_id`` now would wait for its KV to be acknowledged, from
+        the recent answers (0 until one came), fading with the time since the last one."""
+        got = self._push_wait.get(worker_id)
+        if got is None:
+            return 0.0
+        value, when = got
+        age = max((self.clock() if now is None else now) - when, 0.0)
+        return value * math.exp(-self.config.push_wait_decay_per_s * age)
 
     def observe_transfer(self, prefill_id: str, decode_id: str, *, bytes_sent: int, seconds: float,
                          blocks_sent: int) -> None:
@@ -136,6 +166,7 @@ class CostModel:
         """A worker left or restarted: nothing learnt about its predecessor holds."""
         self._rate.pop(worker_id, None)
         self._kv_per_token.pop(worker_id, None)
+        self._push_wait.pop(worker_id, None)
         self.links.forget(worker_id)
 
     # ---------------------------------------------------------------- estimates

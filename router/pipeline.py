@@ -280,7 +280,7 @@ class Pipeline:
             raise
         got = res.facts
         self.placer.prefill_done(req.request_id, worker_id=p.worker_id,
-                                 compute_s=got.prefill_compute_ms / 1e3,
+                                 compute_s=got.prefill_compute_ms / 1e3, push_wait_s=got.kv_wait_ms / 1e3,
                                  computed_tokens=len(req.prompt_ids) - got.prefill_cached_tokens)
         f.prefill_rpc_ms = (time.monotonic() - t1) * 1e3
         f.MergeFrom(got)  # the prefill worker's share: what it set overrides

@@ -10,6 +10,10 @@ cluster (``router/state``, ``router/costs.py``):
     prefill wait   prompt tokens this router has sent the worker that will prefill it (the prefill
                    worker; the decode worker when there is no prefill pool) and not had answered,
                    over that worker's learned prefill rate
+    push wait      while that prefill worker has other requests in flight: how long its recent answers
+                   waited after their compute for the KV to be acknowledged (``CostModel.push_wait_s``;
+                   a link slower than the prefill queues transfers behind each other, and neither the
+                   compute rate nor a transfer's bandwidth shows it)
     KV wait        requests already waiting in the Allocate queue for its decode worker, times the
                    recent interval between Allocates that queue served (``allocate_queue.py``)
 
@@ -87,13 +91,21 @@ def decide(wait_s: float, budget: float, min_retry_ms: float) -> float | None:
 
 def prefill_wait_s(placer: Any, placement: Any, request_id: str) -> float:
     """The prefill wait of a placed request, from the placer's picture of the cluster: tokens ahead
-    of it at the worker that will prefill it, over that worker's learned rate (0 if not known)."""
+    of it at the worker that will prefill it, over that worker's learned rate, plus that worker's recent
+    push wait while others are in flight there (0 if not known)."""
     view, costs = getattr(placer, "view", None), getattr(placer, "costs", None)
     if view is None or costs is None or not hasattr(view, "outstanding_tokens"):
         return 0.0
-    worker = getattr(placement, "prefill_id", "") or placement.decode.worker_id
+    prefill_id = getattr(placement, "prefill_id", "")
+    worker = prefill_id or placement.decode.worker_id
     ahead = view.outstanding_tokens(worker) - view.own_prefill_tokens(request_id)
-    return costs.queue_s(worker, ahead)
+    wait = costs.queue_s(worker, ahead)
+    # A backlog of pushes exists only while other requests are there: an idle worker (e.g. once
+    # everything was refused) gets no push wait, so the next request is admitted and measures anew.
+    others = (view.inflight(prefill_id) - (view.prefill_of(request_id) == prefill_id)) if prefill_id else 0
+    if others > 0:
+        wait += costs.push_wait_s(prefill_id)
+    return wait
 
 
 class Admission:

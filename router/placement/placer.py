@@ -321,13 +321,15 @@ class Placer:
 
     # ---------------------------------------------------------------- outcomes
     def prefill_done(self, request_id: str, *, answered: bool = False, worker_id: str = "",
-                     computed_tokens: int = 0, compute_s: float = 0.0) -> None:
+                     computed_tokens: int = 0, compute_s: float = 0.0, push_wait_s: float = -1.0) -> None:
         """The prompt left its worker's queue: ``answered`` (computed there; a local prefill's first
         token), or failed / cancelled. With a sample (``worker_id`` computed ``computed_tokens`` in
-        ``compute_s``; implies answered) the cost model learns that worker's rate. Idempotent."""
+        ``compute_s``, then waited ``push_wait_s`` for its KV's acknowledgement; implies answered) the
+        cost model learns that worker's rate and push wait. Idempotent."""
         self.view.prefill_done(request_id, answered=answered or bool(worker_id))
         if worker_id in self.view.workers:
             self.costs.observe_prefill(worker_id, tokens=computed_tokens, compute_s=compute_s)
+            self.costs.observe_push_wait(worker_id, push_wait_s)
 
     def on_result(self, req: PlacementRequest, placement: Placement, outcome: Outcome) -> None:
         self.view.end(req.request_id)

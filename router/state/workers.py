@@ -239,6 +239,11 @@ class WorkerView:
         o = self._open.get(request_id)
         return o.prefill_tokens if o is not None else 0
 
+    def prefill_of(self, request_id: str) -> str | None:
+        """The worker whose queue holds the open request's prompt (None: not open, or answered)."""
+        o = self._open.get(request_id)
+        return o.prefill_id if o is not None else None
+
     def inflight(self, worker_id: str) -> int:
         """This router's open placements loading ``worker_id`` (a prefill worker: until answered)."""
         return self._count.get(worker_id, 0)

@@ -5,6 +5,7 @@ queue refusing at once and clearly, and every waiter gone afterwards."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import grpc
 import pytest
@@ -40,8 +41,14 @@ class Worker:
 
 
 class _View:
-    def __init__(self, tokens: dict[str, int], own: int = 0) -> None:
-        self.tokens, self.own = tokens, own
+    def __init__(self, tokens: dict[str, int], own: int = 0, inflight: dict[str, int] | None = None) -> None:
+        self.tokens, self.own, self.counts = tokens, own, inflight or {}
+
+    def inflight(self, worker_id: str) -> int:
+        return self.counts.get(worker_id, 0)
+
+    def prefill_of(self, request_id: str) -> str | None:
+        return "p" if self.own else None
 
     def outstanding_tokens(self, worker_id: str) -> int:
         return self.tokens.get(worker_id, 0)
@@ -51,13 +58,20 @@ class _View:
 
 
 class _Costs:
+    def __init__(self, push: float = 0.0) -> None:
+        self.push = push
+
     def queue_s(self, worker_id: str, tokens: int) -> float:
         return max(tokens, 0) / 10_000.0  # 10k tokens/s
 
+    def push_wait_s(self, worker_id: str) -> float:
+        return self.push
+
 
 class _Placer:
-    def __init__(self, tokens: dict[str, int], own: int = 0) -> None:
-        self.view, self.costs = _View(tokens, own), _Costs()
+    def __init__(self, tokens: dict[str, int], own: int = 0, inflight: dict[str, int] | None = None,
+                 push: float = 0.0) -> None:
+        self.view, self.costs = _View(tokens, own, inflight), _Costs(push)
 
 
 class _W:
@@ -251,3 +265,35 @@ def test_config_validation() -> None:
             AdmissionConfig(**kw)
     with pytest.raises(ValueError):
         AllocateQueue(poll_s=0)
+
+
+def test_push_wait_counts_only_while_others_are_in_flight_at_the_prefill_worker():
+    """The prefill worker's recent push wait joins the estimate while other requests are there (their
+    transfers are the queue); alone there, or with no prefill pool, it does not: an idle worker always
+    admits the next request, which measures the link anew."""
+    pl = _Placement("p", "d")
+    busy = _Placer({"p": 12_000}, own=2_000, inflight={"p": 3}, push=0.8)
+    assert prefill_wait_s(busy, pl, "r") == pytest.approx(1.0 + 0.8)
+    alone = _Placer({"p": 2_000}, own=2_000, inflight={"p": 1}, push=0.8)
+    assert prefill_wait_s(alone, pl, "r") == pytest.approx(0.0)
+    local = _Placer({"d": 5_000}, inflight={"d": 4}, push=0.8)
+    assert prefill_wait_s(local, _Placement(None, "d"), "r") == pytest.approx(0.5)
+
+
+def test_cost_model_push_wait_is_an_ewma_that_fades_and_is_forgotten():
+    from router.costs import CostConfig, CostModel
+
+    clock = Clock()
+    costs = CostModel(CostConfig(push_wait_alpha=0.5, push_wait_decay_per_s=0.5), clock=clock)
+    assert costs.push_wait_s("p") == 0.0
+    costs.observe_push_wait("p", 1.0)
+    costs.observe_push_wait("p", -1.0)  # no sample (the answer carried none)
+    assert costs.push_wait_s("p") == pytest.approx(1.0)
+    costs.observe_push_wait("p", 3.0)
+    assert costs.push_wait_s("p") == pytest.approx(2.0)
+    clock.t += 2.0
+    assert costs.push_wait_s("p") == pytest.approx(2.0 * math.exp(-1.0))
+    costs.forget("p")  # a restarted worker: nothing learnt about its predecessor holds
+    assert costs.push_wait_s("p") == 0.0
+    with pytest.raises(ValueError):
+        CostConfig(push_wait_alpha=0.0)
