@@ -17,15 +17,15 @@ Staging device memory (the TCP fallback between GPUs), per DATA frame (<= max_fr
                                  a request (END) once its last frame's event is done, awaited off the loop
 
 A frame's blocks are scattered over the cache (free lists fragment as requests come and go: a 2k-token
-prompt's 128 blocks may be dozens of runs), so a frame of more than one run is moved with a constant
-number of CUDA calls, however many runs it has: send gathers its rows on the device
-(``index_select``) and copies them to the host in one piece; receive copies the payload to the device
-in one piece and scatters it (``index_copy_``). A frame of a few runs (``_COPY_MAX_SEGMENTS``) is copied
-run by run: as few calls, and only the copy engines, not the SMs the engine computes on. Every torch call releases and retakes the GIL; one call
-per run cost the event loop a GIL hand-off per run beside a busy engine thread (0.5 ms at the switch
-interval), and past capacity that made the loop, not the socket, the KV plane's limit (py-spy of a
-decode worker at 18 req/s: its loop thread 99% busy, a third of it waiting for the GIL in per-run
-copies; bench/overload_profile.sh).
+prompt's 128 blocks may be dozens of runs). A frame of more than ``_COPY_MAX_SEGMENTS`` runs moves with
+a constant number of CUDA calls, however many runs it has: send gathers its rows on the device
+(``index_select``) and copies them to the host in one piece; receive copies the payload to the device in
+one piece and scatters it (``index_copy_``). A frame of a few runs is copied run by run: as few calls,
+and only the copy engines, not the SMs the engine computes on. Every torch call releases the GIL and
+takes it back; one call per run cost the event loop a hand-off per run beside a busy engine thread, and
+past capacity that made the loop, not the socket, the KV plane's limit (py-spy of a decode worker at
+18 req/s: its loop thread 99.5% busy, a third of it waiting on a lock in per-run copies;
+bench/overload_profile.sh, docs/kvtransfer.md "Staged frames").
 
 Page-locked buffers come from torch's caching host allocator (pin_memory=True): a buffer is reused
 only once the copies recorded on it have finished, so nothing here frees or recycles them by hand.

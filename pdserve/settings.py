@@ -327,7 +327,8 @@ def kv_transport_options(settings: ServeSettings, env: Mapping[str, str] | None 
     host = settings.kv_host or settings.host
     opts: dict = {"listen_host": host, "listen_port": settings.kv_port,
                   "tcp_connections": settings.kv_connections, "tcp_stripe": settings.kv_stripe == "on",
-                  "tcp_rx_chain": settings.kv_rx_chain == "on", "staging_gather": settings.kv_staging == "gather",
+                  "tcp_rx_chain": settings.kv_rx_chain == "on",
+                  "staging_gather": settings.kv_staging == "gather",
                   "trace": env_switch("PDSERVE_KV_TRACE", False)}
     if host in ("0.0.0.0", "::", ""):
         opts["advertise_host"] = settings.advertise_host
