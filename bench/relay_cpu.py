@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -117,6 +118,8 @@ def one(args: argparse.Namespace) -> dict:
             spy.send_signal(signal.SIGINT)
             spy.wait(60)
             profile = py_spy_shares(raw) if raw.exists() else {"error": "py-spy wrote nothing"}
+            if args.py_spy_raw and raw.exists():  # for bench/pyspy_threads.py: what each frame costs
+                shutil.copy(raw, args.py_spy_raw)
     toks = res["output_token_throughput"] * res["duration_s"]
     nreq = res["num_ok"]
     cpu = {r: after[r] - before[r] for r in pids}
@@ -149,6 +152,8 @@ def main() -> None:
     ap.add_argument("--json", help="write every run and the medians here")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="extra worker flags under a name, e.g. 4='--stream-interval 4' (repeatable)")
+    ap.add_argument("--py-spy-raw", default="", metavar="FILE",
+                    help="with --py-spy: keep the router's raw samples here (bench/pyspy_threads.py reads them)")
     ap.add_argument("--py-spy", default="", metavar="BIN",
                     help="also sample the router under the load with this py-spy (--native; needs ptrace) "
                          "and report where its main thread was busy (router_main_thread in the JSON)")
@@ -168,7 +173,8 @@ def main() -> None:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--model", args.model,
                        "--rate", str(args.rate), "--num-requests", str(args.num_requests),
                        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                       "--worker-args", flags, *(["--py-spy", args.py_spy] if args.py_spy else [])]
+                       "--worker-args", flags, *(["--py-spy", args.py_spy] if args.py_spy else []),
+                       *(["--py-spy-raw", args.py_spy_raw] if args.py_spy_raw else [])]
                 out = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True)
                 runs.setdefault(key, []).append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(f"{key}: {runs[key][-1]['us_per_token']}", file=sys.stderr, flush=True)
