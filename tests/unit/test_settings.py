@@ -35,6 +35,17 @@ def test_defaults_env_and_flag_precedence() -> None:
                  {"PDSERVE_KV_STREAM_LAYERS": "off"}).kv_stream_layers == "on"
 
 
+def test_kv_staging_flag_reaches_the_transport() -> None:
+    from pdserve.settings import kv_transport_options
+
+    d = parse(["--role", "decode", "--model", "/m"])
+    assert d.kv_staging == "gather" and kv_transport_options(d, env={})["staging_gather"] is True
+    d = parse(["--role", "decode", "--model", "/m", "--kv-staging", "runs"])
+    assert kv_transport_options(d, env={})["staging_gather"] is False
+    with pytest.raises(SystemExit):
+        parse(["--role", "decode", "--model", "/m", "--kv-staging", "maybe"])
+
+
 @pytest.mark.parametrize("argv,env,needle", [
     ([], {}, "--role"),
     (["--role", "prefill"], {}, "--model"),
