@@ -153,7 +153,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="extra worker flags under a name, e.g. 4='--stream-interval 4' (repeatable)")
     ap.add_argument("--py-spy-raw", default="", metavar="FILE",
-                    help="with --py-spy: keep the router's raw samples here (bench/pyspy_threads.py reads them)")
+                    help="with --py-spy: keep the router's raw samples here (read by bench/pyspy_threads.py)")
     ap.add_argument("--py-spy", default="", metavar="BIN",
                     help="also sample the router under the load with this py-spy (--native; needs ptrace) "
                          "and report where its main thread was busy (router_main_thread in the JSON)")

@@ -67,7 +67,8 @@ def test_pyspy_threads_groups_pool_threads_and_names_our_caller(tmp_path) -> Non
         "thread (0x2): kvtransfer-recv_0;_recv_all (kvtransfer/rx_conn.py:64);recvmsg (libc.so.6) 2\n"
         "thread (0x3): kvtransfer-recv_1;Thread.run (threading.py:982);0x7f (libc.so.6) 2\n"
         "not a sample line\n")
-    assert group_of("kvtransfer-recv_12") == "kvtransfer-recv" and group_of("engine-decode") == "engine-decode"
+    assert group_of("kvtransfer-recv_12") == "kvtransfer-recv"
+    assert group_of("engine-decode") == "engine-decode"
     res = summary(raw, top=5)
     assert list(res) == ["MainThread", "kvtransfer-recv"]
     main = res["MainThread"]
