@@ -8,7 +8,8 @@
 #   python3 bench/pyspy_threads.py OUT/pyspy-*.txt     # per thread: what it was doing (shares)
 #
 # Writes $OUT/pyspy-{prefill,decode}.txt (py-spy raw: one collapsed stack per line with its count) next
-# to the frontier's own outputs (traced: PDSERVE_KV_TRACE=1, so bench/kvtrace_serving.py reads the logs).
+# to the frontier's own outputs (traced: PDSERVE_KV_TRACE=1, so bench/kvtrace_serving.py reads the logs);
+# device_run.sh packs the files under $OUT into logs-<time>.tar.xz when it ends.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 RATE=${1:-18}
@@ -35,4 +36,6 @@ for role in prefill decode; do
 done
 wait "$run"
 wait
-tail -25 "$OUT/frontier-run.log"
+# device_run.sh bundled everything under $OUT (the py-spy files and this run's log included) into
+# $OUT/logs-<time>.tar.xz; unpack it to read them.
+ls "$OUT"
