@@ -34,6 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.pyspy_threads import our_frame
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -79,7 +81,7 @@ def py_spy_shares(raw: Path) -> dict:
         # what the loop is running: the frames below its last callback (above it: main, asyncio.run)
         handled = [i for i, f in enumerate(frames) if f.startswith("Handle._run (asyncio/")]
         frames = frames[handled[-1] + 1:] if handled else frames
-        if any(("router/" in f or "pdserve/" in f or "engine/" in f) and ".py" in f for f in frames):
+        if our_frame(frames) != "-":
             counts["ours"] += int(n)
         elif frames and any(c in frames[-1] for c in _SYSCALLS):
             counts["syscalls"] += int(n)

@@ -75,6 +75,11 @@ class KVMemory:
         # Same storage, viewed as flat bytes (works for bf16, which numpy cannot represent).
         self._flat = tensor.view(-1).view(torch.uint8)
         self._host = memoryview(self._flat.numpy()) if self.is_host else None
+        # The cache as rows of one block of one layer (row = offset // block_bytes) in the widest integer
+        # type the block size allows: what a frame's gather and scatter index.
+        width = next(w for w in (8, 4, 2, 1) if self.block_bytes % w == 0)
+        dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
+        self._table = self._flat.view(dtype).view(-1, self.block_bytes // width)
         self._blocking_sync = blocking_sync  # staging events sleep in synchronize() instead of spinning
         self._stream = None  # side stream for staging copies (device memory), made on first use
         self._gather_runs = gather  # False: one copy per segment (TransportConfig.staging_gather)
@@ -123,18 +128,12 @@ class KVMemory:
             event.record(stream)
         return self._split(memoryview(buf.numpy()), segments), event
 
-    def _rows(self, segments) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache seen as rows of one block of one layer (``offset // block_bytes``), in the widest
-        integer type the block size allows, and the segments' row numbers in order (host memory,
-        page-locked when the cache is on a device: its copy there is asynchronous)."""
+    def _rows(self, segments) -> torch.Tensor:
+        """The segments' row numbers of ``_table`` in order (host memory, page-locked when the cache is
+        on a device: its copy there is asynchronous)."""
         bb = self.block_bytes
         rows = [r for off, n, _ in segments for r in range(off // bb, (off + n) // bb)]
-        return (self._row_view(), torch.tensor(rows, dtype=torch.int64, pin_memory=not self.is_host))
-
-    def _row_view(self) -> torch.Tensor:
-        width = next(w for w in (8, 4, 2, 1) if self.block_bytes % w == 0)
-        dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
-        return self._flat.view(dtype).view(-1, self.block_bytes // width)
+        return torch.tensor(rows, dtype=torch.int64, pin_memory=not self.is_host)
 
     def _gather(self, segments, buf: torch.Tensor) -> None:
         """``buf`` (host) <- the segments' bytes in order: a copy per segment for a few of them, else one
@@ -145,7 +144,7 @@ class KVMemory:
                 buf[pos:pos + n].copy_(self._flat[off:off + n], non_blocking=not self.is_host)
                 pos += n
             return
-        table, rows = self._rows(segments)
+        table, rows = self._table, self._rows(segments)
         if not self.is_host:
             rows = rows.to(self.device, non_blocking=True)
         picked = table.index_select(0, rows)
@@ -159,7 +158,7 @@ class KVMemory:
                 self._flat[off:off + n].copy_(src[pos:pos + n], non_blocking=not self.is_host)
                 pos += n
             return
-        table, rows = self._rows(segments)
+        table, rows = self._table, self._rows(segments)
         src = src.view(table.dtype).view(len(rows), table.shape[1])
         if not self.is_host:
             rows = rows.to(self.device, non_blocking=True)

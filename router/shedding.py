@@ -102,7 +102,8 @@ def prefill_wait_s(placer: Any, placement: Any, request_id: str) -> float:
     wait = costs.queue_s(worker, ahead)
     # A backlog of pushes exists only while other requests are there: an idle worker (e.g. once
     # everything was refused) gets no push wait, so the next request is admitted and measures anew.
-    others = (view.inflight(prefill_id) - (view.prefill_of(request_id) == prefill_id)) if prefill_id else 0
+    own = 1 if view.prefill_of(request_id) == prefill_id else 0  # this request, placed there already
+    others = view.inflight(prefill_id) - own if prefill_id else 0
     if others > 0:
         wait += costs.push_wait_s(prefill_id)
     return wait

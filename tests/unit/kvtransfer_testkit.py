@@ -23,33 +23,35 @@ def run(coro, timeout: float = 60):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-async def leak_free(*ts, polls: int = 200) -> None:
-    """Wait for both sides to settle, assert nothing is left, close, assert every counter is zero."""
+async def closed_clean(ts, *, ready, fields: tuple[str, ...], polls: int) -> None:
+    """The one leak check: poll (up to ``polls`` x 10 ms) until ``ready(stats)`` holds on every transport,
+    assert ``fields`` are zero on each, close it, and assert every counter of the closed one is zero."""
     for _ in range(polls):
-        if all(t.stats()["expectations"] == 0 and t.stats()["sends"] == 0 for t in ts):
+        if all(ready(t.stats()) for t in ts):
             break
         await asyncio.sleep(0.01)
     for t in ts:
         s = t.stats()
-        assert (s["expectations"], s["sends"], s["nixl_xfers"]) == (0, 0, 0), s
+        assert tuple(s[f] for f in fields) == (0,) * len(fields), s
         await t.close()
         s = t.stats()
         assert s == {k: 0 for k in s}, s
+
+
+def _idle(s: dict) -> bool:
+    return s["expectations"] == 0 and s["sends"] == 0
+
+
+async def leak_free(*ts, polls: int = 200) -> None:
+    """Wait for both sides to settle, assert nothing is left, close, assert every counter is zero."""
+    await closed_clean(ts, ready=_idle, fields=("expectations", "sends", "nixl_xfers"), polls=polls)
 
 
 async def settled(*transports) -> None:
     """``leak_free`` for TCP transports: also no peer connection handle or load left behind (their
     NIXL counter is always 0)."""
-    for _ in range(300):
-        if all(t.stats()["expectations"] == t.stats()["sends"] == 0 for t in transports):
-            break
-        await asyncio.sleep(0.01)
-    for t in transports:
-        s = t.stats()
-        assert (s["expectations"], s["sends"], s["peer_handles"], s["peer_load"]) == (0, 0, 0, 0), s
-        await t.close()
-        s = t.stats()
-        assert s == {k: 0 for k in s}, s
+    await closed_clean(transports, ready=_idle, fields=("expectations", "sends", "peer_handles", "peer_load"),
+                       polls=300)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

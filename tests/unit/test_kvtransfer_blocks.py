@@ -106,4 +106,4 @@ def test_staged_frames_gather_and_scatter_scattered_runs_in_order(dtype, head_di
     for o, n, _l in segs:
         untouched[o:o + n] = False
     assert not got[untouched].any()  # nothing else written
-    assert rx._row_view().dtype == (torch.int64 if bb % 8 == 0 else torch.int32)
+    assert rx._table.dtype == (torch.int64 if bb % 8 == 0 else torch.int32)

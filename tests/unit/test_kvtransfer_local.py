@@ -18,6 +18,7 @@ from kvtransfer import (
     make_transport,
 )
 from kvtransfer.protocol import HEADER, Msg, decode_header, decode_meta, encode
+from tests.unit.kvtransfer_testkit import closed_clean
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,16 +49,9 @@ def assert_copied(src, dst, s_ids, d_ids):
 
 
 async def close_clean(*transports):
-    for _ in range(50):  # connection teardown on the far side is asynchronous
-        if all(t.stats()["rx_connections"] == 0 or t.stats()["peers"] == 0 for t in transports):
-            break
-        await asyncio.sleep(0.01)
-    for t in transports:
-        s = t.stats()
-        assert (s["expectations"], s["sends"], s["peer_handles"], s["nixl_xfers"]) == (0, 0, 0, 0), s
-        await t.close()
-        s = t.stats()
-        assert s == {k: 0 for k in s}, s
+    # connection teardown on the far side is asynchronous
+    await closed_clean(transports, ready=lambda s: s["rx_connections"] == 0 or s["peers"] == 0,
+                       fields=("expectations", "sends", "peer_handles", "nixl_xfers"), polls=50)
 
 
 @pytest.mark.parametrize("opts", [{}, {"checksum": True}, {"force_staging": True}, {"max_frame_bytes": 4096}])
