@@ -22,6 +22,13 @@ What it learns, per worker or link, from what the workers report on every reques
   (``push_wait_s``). On a link slower than the prefill (TCP past ~10 req/s of the llama3-8b shape on
   2x H200) transfers queue behind each other and this is where a request's TTFT goes: compute rate and
   per-transfer bandwidth both miss it (a transfer's bytes over its time include its queueing).
+* **drain rate** of each prefill worker: the prompt tokens its answers carry per second of its busy
+  time (``observe_answer``; busy = it had prompts outstanding, from its previous answer or from when it
+  last left idle). Whatever the bottleneck behind the worker (its compute, the KV link, the decode
+  worker's receiver), this is the rate its queue empties at, so ``drain_s`` (tokens ahead over it) is
+  the wait that queue means by Little's law. Kept as two EWMAs (tokens per answer, busy seconds per
+  answer) whose ratio is the rate: answers come in bursts when transfers overlap, and a ratio of sums
+  does not blow up on the short gaps.
 
 Until a rate is learned the configured prior stands (``--local-prefill-tokens-per-s``, one number
 for every worker of the model, and ``default_bandwidth_Bps`` for a link).
@@ -93,6 +100,8 @@ class CostConfig:
     # seconds ago says little about the link now.
     push_wait_alpha: float = 0.3
     push_wait_decay_per_s: float = 0.5
+    # The drain rate's EWMA weight of one answer (~1/alpha answers in its memory).
+    drain_alpha: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "default_bandwidth_Bps"):
@@ -104,8 +113,9 @@ class CostConfig:
                 raise ValueError(f"CostConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.kv_bytes_per_token <= 0:
             raise ValueError(f"CostConfig.kv_bytes_per_token must be > 0, got {self.kv_bytes_per_token}")
-        if not 0 < self.bandwidth_ewma_alpha <= 1 or not 0 < self.push_wait_alpha <= 1:
-            raise ValueError("CostConfig.bandwidth_ewma_alpha and push_wait_alpha must be in (0, 1]")
+        for name in ("bandwidth_ewma_alpha", "push_wait_alpha", "drain_alpha"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"CostConfig.{name} must be in (0, 1], got {getattr(self, name)}")
 
 
 class CostModel:
@@ -120,6 +130,7 @@ class CostModel:
         self._rate: dict[str, tuple[float, float]] = {}  # worker -> (tokens/s, when learned)
         self._kv_per_token: dict[str, int] = {}  # decode worker -> KV bytes per token (its layout)
         self._push_wait: dict[str, tuple[float, float]] = {}  # prefill worker -> (seconds, when learned)
+        self._drain: dict[str, tuple[float, float]] = {}  # worker -> (tokens, busy s) per answer, EWMAs
 
     # ---------------------------------------------------------------- learning
     def observe_prefill(self, worker_id: str, *, tokens: int, compute_s: float) -> None:
@@ -141,6 +152,27 @@ class CostModel:
         old = self.push_wait_s(worker_id, now) if worker_id in self._push_wait else None
         a = self.config.push_wait_alpha
         self._push_wait[worker_id] = (seconds if old is None else old + a * (seconds - old), now)
+
+    def observe_answer(self, worker_id: str, tokens: int, busy_s: float) -> None:
+        """``worker_id`` answered a prompt of ``tokens`` (as counted in its queue) after ``busy_s`` of
+        uninterrupted work since its previous answer, or since it last left idle (no sample if either
+        is 0)."""
+        if tokens <= 0 or busy_s <= 0:
+            return
+        got = self._drain.get(worker_id)
+        if got is None:
+            self._drain[worker_id] = (float(tokens), busy_s)
+            return
+        a = self.config.drain_alpha
+        self._drain[worker_id] = (got[0] + a * (tokens - got[0]), got[1] + a * (busy_s - got[1]))
+
+    def drain_s(self, worker_id: str, tokens_ahead: int) -> float:
+        """Seconds until ``tokens_ahead`` already sent to ``worker_id`` are answered, at the rate its
+        answers recently came (0 until one did)."""
+        got = self._drain.get(worker_id)
+        if got is None or tokens_ahead <= 0:
+            return 0.0
+        return tokens_ahead * got[1] / got[0]
 
     def push_wait_s(self, worker_id: str, now: float | None = None) -> float:
         """Seconds a prompt computed on ``worker_id`` now would wait for its KV to be acknowledged, from
@@ -167,6 +199,7 @@ class CostModel:
         self._rate.pop(worker_id, None)
         self._kv_per_token.pop(worker_id, None)
         self._push_wait.pop(worker_id, None)
+        self._drain.pop(worker_id, None)
         self.links.forget(worker_id)
 
     # ---------------------------------------------------------------- estimates

@@ -14,6 +14,11 @@ cluster (``router/state``, ``router/costs.py``):
                    waited after their compute for the KV to be acknowledged (``CostModel.push_wait_s``;
                    a link slower than the prefill queues transfers behind each other, and neither the
                    compute rate nor a transfer's bandwidth shows it)
+    drain wait     at least: tokens ahead of it at its prefill worker over the rate that worker's
+                   answers recently drained its queue (``CostModel.drain_s``). Compute rate and push
+                   wait are each one stage's view; past a link's capacity the answers come at the
+                   link's pace whatever the compute rate, and this term grows with the backlog at once
+                   where the push wait's average trails it (``--admission-drain``, on by default)
     KV wait        requests already waiting in the Allocate queue for its decode worker, times the
                    recent interval between Allocates that queue served (``allocate_queue.py``)
 
@@ -53,6 +58,8 @@ class AdmissionConfig:
     allocate_queue_size: int = 64
     allocate_queue_wait_s: float = 10.0
     min_retry_ms: float = 100.0
+    # Bound the prefill wait below by the prefill worker's drain wait (tokens ahead / answered rate).
+    drain: bool = True
 
     def __post_init__(self) -> None:
         if self.max_queue_wait_s < 0 or self.allocate_queue_size < 0 or self.allocate_queue_wait_s < 0:
@@ -89,10 +96,11 @@ def decide(wait_s: float, budget: float, min_retry_ms: float) -> float | None:
     return max(min_retry_ms, (wait_s - budget) * 1e3)
 
 
-def prefill_wait_s(placer: Any, placement: Any, request_id: str) -> float:
+def prefill_wait_s(placer: Any, placement: Any, request_id: str, *, drain: bool = True) -> float:
     """The prefill wait of a placed request, from the placer's picture of the cluster: tokens ahead
     of it at the worker that will prefill it, over that worker's learned rate, plus that worker's recent
-    push wait while others are in flight there (0 if not known)."""
+    push wait while others are in flight there; with ``drain``, at least the tokens ahead over the rate
+    that prefill worker's answers drained its queue (0 if nothing is known)."""
     view, costs = getattr(placer, "view", None), getattr(placer, "costs", None)
     if view is None or costs is None or not hasattr(view, "outstanding_tokens"):
         return 0.0
@@ -106,6 +114,8 @@ def prefill_wait_s(placer: Any, placement: Any, request_id: str) -> float:
     others = view.inflight(prefill_id) - own if prefill_id else 0
     if others > 0:
         wait += costs.push_wait_s(prefill_id)
+    if drain and prefill_id:
+        wait = max(wait, costs.drain_s(prefill_id, ahead))
     return wait
 
 
@@ -121,7 +131,7 @@ class Admission:
             self.metrics.waiting.set_function(self.queue.waiting)
 
     def estimate_s(self, request_id: str, placement: Any) -> float:
-        return (prefill_wait_s(self.placer, placement, request_id)
+        return (prefill_wait_s(self.placer, placement, request_id, drain=self.config.drain)
                 + self.queue.expected_wait_s(placement.decode.worker_id))
 
     def check(self, request_id: str, placement: Any, deadline_s: float | None, *,

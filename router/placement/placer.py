@@ -325,8 +325,11 @@ class Placer:
         """The prompt left its worker's queue: ``answered`` (computed there; a local prefill's first
         token), or failed / cancelled. With a sample (``worker_id`` computed ``computed_tokens`` in
         ``compute_s``, then waited ``push_wait_s`` for its KV's acknowledgement; implies answered) the
-        cost model learns that worker's rate and push wait. Idempotent."""
-        self.view.prefill_done(request_id, answered=answered or bool(worker_id))
+        cost model learns that worker's rate, push wait and drain rate. Idempotent."""
+        view = self.view
+        if worker_id in view.workers and view.prefill_of(request_id) == worker_id:
+            self.costs.observe_answer(worker_id, view.own_prefill_tokens(request_id), view.busy_for(worker_id))
+        view.prefill_done(request_id, answered=answered or bool(worker_id))
         if worker_id in self.view.workers:
             self.costs.observe_prefill(worker_id, tokens=computed_tokens, compute_s=compute_s)
             self.costs.observe_push_wait(worker_id, push_wait_s)

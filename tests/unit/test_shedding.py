@@ -58,8 +58,8 @@ class _View:
 
 
 class _Costs:
-    def __init__(self, push: float = 0.0) -> None:
-        self.push = push
+    def __init__(self, push: float = 0.0, drain_rate: float = 0.0) -> None:
+        self.push, self.drain_rate = push, drain_rate
 
     def queue_s(self, worker_id: str, tokens: int) -> float:
         return max(tokens, 0) / 10_000.0  # 10k tokens/s
@@ -67,11 +67,14 @@ class _Costs:
     def push_wait_s(self, worker_id: str) -> float:
         return self.push
 
+    def drain_s(self, worker_id: str, tokens: int) -> float:
+        return max(tokens, 0) / self.drain_rate if self.drain_rate else 0.0
+
 
 class _Placer:
     def __init__(self, tokens: dict[str, int], own: int = 0, inflight: dict[str, int] | None = None,
-                 push: float = 0.0) -> None:
-        self.view, self.costs = _View(tokens, own, inflight), _Costs(push)
+                 push: float = 0.0, drain_rate: float = 0.0) -> None:
+        self.view, self.costs = _View(tokens, own, inflight), _Costs(push, drain_rate)
 
 
 class _W:
@@ -297,3 +300,35 @@ def test_cost_model_push_wait_is_an_ewma_that_fades_and_is_forgotten():
     assert costs.push_wait_s("p") == 0.0
     with pytest.raises(ValueError):
         CostConfig(push_wait_alpha=0.0)
+
+
+def test_drain_wait_bounds_the_estimate_below_when_on():
+    """Tokens ahead over the prefill worker's answered rate: the estimate is at least that (with the
+    option on), whatever the compute rate and push wait say; never for the decode worker's own queue."""
+    pl = _Placement("p", "d")
+    slow_link = _Placer({"p": 12_000}, own=2_000, inflight={"p": 5}, push=0.2, drain_rate=4_000.0)
+    assert prefill_wait_s(slow_link, pl, "r") == pytest.approx(10_000 / 4_000)
+    assert prefill_wait_s(slow_link, pl, "r", drain=False) == pytest.approx(1.0 + 0.2)
+    fast_link = _Placer({"p": 12_000}, own=2_000, inflight={"p": 5}, push=0.2, drain_rate=40_000.0)
+    assert prefill_wait_s(fast_link, pl, "r") == pytest.approx(1.0 + 0.2)  # compute is the bottleneck
+    local = _Placer({"d": 5_000}, inflight={"d": 4}, drain_rate=1_000.0)
+    assert prefill_wait_s(local, _Placement(None, "d"), "r") == pytest.approx(0.5)
+
+
+def test_cost_model_drain_rate_is_a_ratio_of_ewmas_and_is_forgotten():
+    from router.costs import CostConfig, CostModel
+
+    costs = CostModel(CostConfig(drain_alpha=0.5))
+    assert costs.drain_s("p", 1_000) == 0.0  # nothing learnt: no term
+    costs.observe_answer("p", 2_000, 1.0)
+    costs.observe_answer("p", 0, 1.0)  # no sample: nothing queued was answered
+    costs.observe_answer("p", 2_000, 0.0)  # no sample: no busy time
+    assert costs.drain_s("p", 4_000) == pytest.approx(2.0)
+    # A burst: two answers 10 ms apart. The ratio of sums moves by what they carried, not by 1/0.01 s.
+    costs.observe_answer("p", 2_000, 0.01)
+    assert costs.drain_s("p", 2_000) == pytest.approx(0.505 / 2_000 * 2_000)
+    assert costs.drain_s("p", 0) == 0.0
+    costs.forget("p")
+    assert costs.drain_s("p", 1_000) == 0.0
+    with pytest.raises(ValueError):
+        CostConfig(drain_alpha=1.5)
