@@ -328,9 +328,10 @@ class Placer:
         cost model learns that worker's rate, push wait and drain rate. Idempotent."""
         view = self.view
         if worker_id in view.workers and view.prefill_of(request_id) == worker_id:
-            self.costs.observe_answer(worker_id, view.own_prefill_tokens(request_id), view.busy_for(worker_id))
+            tokens = view.own_prefill_tokens(request_id)
+            self.costs.observe_answer(worker_id, tokens, view.busy_for(worker_id))
         view.prefill_done(request_id, answered=answered or bool(worker_id))
-        if worker_id in self.view.workers:
+        if worker_id in view.workers:
             self.costs.observe_prefill(worker_id, tokens=computed_tokens, compute_s=compute_s)
             self.costs.observe_push_wait(worker_id, push_wait_s)
 
