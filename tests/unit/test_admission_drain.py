@@ -93,7 +93,7 @@ def test_below_the_links_capacity_nothing_is_refused_either_way():
 def test_past_the_links_capacity_the_drain_term_keeps_the_admitted_within_budget():
     with_drain, refused, placer = simulate(rate=8.0, drain=True)  # 16k tokens/s on a 10k/s link
     leak_free(placer)
-    without, refused_without, placer_without = simulate(rate=8.0, drain=False)
+    without, _, placer_without = simulate(rate=8.0, drain=False)
     leak_free(placer_without)
     # The link serves what it can: at least 85% of its capacity over the run is admitted ...
     capacity = DURATION * LINK / TOKENS
