@@ -194,10 +194,12 @@ def test_modes_catalogue_cpu_and_two_gpus() -> None:
     assert [w["CUDA_VISIBLE_DEVICES"] for w in plan["colocated-chunk512"]["workers"]] == ["0", "1"]
     with pytest.raises(ValueError, match="unknown modes"):
         cluster_spec("disagg", cpu)
-    # MODE@TAG: the same cluster, every worker with the variant's flags on top
-    both = ModeOptions(model="M", worker_args=("--a",), variants=(("nochain", ("--kv-rx-chain", "off")),))
+    # MODE@TAG: the same cluster, every process (workers and router) with the variant's flags on top
+    both = ModeOptions(model="M", worker_args=("--a",), router_args=("--r",),
+                       variants=(("nochain", ("--kv-rx-chain", "off")),))
     base, var = cluster_spec("1p1d-tcp", both), cluster_spec("1p1d-tcp@nochain", both)
     assert var.worker_args == ("--a", "--kv-rx-chain", "off") and base.worker_args == ("--a",)
+    assert var.router_args == ("--r", "--kv-rx-chain", "off") and base.router_args == ("--r",)
     assert (var.transport, var.num_prefill, var.num_decode) == (base.transport, 1, 1)
     with pytest.raises(ValueError, match="variant 'other' has no flags; known: nochain"):
         cluster_spec("1p1d-tcp@other", both)

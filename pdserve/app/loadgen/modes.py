@@ -16,8 +16,9 @@ router, placement, admission control and metrics are the same code in each; only
                    KV heads from the prefill rank's staging (docs/tensor-parallel.md)
 
 A mode may carry a variant, ``MODE@TAG``: the same cluster with ``opts.variants[TAG]`` added to every
-worker's flags (say ``1p1d-tcp@nochain`` with ``--kv-rx-chain off``), so two settings of one mode run
-side by side in one sweep.
+process's flags, workers' and router's (say ``1p1d-tcp@nochain`` with ``--kv-rx-chain off``, or
+``1p1d-tcp@nodrain`` with ``--admission-drain off``; every role reads the one ``pdserve serve`` flag set
+and uses its own), so two settings of one mode run side by side in one sweep.
 
 ``prefill_args`` go to the prefill pool only (compute-tuned, e.g. ``--max-num-batched-tokens 8192``);
 ``router_args`` to every mode's router (admission flags: the same in every mode). Devices: ``gpus=0``
@@ -83,7 +84,8 @@ def cluster_spec(mode: str, opts: ModeOptions) -> ClusterSpec:
         flags = dict(opts.variants)
         if tag not in flags:
             raise ValueError(f"mode variant {tag!r} has no flags; known: {', '.join(flags) or 'none'}")
-        opts = dataclasses.replace(opts, worker_args=(*opts.worker_args, *flags[tag]))
+        opts = dataclasses.replace(opts, worker_args=(*opts.worker_args, *flags[tag]),
+                                   router_args=(*opts.router_args, *flags[tag]))
     gpus = tuple(str(i) for i in range(opts.gpus))
     common = dict(model=opts.model, worker_args=opts.worker_args, policy=opts.policy,
                   drain_timeout=opts.drain_timeout, router_args=opts.router_args)
