@@ -17,6 +17,16 @@ Lifecycle of a block id::
   Fresh allocations prefer never-hashed blocks and only then evict the least recently used
   cached one.
 * "Free" for admission purposes means ``ref == 0``: plain free blocks plus evictable cached ones.
+* An allocation comes out in **ascending runs of consecutive ids**: from each block the policy
+  picks (the next plain free block, else the least recently used cached one) it takes the free ids
+  around it too, the ones just below it first (cached ones only once no plain free block is left),
+  then picks again.
+  A request's KV moves between workers as (layer, run) pieces -- one descriptor per run over NIXL,
+  one copy per run (or a gather past a few) over TCP -- so runs, not blocks, are what a transfer
+  costs. Handing out blocks one by one in LRU order made a warm cache's allocations one run per
+  block: ``release`` queues a table's tail first, so eviction returned each freed run reversed.
+  Taking a cached block's free neighbours evicts them slightly ahead of their LRU turn; they were
+  mostly released with it, by the same request.
 
 The manager knows nothing about sequences; ``engine.scheduler`` owns the per-request block tables.
 """
@@ -40,8 +50,9 @@ class BlockManager:
         self._ref = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
         self._block_of: dict[int, int] = {}  # prefix hash -> block id
-        # Popping from the end hands out low ids first (nice for debugging, no other meaning).
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Plain free blocks as an insertion-ordered set (O(1) removal of a run's neighbours); popping
+        # from the end hands out low ids first on a fresh cache.
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref-0 hashed blocks, LRU first
         self.hits = 0  # blocks served from the prefix cache, for metrics
         self.evictions = 0
@@ -80,17 +91,46 @@ class BlockManager:
         if n > self.num_free_blocks:
             raise KVCacheFull(f"need {n} KV blocks, only {self.num_free_blocks} of {self.num_blocks} free")
         out: list[int] = []
-        for _ in range(n):
+        while len(out) < n:
             if self._free:
-                block = self._free.pop()
+                seed, _ = self._free.popitem()
             else:
-                block, _ = self._evictable.popitem(last=False)
-                del self._block_of[self._hash_of[block]]
-                self._hash_of[block] = None
-                self.evictions += 1
-            self._ref[block] = 1
-            out.append(block)
+                seed, _ = self._evictable.popitem(last=False)
+                self._forget_hash(seed)
+            self._ref[seed] = 1
+            # The run around it: free ids just below it (the start of the range it was freed with),
+            # then it, then free ids above, up to what is still wanted.
+            want = n - len(out) - 1
+            below: list[int] = []
+            while len(below) < want and self._take_if_free(seed - len(below) - 1):
+                below.append(seed - len(below) - 1)
+            out.extend(reversed(below))
+            out.append(seed)
+            nxt = seed + 1
+            while len(out) < n and self._take_if_free(nxt):
+                out.append(nxt)
+                nxt += 1
         return out
+
+    def _take_if_free(self, block: int) -> bool:
+        """Take ``block`` (ref 1, no hash) if it is plain free, or cached with no plain free block left."""
+        if not 0 <= block < self.num_blocks or self._ref[block] != 0:
+            return False
+        if block in self._free:
+            del self._free[block]
+        elif not self._free and block in self._evictable:
+            del self._evictable[block]
+            self._forget_hash(block)
+        else:
+            return False
+        self._ref[block] = 1
+        return True
+
+    def _forget_hash(self, block: int) -> None:
+        """An evicted cached block: its prefix hash no longer names it."""
+        del self._block_of[self._hash_of[block]]
+        self._hash_of[block] = None
+        self.evictions += 1
 
     def acquire(self, blocks: Iterable[int]) -> None:
         """Take one more reference on each block (a prefix hit, or a second owner of a block)."""
@@ -112,7 +152,7 @@ class BlockManager:
             self._ref[block] = ref - 1
             if ref == 1:
                 if self._hash_of[block] is None:
-                    self._free.append(block)
+                    self._free[block] = None
                 else:
                     self._evictable[block] = None
 
@@ -140,7 +180,7 @@ class BlockManager:
             block, _ = self._evictable.popitem(last=False)
             del self._block_of[self._hash_of[block]]
             self._hash_of[block] = None
-            self._free.append(block)
+            self._free[block] = None
         return n
 
     # ---- checks -------------------------------------------------------------------------------

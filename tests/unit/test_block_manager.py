@@ -109,3 +109,66 @@ def test_reset_prefix_cache_and_leak_report():
     assert bm.reset_prefix_cache() == 1
     assert bm.match_prefix([11]) == [] and bm.num_cached_free_blocks == 0
     assert_no_leaks(bm)
+
+
+def runs(table: list[int]) -> int:
+    """Ascending runs of consecutive ids in a block table: what a transfer pays per layer."""
+    return 1 + sum(1 for a, b in zip(table, table[1:]) if b != a + 1) if table else 0
+
+
+def test_a_freed_cached_run_comes_back_whole_and_ascending():
+    """release queues a table tail first, so the LRU order of a freed run is reversed; an allocation
+    still gets it as one ascending run (one transfer piece per layer, not one per block)."""
+    bm = BlockManager(16, 2)
+    table = bm.allocate(16)
+    assert table == list(range(16))
+    for b, h in zip(table, block_hashes(list(range(32)), 2), strict=True):
+        bm.register(b, h)
+    bm.release(table[4:12])  # cached, LRU order 11, 10, ..., 4
+    again = bm.allocate(8)
+    assert again == list(range(4, 12)) and bm.evictions == 8
+    bm.release(table[:4] + again + table[12:])
+    assert_no_leaks(bm)
+
+
+def test_runs_grow_through_plain_free_neighbours_before_touching_cached_ones():
+    bm = BlockManager(12, 2)
+    table = bm.allocate(12)
+    for b, h in zip(table[:6], block_hashes(list(range(12)), 2), strict=True):
+        bm.register(b, h)
+    bm.release(table)  # 0-5 cached, 6-11 plain free
+    got = bm.allocate(8)  # the six plain free ones first, then the two least recently used cached
+    assert got[:6] == list(range(6, 12)) and bm.evictions == 2
+    assert bm.match_prefix(block_hashes(list(range(12)), 2)) == [0, 1, 2, 3]  # the head stays cached
+    bm.release(got)
+    assert_no_leaks(bm)
+
+
+def test_a_warm_cache_keeps_allocating_long_runs_under_churn():
+    """Requests of 16-128 blocks come and go at random on a cache whose every block is hashed (the
+    decode worker's steady state): the allocations stay a few long runs each."""
+    import random
+
+    rng = random.Random(0)
+    bm = BlockManager(1000, 16)
+    live: list[list[int]] = []
+    blocks = pieces = 0
+    h = 0
+    for step in range(3000):
+        if live and (len(live) > 8 or rng.random() < 0.5):
+            bm.release(live.pop(rng.randrange(len(live))))
+        n = rng.randint(16, 128)
+        if n > bm.num_free_blocks:
+            continue
+        table = bm.allocate(n)
+        assert len(set(table)) == n and all(bm.ref_count(b) == 1 for b in table)
+        for b in table:
+            h += 1
+            bm.register(b, h)
+        live.append(table)
+        if step >= 1000:
+            blocks, pieces = blocks + n, pieces + runs(table)
+    assert pieces / blocks < 0.1  # handed out one by one in LRU order it was 0.94: a run per block
+    for table in live:
+        bm.release(table)
+    assert_no_leaks(bm)
