@@ -113,7 +113,7 @@ def test_reset_prefix_cache_and_leak_report():
 
 def runs(table: list[int]) -> int:
     """Ascending runs of consecutive ids in a block table: what a transfer pays per layer."""
-    return 1 + sum(1 for a, b in zip(table, table[1:]) if b != a + 1) if table else 0
+    return 1 + sum(1 for a, b in zip(table, table[1:], strict=False) if b != a + 1) if table else 0
 
 
 def test_a_freed_cached_run_comes_back_whole_and_ascending():
