@@ -317,6 +317,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--items", default="roofline,transfer,transformers,disagg")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--decode-tensor-cores", choices=("auto", "on", "off"), default="auto",
+                    help="roofline: flashinfer's decode kernel (auto: the backend's rule by GQA group)")
     ap.add_argument("--disagg-modes", default="disaggregated,conditional,colocated,colocated-chunk512",
                     help="disagg item: which clusters to run (1P1D, 1P1D + conditional, 2 colocated with "
                     "the default and a 512-token chunk budget), each behind one router, the time budget "
@@ -355,7 +357,8 @@ def main() -> None:
     if items & {"roofline", "transformers"}:
         model = random_model(cfg)
         if "roofline" in items:
-            result["roofline"] = roofline(model, cfg, ceil, args.quick)
+            tc = {"auto": None, "on": True, "off": False}[args.decode_tensor_cores]
+            result["roofline"] = roofline(model, cfg, ceil, args.quick, tensor_cores=tc)
             save()
         if args.variants:
             result["decode_tensor_core_variant"] = roofline(model, cfg, ceil, args.quick, tensor_cores=True,
