@@ -16,7 +16,7 @@ class Expectation(FutureResult):
     def __init__(self, rid: str, dst: tuple[int, ...], num_layers: int, block_bytes: int,
                  loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = rid
-        self.dst = dst
+        self.dst = tuple(dst)
         self.index = {b: i for i, b in enumerate(dst)}
         self.num_layers = num_layers
         self.nbytes = num_layers * len(dst) * block_bytes

@@ -34,36 +34,18 @@ class TcpReceiving:
             segs = meta.get("segs")
             if not isinstance(segs, list) or not segs or len(segs) > (1 << 20):
                 raise InvalidTransfer("DATA frame without segments")
-            bb, planned, marks = self.memory.block_bytes, [], []
-            for seg in segs:
-                if (not isinstance(seg, list) or len(seg) != 3
-                        or not all(isinstance(v, int) and not isinstance(v, bool) for v in seg)):
-                    raise InvalidTransfer(f"malformed segment {seg!r:.80}")
-                layer, start, count = seg
-                if not (0 <= layer < exp.num_layers) or count < 1:
-                    raise InvalidTransfer(f"segment {seg} outside {exp.num_layers} layers")
-                for b in range(start, start + count):
-                    i = exp.index.get(b)
-                    if i is None:
-                        raise InvalidTransfer(f"block {b} is not reserved for request {exp.request_id!r}")
-                    mark = layer * len(exp.dst) + i
-                    if exp.written[mark]:
-                        raise InvalidTransfer(f"(layer {layer}, block {b}) of {exp.request_id!r} sent twice")
-                    marks.append(mark)
-                planned.append((self.memory.offset(layer, start), count * bb, layer))
-            if len(set(marks)) != len(marks):
-                raise InvalidTransfer(f"DATA frame of {exp.request_id!r} names a (layer, block) twice")
-            if payload_len != len(marks) * bb:
+            bb = self.memory.block_bytes
+            blocks = _mark(exp, segs)
+            planned = [(self.memory.offset(layer, start), count * bb, layer) for layer, start, count in segs]
+            if payload_len != blocks * bb:
                 raise InvalidTransfer(f"DATA frame of {exp.request_id!r} carries {payload_len} bytes for "
-                                      f"{len(marks)} blocks of {bb} bytes ({len(marks) * bb})")
+                                      f"{blocks} blocks of {bb} bytes ({blocks * bb})")
             crc = meta.get("crc")
             if crc is not None and not isinstance(crc, int):
                 raise InvalidTransfer("crc must be an int")
         except InvalidTransfer as exc:
             self._fail(exp, exc, notify=False)
             raise
-        for mark in marks:
-            exp.written[mark] = 1
         views, staging = self.memory.recv_views(planned)
         return _DataCtx(exp, planned, views, staging, crc), views
 
@@ -113,3 +95,39 @@ class TcpReceiving:
         await self.memory.ready(event)
         if self.expectations.get(exp.request_id) is exp:  # not failed or released meanwhile
             self._complete(exp)
+
+
+
+def _mark(exp: Expectation, segs: list) -> int:
+    """Mark in ``exp.written`` the (layer, block)s a DATA frame's segments fill and return how many,
+    each checked first: well-formed, inside the layers, reserved for the request, not written by an
+    earlier frame or an earlier segment of this one (else InvalidTransfer; the caller then fails the
+    whole transfer, so marks already set do not matter). A segment whose blocks are consecutive in the
+    reservation too (the block manager hands out runs) is checked and marked as one slice."""
+    n_dst, written, index, total = len(exp.dst), exp.written, exp.index, 0
+    for seg in segs:
+        if (not isinstance(seg, list) or len(seg) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in seg)):
+            raise InvalidTransfer(f"malformed segment {seg!r:.80}")
+        layer, start, count = seg
+        if not (0 <= layer < exp.num_layers) or count < 1:
+            raise InvalidTransfer(f"segment {seg} outside {exp.num_layers} layers")
+        first = index.get(start) if count > 1 else None
+        if first is not None and exp.dst[first:first + count] == tuple(range(start, start + count)):
+            mark = layer * n_dst + first
+            at = written.find(1, mark, mark + count)
+            if at >= 0:
+                raise InvalidTransfer(f"(layer {layer}, block {start + at - mark}) of {exp.request_id!r} "
+                                      f"sent twice")
+            written[mark:mark + count] = b"\x01" * count
+        else:
+            for b in range(start, start + count):
+                i = index.get(b)
+                if i is None:
+                    raise InvalidTransfer(f"block {b} is not reserved for request {exp.request_id!r}")
+                mark = layer * n_dst + i
+                if written[mark]:
+                    raise InvalidTransfer(f"(layer {layer}, block {b}) of {exp.request_id!r} sent twice")
+                written[mark] = 1
+        total += count
+    return total
