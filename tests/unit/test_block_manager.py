@@ -172,3 +172,21 @@ def test_a_warm_cache_keeps_allocating_long_runs_under_churn():
     for table in live:
         bm.release(table)
     assert_no_leaks(bm)
+
+
+def test_a_run_does_not_evict_a_recently_released_neighbour():
+    """A run grows into cached neighbours only if they were released about as long ago as its first
+    block (engine.block_manager.RUN_REACH): a hot prefix block next to an old one stays cached."""
+    bm = BlockManager(64, 2)
+    table = bm.allocate(64)
+    hashes = block_hashes(list(range(128)), 2)
+    for b, h in zip(table, hashes, strict=True):
+        bm.register(b, h)
+    bm.release(table[10:14])   # the oldest: LRU order 13, 12, 11, 10
+    bm.release(table[20:60])   # 40 more releases
+    bm.release(table[14:15])   # block 14: released last, the hottest
+    got = bm.allocate(5)
+    assert got == [10, 11, 12, 13, 59]  # the old run whole, then the next least recently used
+    assert bm.match_prefix([hashes[14]]) == [14]
+    bm.release(table[:10] + table[15:20] + table[60:] + got)
+    assert_no_leaks(bm)
