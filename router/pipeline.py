@@ -131,8 +131,8 @@ class Pipeline:
                         pairs = ((placement.prefill, p), (placement.decode, d))
                         exclude.update(w.worker_id for w, h in pairs if w is not None and h is None)
                         continue
-                    self.admission.check(req.request_id, placement, timeout)  # raises Refused
-                    attempt = self._attempt(req, preq, placement, sampling, p, d, timeout)
+                    wait_est = self.admission.check(req.request_id, placement, timeout)  # or Refused
+                    attempt = self._attempt(req, preq, placement, sampling, p, d, timeout, wait_est)
                     try:
                         async for event in attempt:
                             if isinstance(event, RequestFailed):  # retryable, before the first token
@@ -161,14 +161,14 @@ class Pipeline:
             self.placer.forget_request(req.request_id)
 
     async def _attempt(self, req: Admitted, preq: PlacementRequest, placement: Placement, sampling,
-                       p, d, timeout: float | None) -> AsyncIterator[object]:
+                       p, d, timeout: float | None, wait_est_s: float = 0.0) -> AsyncIterator[object]:
         meta = ServingMeta(facts=common_pb2.RequestFacts(
             prefill_worker=p.worker_id if p else d.worker_id, decode_worker=d.worker_id,
             prefill_mode="remote",
             placement_policy=placement.policy, session_moved=placement.session_moved,
             session_hit=placement.session_hit, moved_from=placement.moved_from_str,
             move_reason=placement.move_reason, decode_load=placement.decode_load,
-            decode_load_cap=placement.decode_load_cap))
+            decode_load_cap=placement.decode_load_cap, admission_wait_est_ms=wait_est_s * 1e3))
         state = _Cleanup(p, d, req.request_id)
         try:
             first = await self._prefill_phase(req, placement, sampling, p, d, meta, timeout)

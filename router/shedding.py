@@ -135,9 +135,9 @@ class Admission:
                 + self.queue.expected_wait_s(placement.decode.worker_id))
 
     def check(self, request_id: str, placement: Any, deadline_s: float | None, *,
-              wait_s: float | None = None) -> None:
+              wait_s: float | None = None) -> float:
         """Raise Refused if the placed request would wait past its budget (``wait_s``: a given
-        estimate instead of the cluster picture's)."""
+        estimate instead of the cluster picture's); else return the estimate (s)."""
         wait = self.estimate_s(request_id, placement) if wait_s is None else wait_s
         budget = budget_s(deadline_s, self.config.max_queue_wait_s)
         if self.metrics is not None:
@@ -147,6 +147,7 @@ class Admission:
             self._refused("prefill_wait")
             raise Refused("prefill_wait", f"overloaded: this request would wait ~{wait:.2f} s to start, "
                           f"beyond its budget of {budget:.2f} s; retry in {retry / 1e3:.1f} s", retry)
+        return wait
 
     async def allocate(self, worker_id: str, attempt: Callable[[], Awaitable[T]],
                        deadline_s: float | None) -> T:

@@ -103,7 +103,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., incarnation: _Optional[str] = ..., layout_hash: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., queue_depth: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., kv_endpoint: _Optional[bytes] = ..., address: _Optional[str] = ..., num_leased: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class RequestFacts(_message.Message):
-    __slots__ = ("prefill_worker", "decode_worker", "transport", "fallback", "fallback_reason", "placement_policy", "session_hit", "session_moved", "moved_from", "move_reason", "decode_load", "decode_load_cap", "prefill_mode", "prefill_mode_reason", "kv_blocks_sent", "kv_bytes_sent", "kv_blocks_reused", "prefill_cached_tokens", "allocate_ms", "prefill_rpc_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "kv_wait_ms", "decode_ms")
+    __slots__ = ("prefill_worker", "decode_worker", "transport", "fallback", "fallback_reason", "placement_policy", "session_hit", "session_moved", "moved_from", "move_reason", "decode_load", "decode_load_cap", "prefill_mode", "prefill_mode_reason", "kv_blocks_sent", "kv_bytes_sent", "kv_blocks_reused", "prefill_cached_tokens", "allocate_ms", "prefill_rpc_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "kv_wait_ms", "decode_ms", "admission_wait_est_ms")
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class RequestFacts(_message.Message):
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_WAIT_EST_MS_FIELD_NUMBER: _ClassVar[int]
     prefill_worker: str
     decode_worker: str
     transport: str
@@ -154,4 +155,5 @@ class RequestFacts(_message.Message):
     kv_transfer_ms: float
     kv_wait_ms: float
     decode_ms: float
-    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transport: _Optional[str] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., placement_policy: _Optional[str] = ..., session_hit: _Optional[bool] = ..., session_moved: _Optional[bool] = ..., moved_from: _Optional[str] = ..., move_reason: _Optional[str] = ..., decode_load: _Optional[int] = ..., decode_load_cap: _Optional[int] = ..., prefill_mode: _Optional[str] = ..., prefill_mode_reason: _Optional[str] = ..., kv_blocks_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., allocate_ms: _Optional[float] = ..., prefill_rpc_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_wait_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ...) -> None: ...
+    admission_wait_est_ms: float
+    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transport: _Optional[str] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., placement_policy: _Optional[str] = ..., session_hit: _Optional[bool] = ..., session_moved: _Optional[bool] = ..., moved_from: _Optional[str] = ..., move_reason: _Optional[str] = ..., decode_load: _Optional[int] = ..., decode_load_cap: _Optional[int] = ..., prefill_mode: _Optional[str] = ..., prefill_mode_reason: _Optional[str] = ..., kv_blocks_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., allocate_ms: _Optional[float] = ..., prefill_rpc_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_wait_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., admission_wait_est_ms: _Optional[float] = ...) -> None: ...

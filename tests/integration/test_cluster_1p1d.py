@@ -78,6 +78,9 @@ def test_greedy_matches_engine_concurrent(cluster) -> None:
         assert f["allocate_ms"] > 0 and f["prefill_compute_ms"] > 0 and f["prefill_queue_ms"] >= 0
         inner = f["prefill_queue_ms"] + f["prefill_compute_ms"] + f["kv_wait_ms"]
         assert f["prefill_rpc_ms"] >= inner - 1.0  # 1 ms: the two clocks are read in two processes
+    # sent at once, the later ones were placed behind the earlier ones' prompts: the router's admission
+    # estimate of their wait is in their facts
+    assert any(r.final.get("admission_wait_est_ms", 0.0) > 0 for r in got)
     # prompts of 16/17/40/100 tokens have full blocks: those the decode worker does not cache went over
     # the wire (another test of this module may have sent the same prompt first), and the last block
     # always does

@@ -82,13 +82,15 @@ def summarize(samples: Sequence[Sample], duration_s: float, *, ttft_slo_ms: floa
     return out
 
 
-TTFT_STAGES = ("allocate_ms", "prefill_rpc_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_wait_ms")
+TTFT_STAGES = ("allocate_ms", "prefill_rpc_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_wait_ms",
+               "admission_wait_est_ms")
 
 
 def ttft_breakdown(ok: Sequence[Sample]) -> dict:
     """p50/p90 of each stage of the time to the first token (FinalInfo) over the remotely prefilled
     requests: where a disaggregated TTFT goes (decode Allocate, the Prefill call, and inside it the
-    prefill worker's engine queue, compute, KV acknowledgement wait). Empty without such requests."""
+    prefill worker's engine queue, compute, KV acknowledgement wait), beside the router's admission
+    estimate of each one's wait to start. Empty without such requests."""
     remote = [s.final for s in ok if s.final.get("prefill_mode", "remote") == "remote"
               and s.final.get("prefill_rpc_ms")]
     if not remote:
