@@ -56,7 +56,8 @@ def test_ttft_breakdown_over_remotely_prefilled_requests_only() -> None:
                       output_tokens=2, final={"prefill_mode": mode, **ms})
 
     remote = [sample("remote", allocate_ms=2.0, prefill_rpc_ms=100.0 + i, prefill_queue_ms=10.0 * i,
-                     prefill_compute_ms=80.0, kv_wait_ms=1.5, admission_wait_est_ms=5.0 * i) for i in range(5)]
+                     prefill_compute_ms=80.0, kv_wait_ms=1.5, admission_wait_est_ms=5.0 * i)
+              for i in range(5)]
     local = sample("local", allocate_ms=2.0)  # prefilled by the decode worker: no remote stages
     b = summarize([*remote, local], 1.0)["ttft_breakdown_ms"]
     assert b["requests"] == 5

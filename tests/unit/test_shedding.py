@@ -119,7 +119,8 @@ def test_sheds_what_would_wait_past_its_budget() -> None:
     placer = _Placer({"p1": 5_000})
     adm = Admission(AdmissionConfig(max_queue_wait_s=1.0), placer, registry=reg, clock=Clock())
     pl = _Placement("p1", "d1")
-    assert adm.check("a", pl, deadline_s=None) == pytest.approx(0.5)  # 0.5 s queued ahead, budget 1 s: admitted
+    # 0.5 s queued ahead, budget 1 s: admitted, and the estimate returned
+    assert adm.check("a", pl, deadline_s=None) == pytest.approx(0.5)
     adm.check("b", pl, deadline_s=30.0)
     with pytest.raises(Refused) as info:
         adm.check("c", pl, deadline_s=0.2)  # the client's deadline is the tighter budget
