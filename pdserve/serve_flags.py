@@ -119,9 +119,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-queue-wait-s", type=float, help="router: refuse at once (RESOURCE_EXHAUSTED with a "
       "retry-after-ms hint) a request that would wait longer than this to start (default 0: only its "
       "deadline)")
-    a("--admission-drain", choices=ON_OFF, help="router: the wait estimate is at least the tokens ahead at "
-      "the prefill worker over the rate its answers recently came, whatever held them up (compute, KV link, "
-      "receiver) (default on)")
+    a("--admission-drain", choices=("on", "replace", "off"), help="router: the wait estimate is at least the "
+      "tokens ahead at the prefill worker over the rate its answers recently came, whatever held them up "
+      "(compute, KV link, receiver) (on, the default); replace: that instead of the compute queue plus the "
+      "push wait when larger; off: compute queue plus push wait only")
     a("--allocate-queue-size", type=int, help="router: decode Allocates that may wait for free KV blocks, "
       "per decode worker (default 64; 0 = refuse at once)")
     a("--allocate-queue-wait-s", type=float, help="router: the longest a decode Allocate waits for free "

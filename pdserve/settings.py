@@ -147,7 +147,8 @@ class ServeSettings:
     # Allocate without free blocks waits in a queue of at most allocate_queue_size per decode worker,
     # at most allocate_queue_wait_s
     max_queue_wait_s: float = 0.0
-    # ... the estimate is at least the prefill worker's tokens ahead over the rate its answers came
+    # ... the estimate is at least the prefill worker's tokens ahead over the rate its answers came (on),
+    # or that in place of the push wait (replace), or neither (off): router/shedding.py
     admission_drain: str = "on"
     allocate_queue_size: int = 64
     allocate_queue_wait_s: float = 10.0
@@ -199,7 +200,7 @@ class ServeSettings:
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ValueError(f"--kv-memory-gb must be > 0, got {self.kv_memory_gb}")
         _one_of("migration", self.migration, ON_OFF)
-        _one_of("admission_drain", self.admission_drain, ON_OFF)
+        _one_of("admission_drain", self.admission_drain, ("on", "replace", "off"))
         if self.max_request_retries < 0 or self.retry_wait_s < 0:
             raise ValueError("--max-request-retries and --retry-wait-s must be >= 0")
         if not 1024 <= self.max_request_bytes <= 1 << 30:

@@ -105,7 +105,7 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
     pipeline.admission = Admission(AdmissionConfig(max_queue_wait_s=settings.max_queue_wait_s,
                                                    allocate_queue_size=settings.allocate_queue_size,
                                                    allocate_queue_wait_s=settings.allocate_queue_wait_s,
-                                                   drain=settings.admission_drain == "on"),
+                                                   drain=settings.admission_drain),
                                    placer, registry=metrics.registry)
     pipeline.migration = Migration(MigrationConfig(enabled=settings.migration == "on",
                                                    max_retries=settings.max_request_retries,

@@ -18,7 +18,11 @@ cluster (``router/state``, ``router/costs.py``):
                    answers recently drained its queue (``CostModel.drain_s``). Compute rate and push
                    wait are each one stage's view; past a link's capacity the answers come at the
                    link's pace whatever the compute rate, and this term grows with the backlog at once
-                   where the push wait's average trails it (``--admission-drain``, on by default)
+                   where the push wait's average trails it (``--admission-drain``: ``on``, the default;
+                   ``replace``: the drain wait stands in for the push wait, which then is not added:
+                   tokens ahead that were computed and are being pushed count in the compute queue
+                   already, so compute queue + push wait overstates the wait by about the push wait
+                   when the link is the bottleneck; ``off``: no drain wait)
     KV wait        requests already waiting in the Allocate queue for its decode worker, times the
                    recent interval between Allocates that queue served (``allocate_queue.py``)
 
@@ -50,6 +54,9 @@ from router.allocate_queue import AllocateQueue, QueueRefused
 T = TypeVar("T")
 
 
+DRAIN_MODES = ("on", "replace", "off")
+
+
 @dataclass(frozen=True, kw_only=True)
 class AdmissionConfig:
     # Refuse a request whose estimated wait exceeds this (s); 0: only the client's deadline bounds it.
@@ -58,8 +65,9 @@ class AdmissionConfig:
     allocate_queue_size: int = 64
     allocate_queue_wait_s: float = 10.0
     min_retry_ms: float = 100.0
-    # Bound the prefill wait below by the prefill worker's drain wait (tokens ahead / answered rate).
-    drain: bool = True
+    # The prefill worker's drain wait (tokens ahead / answered rate): "on" bounds the estimate below by
+    # it, "replace" puts it in the push wait's place, "off" leaves it out.
+    drain: str = "on"
 
     def __post_init__(self) -> None:
         if self.max_queue_wait_s < 0 or self.allocate_queue_size < 0 or self.allocate_queue_wait_s < 0:
@@ -68,6 +76,8 @@ class AdmissionConfig:
                              f"{self.allocate_queue_wait_s}")
         if self.min_retry_ms < 0:
             raise ValueError(f"min_retry_ms must be >= 0, got {self.min_retry_ms}")
+        if self.drain not in DRAIN_MODES:
+            raise ValueError(f"--admission-drain must be one of {list(DRAIN_MODES)}, got {self.drain!r}")
 
 
 class Refused(Exception):
@@ -96,11 +106,12 @@ def decide(wait_s: float, budget: float, min_retry_ms: float) -> float | None:
     return max(min_retry_ms, (wait_s - budget) * 1e3)
 
 
-def prefill_wait_s(placer: Any, placement: Any, request_id: str, *, drain: bool = True) -> float:
+def prefill_wait_s(placer: Any, placement: Any, request_id: str, *, drain: str = "on") -> float:
     """The prefill wait of a placed request, from the placer's picture of the cluster: tokens ahead
     of it at the worker that will prefill it, over that worker's learned rate, plus that worker's recent
-    push wait while others are in flight there; with ``drain``, at least the tokens ahead over the rate
-    that prefill worker's answers drained its queue (0 if nothing is known)."""
+    push wait while others are in flight there; ``drain`` (``DRAIN_MODES``) "on": at least the tokens
+    ahead over the rate that prefill worker's answers drained its queue, "replace": the larger of that
+    and the compute queue, without the push wait (0 if nothing is known)."""
     view, costs = getattr(placer, "view", None), getattr(placer, "costs", None)
     if view is None or costs is None or not hasattr(view, "outstanding_tokens"):
         return 0.0
@@ -112,9 +123,9 @@ def prefill_wait_s(placer: Any, placement: Any, request_id: str, *, drain: bool 
     # everything was refused) gets no push wait, so the next request is admitted and measures anew.
     own = 1 if view.prefill_of(request_id) == prefill_id else 0  # this request, placed there already
     others = view.inflight(prefill_id) - own if prefill_id else 0
-    if others > 0:
+    if others > 0 and drain != "replace":
         wait += costs.push_wait_s(prefill_id)
-    if drain and prefill_id:
+    if drain != "off" and prefill_id:
         wait = max(wait, costs.drain_s(prefill_id, ahead))
     return wait
 

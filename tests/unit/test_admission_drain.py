@@ -10,6 +10,8 @@ simulated time, as a ``PrefillResponse`` does, and the cost model learns from it
 With the drain term the admitted requests' wait for the first token stays near the budget while the
 link serves as many prompts as it can carry; with only the compute queue and the push wait's average
 (``--admission-drain off``) the backlog on the link grows and the admitted requests' wait with it.
+With the drain wait in the push wait's place (``replace``) the link is as busy and the admitted wait
+as bounded.
 Below the link's capacity neither refuses anything. Ends with the leak checks: no placement open, no
 token queued.
 """
@@ -23,7 +25,7 @@ from fake_clock import Clock
 from bench.placement_fakes import request
 from router.costs import CostConfig
 from router.placement import Placer, PlacerConfig, WorkerInfo
-from router.shedding import Admission, AdmissionConfig, Refused
+from router.shedding import DRAIN_MODES, Admission, AdmissionConfig, Refused
 
 COMPUTE = 40_000.0     # tokens/s
 LINK = 10_000.0        # tokens/s of KV the link carries: the bottleneck
@@ -32,7 +34,7 @@ BUDGET = 1.5
 DURATION = 30.0
 
 
-def simulate(rate: float, drain: bool) -> tuple[list[float], int, Placer]:
+def simulate(rate: float, drain: str) -> tuple[list[float], int, Placer]:
     """Per admitted request its wait for the first token; how many were refused; the placer."""
     clock = Clock(0.0)
     costs = CostConfig(prefill_tokens_per_s=COMPUTE, attention_s_per_token_pair=0.0)
@@ -84,16 +86,16 @@ def leak_free(placer: Placer) -> None:
 
 
 def test_below_the_links_capacity_nothing_is_refused_either_way():
-    for drain in (True, False):
+    for drain in DRAIN_MODES:
         waits, refused, placer = simulate(rate=3.0, drain=drain)  # 6k tokens/s on a 10k/s link
         assert refused == 0 and max(waits) < BUDGET
         leak_free(placer)
 
 
 def test_past_the_links_capacity_the_drain_term_keeps_the_admitted_within_budget():
-    with_drain, refused, placer = simulate(rate=8.0, drain=True)  # 16k tokens/s on a 10k/s link
+    with_drain, refused, placer = simulate(rate=8.0, drain="on")  # 16k tokens/s on a 10k/s link
     leak_free(placer)
-    without, _, placer_without = simulate(rate=8.0, drain=False)
+    without, _, placer_without = simulate(rate=8.0, drain="off")
     leak_free(placer_without)
     # The link serves what it can: at least 85% of its capacity over the run is admitted ...
     capacity = DURATION * LINK / TOKENS
@@ -105,3 +107,14 @@ def test_past_the_links_capacity_the_drain_term_keeps_the_admitted_within_budget
     assert refused > 0
     # Without it the estimate trails the link's backlog: admitted requests wait past the budget.
     assert p90(without) > BUDGET + own
+
+
+def test_the_drain_wait_in_place_of_the_push_wait_protects_as_well():
+    """``replace``: past the link's capacity it admits at least as many as ``on``, within the same
+    bound on their wait."""
+    replaced, refused, placer = simulate(rate=8.0, drain="replace")
+    leak_free(placer)
+    on, _, _ = simulate(rate=8.0, drain="on")
+    own = TOKENS / COMPUTE + TOKENS / LINK
+    assert refused > 0 and len(replaced) >= len(on)
+    assert p90(replaced) <= BUDGET + own and max(replaced) <= BUDGET + 2 * own

@@ -264,7 +264,7 @@ async def _other_errors_pass_through_and_leave_no_waiter() -> None:
 
 def test_config_validation() -> None:
     for kw in ({"max_queue_wait_s": -1}, {"allocate_queue_size": -1}, {"allocate_queue_wait_s": -0.1},
-               {"min_retry_ms": -5}):
+               {"min_retry_ms": -5}, {"drain": "sometimes"}):
         with pytest.raises(ValueError):
             AdmissionConfig(**kw)
     with pytest.raises(ValueError):
@@ -309,9 +309,13 @@ def test_drain_wait_bounds_the_estimate_below_when_on():
     pl = _Placement("p", "d")
     slow_link = _Placer({"p": 12_000}, own=2_000, inflight={"p": 5}, push=0.2, drain_rate=4_000.0)
     assert prefill_wait_s(slow_link, pl, "r") == pytest.approx(10_000 / 4_000)
-    assert prefill_wait_s(slow_link, pl, "r", drain=False) == pytest.approx(1.0 + 0.2)
+    assert prefill_wait_s(slow_link, pl, "r", drain="off") == pytest.approx(1.0 + 0.2)
+    assert prefill_wait_s(slow_link, pl, "r", drain="replace") == pytest.approx(10_000 / 4_000)
     fast_link = _Placer({"p": 12_000}, own=2_000, inflight={"p": 5}, push=0.2, drain_rate=40_000.0)
     assert prefill_wait_s(fast_link, pl, "r") == pytest.approx(1.0 + 0.2)  # compute is the bottleneck
+    # replace: the drain wait stands in for the push wait (computed tokens being pushed are in the
+    # compute queue already), so the compute queue alone when it is the larger
+    assert prefill_wait_s(fast_link, pl, "r", drain="replace") == pytest.approx(1.0)
     local = _Placer({"d": 5_000}, inflight={"d": 4}, drain_rate=1_000.0)
     assert prefill_wait_s(local, _Placement(None, "d"), "r") == pytest.approx(0.5)
 
