@@ -14,6 +14,12 @@ points). Requests are grouped into the sweep's rate points by their arrival (a p
 * ``after``: prefill done -> the transfer acknowledged (what the KV plane adds to TTFT);
 * TCP only, per DATA frame: ``staging`` (device->host copy), ``lane_wait`` and ``in_lane`` on the
   sender; ``rx_thread`` (its read) and ``rx_gap`` (the connection idle before it) on the receiver.
+
+and the check behind the router's drain wait (router/shedding.py), where the sender's frame counts are
+there: ``answer`` (prefill RPC called -> acknowledged, the time the router waits for it) beside
+``ahead_over_rate`` (the frames of the requests called before it and not yet acknowledged, over the
+point's mean frames per second: Little's law), and ``overtaken``, how many pairs of the point were
+acknowledged in the other order than they were computed (0: the KV plane serves transfers in order).
 """
 
 from __future__ import annotations
@@ -56,6 +62,26 @@ def measures(r: dict) -> dict[str, float | None]:
             "rx_gap": _per_frame(rx, "gap_s")}
 
 
+def littles_law(requests: list[dict]) -> dict[str, list[float]]:
+    """Per request with a frame count: its time to the answer, and the frames ahead of it over the
+    point's throughput; and how many pairs were acknowledged out of their compute order."""
+    rows = [(r["prefill"], r["tx-frames"]["frames"]) for r in requests
+            if "acked" in r["prefill"] and r.get("tx-frames", {}).get("frames")]
+    if len(rows) < 2:
+        return {}
+    span = max(p["acked"] for p, _ in rows) - min(p["called"] for p, _ in rows)
+    rate = sum(f for _, f in rows) / span if span > 0 else 0.0
+    if rate <= 0:
+        return {}
+    answer, ahead = [], []
+    for p, _ in rows:
+        answer.append(p["acked"] - p["called"])
+        ahead.append(sum(f for q, f in rows if q["called"] < p["called"] < q["acked"]) / rate)
+    overtaken = sum(1 for a, _ in rows for b, _ in rows
+                    if a["prefill_done"] < b["prefill_done"] and b["acked"] < a["acked"])
+    return {"answer": answer, "ahead_over_rate": ahead, "overtaken": [float(overtaken)]}
+
+
 def summarise(requests: list[dict]) -> dict:
     rows = [measures(r) for r in requests]
     out: dict = {"requests": len(rows)}
@@ -63,6 +89,13 @@ def summarise(requests: list[dict]) -> dict:
         xs = [row[key] for row in rows if row[key] is not None]
         if xs:
             out[key] = {"p50_ms": round(pct(xs, 0.5) * 1e3, 1), "p90_ms": round(pct(xs, 0.9) * 1e3, 1)}
+    law = littles_law(requests)
+    for key in ("answer", "ahead_over_rate"):
+        if key in law:
+            xs = law[key]
+            out[key] = {"p50_ms": round(pct(xs, 0.5) * 1e3, 1), "p90_ms": round(pct(xs, 0.9) * 1e3, 1)}
+    if "overtaken" in law:
+        out["overtaken"] = int(law["overtaken"][0])
     return out
 
 
@@ -78,7 +111,8 @@ def main(argv=None) -> None:
         result[mode_dir.name] = [summarise(group) for group in groups]
         for i, s in enumerate(result[mode_dir.name]):
             cells = "  ".join(f"{k} {v['p50_ms']}/{v['p90_ms']}" for k, v in s.items() if isinstance(v, dict))
-            print(f"{mode_dir.name:<12} point {i + 1} ({s['requests']} requests)  p50/p90 ms: {cells}")
+            more = f"  overtaken {s['overtaken']}" if "overtaken" in s else ""
+            print(f"{mode_dir.name:<12} point {i + 1} ({s['requests']} requests)  p50/p90 ms: {cells}{more}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.json}")

@@ -36,3 +36,28 @@ def test_stages_and_stalls(tmp_path):
     assert st == {"kv_wait": 50.0, "posted": 20.0, "back": 22.0, "seen": 5.0, "begin_ok": 20.0}
     assert rep["loop_stalls"] == {"episodes": 1, "median_ms": 90.0, "max_ms": 90.0,
                                   "innermost": {"_api.py:665 transfer": 1}}
+
+
+def test_littles_law_beside_the_time_to_the_answer(tmp_path):
+    """bench/kvtrace_serving.py: frames ahead of each request over the point's throughput, beside its
+    time to the answer, and the pairs acknowledged out of their compute order."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        ks = importlib.import_module("kvtrace_serving")
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def req(called, done, acked, frames):
+        return {"prefill": {"called": called, "first_step": called, "prefill_done": done, "acked": acked},
+                "tx-frames": {"frames": frames}}
+
+    # a link of 10 frames/s in order: a is on it from 0 to 1 s, b (called at 0.5 s) waits for it
+    law = ks.littles_law([req(0.0, 0.0, 1.0, 10), req(0.5, 0.5, 2.0, 10)])
+    assert law["answer"] == [1.0, 1.5]
+    assert law["ahead_over_rate"] == [0.0, 1.0] and law["overtaken"] == [0.0]
+    # c computed after d but acknowledged first: one pair out of order
+    law = ks.littles_law([req(0.0, 0.2, 2.0, 10), req(0.1, 0.3, 1.0, 10)])
+    assert law["overtaken"] == [1.0]
+    assert ks.littles_law([req(0.0, 0.1, 0.5, 10)]) == {}  # one request says nothing about a queue
+    s = ks.summarise([req(0.0, 0.0, 1.0, 10), req(0.5, 0.5, 2.0, 10)])
+    assert s["answer"]["p50_ms"] > 0 and s["overtaken"] == 0
