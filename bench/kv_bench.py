@@ -17,7 +17,8 @@ do, where the first resends one buffer into one buffer, which can stay in the CP
 with those TransportConfig overrides (configurations side by side in one run; the key switch_interval
 sets both processes' sys.setswitchinterval for that variant's rounds instead; ``tls=true`` makes it a
 TLS row, e.g. ``--variant tls_inproc=tls=true,tls_procs=0``: TLS on the connections' threads instead of
-relay helpers; the helpers' CPU counts in ``cpu_cores`` as ``tls-relays``). With
+relay helpers; the helpers' CPU counts in ``cpu_cores`` as ``tls-relays``; a key ``rx.KEY`` / ``tx.KEY``
+applies to the receiver / sender only). With
 ``--tls-concurrency`` the same transfers also run over mutual TLS (throwaway certificates,
 bench/kv_certs.py): ``tcp_tls`` rows, whose ``plain_gbps`` / ``tls_ratio`` compare with the plaintext
 transport of the same rounds. ``--device cuda``: the receiver's KV on GPU 1 and the sender's on GPU 0

@@ -41,8 +41,9 @@ async def bench_concurrency(args) -> list[dict]:
         for name in ["tcp"] + (["tcp_tls"] if tls_levels else []) + list(variants):
             if name in tls_rows and not tls_levels:
                 continue
-            extra_rx = extra_tx = {k: v for k, v in variants.get(name, {}).items()
-                                   if k not in _PROCESS_KNOBS + ("tls",)}
+            both = {k: v for k, v in variants.get(name, {}).items()
+                    if k not in _PROCESS_KNOBS + ("tls",) and not k.startswith(("rx.", "tx."))}
+            extra_rx, extra_tx = ({**both, **_side(variants.get(name, {}), side)} for side in ("rx", "tx"))
             if name in tls_rows:
                 extra_rx = {**extra_rx, **tls_config(certs, "decode")}
                 extra_tx = {**extra_tx, **tls_config(certs, "prefill")}
@@ -62,7 +63,8 @@ async def bench_concurrency(args) -> list[dict]:
             lanes = {}
             for name in sides:
                 conf = {"tcp_connections": args.connections, "tcp_stripe": True,
-                        **{k: v for k, v in variants.get(name, {}).items() if k != "tls"}}
+                        **{k: v for k, v in variants.get(name, {}).items() if k != "tls"},
+                        **_side(variants.get(name, {}), "tx")}
                 striped = conf["tcp_stripe"] and nbytes > conf.get("max_frame_bytes", 16 << 20)
                 lanes[name] = conf["tcp_connections"] if striped else min(c, conf["tcp_connections"])
             got: dict = {name: [] for name in sides}
@@ -119,9 +121,17 @@ async def bench_concurrency(args) -> list[dict]:
     return rows
 
 
+def _side(variant: dict, side: str) -> dict:
+    """The variant's overrides for one process only: ``rx.KEY`` (the receiver) or ``tx.KEY`` (the
+    sender), e.g. ``--variant txinproc=tls=true,tx.tls_procs=0``: the sender's TLS on its connections'
+    threads, the receiver's in relay helpers."""
+    prefix = side + "."
+    return {k[len(prefix):]: v for k, v in variant.items() if k.startswith(prefix)}
+
+
 def _parse_variant(text: str) -> tuple[str, dict]:
-    """NAME=key=value[,key=value...] -> (NAME, TransportConfig overrides); values are JSON where they
-    parse (numbers, true/false), else strings."""
+    """NAME=key=value[,key=value...] -> (NAME, TransportConfig overrides, ``rx.``/``tx.``-prefixed ones
+    for one side); values are JSON where they parse (numbers, true/false), else strings."""
     name, _, rest = text.partition("=")
     overrides = {}
     for item in filter(None, rest.split(",")):
