@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.settings import (
+    ADMISSION_DRAIN,
     CONDITIONAL,
     DEVICES,
     DISCOVERY,
@@ -119,7 +120,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-queue-wait-s", type=float, help="router: refuse at once (RESOURCE_EXHAUSTED with a "
       "retry-after-ms hint) a request that would wait longer than this to start (default 0: only its "
       "deadline)")
-    a("--admission-drain", choices=("on", "replace", "off"), help="router: the wait estimate is at least the "
+    a("--admission-drain", choices=ADMISSION_DRAIN, help="router: the wait estimate is at least the "
       "tokens ahead at the prefill worker over the rate its answers recently came, whatever held them up "
       "(compute, KV link, receiver) (on, the default); replace: that instead of the compute queue plus the "
       "push wait when larger; off: compute queue plus push wait only")

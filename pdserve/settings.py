@@ -26,6 +26,9 @@ DEVICES = ("auto", "cpu", "cuda")
 ROUTER_MODES = ("disagg", "colocated")
 CONDITIONAL = ("off", "auto")
 ON_OFF = ("on", "off")
+# --admission-drain (router/shedding.py): the drain wait bounds the estimate, replaces the push wait, or
+# is left out
+ADMISSION_DRAIN = ("on", "replace", "off")
 ENV_PREFIX = "PDSERVE_"
 # Defaults more than one component needs: a decode reservation's lease (also how long a Decode waits
 # for its KV) and the graceful drain of a serving process.
@@ -200,7 +203,7 @@ class ServeSettings:
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ValueError(f"--kv-memory-gb must be > 0, got {self.kv_memory_gb}")
         _one_of("migration", self.migration, ON_OFF)
-        _one_of("admission_drain", self.admission_drain, ("on", "replace", "off"))
+        _one_of("admission_drain", self.admission_drain, ADMISSION_DRAIN)
         if self.max_request_retries < 0 or self.retry_wait_s < 0:
             raise ValueError("--max-request-retries and --retry-wait-s must be >= 0")
         if not 1024 <= self.max_request_bytes <= 1 << 30:

@@ -48,13 +48,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pdserve.settings import ADMISSION_DRAIN as DRAIN_MODES
 from pdserve.wire import RETRY_AFTER_KEY
 from router.allocate_queue import AllocateQueue, QueueRefused
 
 T = TypeVar("T")
-
-
-DRAIN_MODES = ("on", "replace", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
