@@ -113,7 +113,10 @@ def _mark(exp: Expectation, segs: list) -> int:
         if not (0 <= layer < exp.num_layers) or count < 1:
             raise InvalidTransfer(f"segment {seg} outside {exp.num_layers} layers")
         first = index.get(start) if count > 1 else None
-        if first is not None and exp.dst[first:first + count] == tuple(range(start, start + count)):
+        # (a count past the reservation's end takes the block-by-block path, which refuses it at the
+        # first block not reserved, before anything of that size is built)
+        if (first is not None and count <= n_dst - first
+                and exp.dst[first:first + count] == tuple(range(start, start + count))):
             mark = layer * n_dst + first
             at = written.find(1, mark, mark + count)
             if at >= 0:

@@ -53,3 +53,11 @@ def test_a_block_written_by_an_earlier_frame_is_refused_in_a_later_run(loop):
     _mark(exp, [[1, 12, 1]])
     with pytest.raises(InvalidTransfer, match=r"\(layer 1, block 12\) of 'r' sent twice"):
         _mark(exp, [[1, 10, 4]])
+
+
+def test_a_huge_count_is_refused_at_once(loop):
+    """A peer's segment claiming a billion blocks is refused at the first one past the reservation,
+    without building anything of that size."""
+    exp = expectation(loop, [10, 11, 12, 13])
+    with pytest.raises(InvalidTransfer, match="block 14 is not reserved"):
+        _mark(exp, [[0, 10, 10**9]])
