@@ -97,7 +97,6 @@ class TcpReceiving:
             self._complete(exp)
 
 
-
 def _mark(exp: Expectation, segs: list) -> int:
     """Mark in ``exp.written`` the (layer, block)s a DATA frame's segments fill and return how many,
     each checked first: well-formed, inside the layers, reserved for the request, not written by an

@@ -166,24 +166,6 @@ class CostModel:
         a = self.config.drain_alpha
         self._drain[worker_id] = (got[0] + a * (tokens - got[0]), got[1] + a * (busy_s - got[1]))
 
-    def drain_s(self, worker_id: str, tokens_ahead: int) -> float:
-        """Seconds until ``tokens_ahead`` already sent to ``worker_id`` are answered, at the rate its
-        answers recently came (0 until one did)."""
-        got = self._drain.get(worker_id)
-        if got is None or tokens_ahead <= 0:
-            return 0.0
-        return tokens_ahead * got[1] / got[0]
-
-    def push_wait_s(self, worker_id: str, now: float | None = None) -> float:
-        """Seconds a prompt computed on ``worker_id`` now would wait for its KV to be acknowledged, from
-        the recent answers (0 until one came), fading with the time since the last one."""
-        got = self._push_wait.get(worker_id)
-        if got is None:
-            return 0.0
-        value, when = got
-        age = max((self.clock() if now is None else now) - when, 0.0)
-        return value * math.exp(-self.config.push_wait_decay_per_s * age)
-
     def observe_transfer(self, prefill_id: str, decode_id: str, *, bytes_sent: int, seconds: float,
                          blocks_sent: int) -> None:
         self.links.observe(prefill_id, decode_id, bytes_sent=bytes_sent, seconds=seconds,
@@ -211,6 +193,24 @@ class CostModel:
         rate, when = got
         age = max((self.clock() if now is None else now) - when, 0.0)
         return rate * math.exp(-self.config.rate_decay_per_s * age)
+
+    def push_wait_s(self, worker_id: str, now: float | None = None) -> float:
+        """Seconds a prompt computed on ``worker_id`` now would wait for its KV to be acknowledged, from
+        the recent answers (0 until one came), fading with the time since the last one."""
+        got = self._push_wait.get(worker_id)
+        if got is None:
+            return 0.0
+        value, when = got
+        age = max((self.clock() if now is None else now) - when, 0.0)
+        return value * math.exp(-self.config.push_wait_decay_per_s * age)
+
+    def drain_s(self, worker_id: str, tokens_ahead: int) -> float:
+        """Seconds until ``tokens_ahead`` already sent to ``worker_id`` are answered, at the rate its
+        answers recently came (0 until one did)."""
+        got = self._drain.get(worker_id)
+        if got is None or tokens_ahead <= 0:
+            return 0.0
+        return tokens_ahead * got[1] / got[0]
 
     def learned(self, worker_id: str) -> bool:
         return worker_id in self._rate

@@ -168,7 +168,7 @@ def test_a_warm_cache_keeps_allocating_long_runs_under_churn():
         live.append(table)
         if step >= 1000:
             blocks, pieces = blocks + n, pieces + runs(table)
-    assert pieces / blocks < 0.1  # handed out one by one in LRU order it was 0.94: a run per block
+    assert pieces / blocks < 0.1  # 0.03 here; handed out one by one in LRU order 0.92: a run per block
     for table in live:
         bm.release(table)
     assert_no_leaks(bm)
