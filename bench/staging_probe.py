@@ -84,7 +84,7 @@ class _Blast:
         except OSError:
             pass
 
-    def __enter__(self) -> "_Blast":
+    def __enter__(self) -> _Blast:
         lst = socket.create_server(("127.0.0.1", 0))
         for _ in range(self.n):
             a = socket.create_connection(lst.getsockname())
@@ -132,7 +132,8 @@ def main() -> None:
                                  "blast_pairs": blast, **r})
                     print(f"{direction} frame {frame_mib:3d} MiB streams {streams} blast {blast}: "
                           f"{r['gbps']:6.2f} GB/s (best {r['gbps_best']:.2f}), issued in "
-                          f"{r['issue_ms']:.3f} ms" + (f", blast {r['blast_gbps']:.2f} GB/s" if blast else ""))
+                          f"{r['issue_ms']:.3f} ms"
+                          + (f", blast {r['blast_gbps']:.2f} GB/s" if blast else ""))
     if args.out:
         out = Path(args.out) / "staging-probe.json"
         out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "total_mib": args.total_mib,

@@ -36,6 +36,13 @@ class Expectation(FutureResult):
         self.frame_stats: dict = {}  # trace, TCP: sums over its large DATA frames (rx_conn._trace_frame)
         self.timer: asyncio.TimerHandle | None = None
         self.flushing = None  # device memory: the CUDA event after this request's last host->device copy
+        # Connections whose current DATA frame's payload is being received into this request's targets (its
+        # blocks, or a staging buffer flushed into them): a failure is told only once none is (receiver.py).
+        self.reading: set = set()
+        self.settling: tuple | None = None  # (error, confirmed) of a failure waiting for those frames
+        # True once nothing of it can land any more after a failure with the sender's confirmation, False
+        # without it (abort_ack_timeout_s passed); what Receiver.abort returns.
+        self.quiet: asyncio.Future = loop.create_future()
         self._future = loop.create_future()
         # Nobody awaiting a failed expectation must not produce "exception never retrieved" noise.
         self._future.add_done_callback(lambda f: f.cancelled() or f.exception())

@@ -45,9 +45,15 @@ class KVLink:
             return await self.transport.wait_complete(request_id)
         return await exp.wait()
 
-    def release(self, request_id: str) -> None:
+    async def release(self, request_id: str) -> None:
+        """Stop expecting a request's KV; returns once none of it can land any more, so its blocks may be
+        freed (a transfer still under way is aborted and its sender's confirmation awaited, at most
+        abort_ack_timeout_s; without it the frames still arriving are cut off). Immediate when the KV
+        is in or was never sent."""
         self._expected.pop(request_id, None)
-        self.transport.release(request_id)
+        if not await self.transport.abort(request_id, "released by the decode worker"):
+            log.warning("kvtransfer: the sender of %s did not confirm its abort; freeing its blocks after "
+                        "cutting off what was still arriving", request_id)
 
     @property
     def trace(self) -> bool:

@@ -72,6 +72,8 @@ class Receiver(TcpReceiving):
         self.backends = backends
         self.loop = loop
         self.expectations: dict[str, Expectation] = {}
+        # Failed expectations whose failure is not told yet (sender to confirm, frames still arriving).
+        self.unsettled: dict[str, Expectation] = {}
         self.recv_pool = None  # set by the transport: threads receiving large payloads
         self.io_rx = IoStats()  # what those threads did (counters())
         self.conns: set = set()
@@ -92,17 +94,22 @@ class Receiver(TcpReceiving):
         return exp
 
     async def abort(self, rid: str, reason: str) -> bool:
-        """Fail an expectation; True once no write of it can land any more (sender confirmed/none bound)."""
-        exp = self.expectations.get(rid)
+        """Fail an expectation (or join a failure already under way); returns once no write of it can land
+        any more: True when the sender confirmed (or none was bound), False when it did not within
+        abort_ack_timeout_s (logged by _settle_failure). Either way no frame of it is still being received
+        into its blocks or copied there, so they may be freed."""
+        exp = self.expectations.get(rid) or self.unsettled.get(rid)
         if exp is None:
             return True
-        ack = self._fail(exp, TransferAborted(f"request {rid!r} aborted by receiver: {reason}"), notify=True)
-        if ack is None:
-            return True
+        if exp.state != "failed":
+            self._fail(exp, TransferAborted(f"request {rid!r} aborted by receiver: {reason}"), notify=True)
+        # The grace past the ack timeout: a frame stuck mid-payload is cut then (its connection closed),
+        # and its receive thread notices within IO_TIMEOUT_S.
         try:
-            return bool(await asyncio.wait_for(asyncio.shield(ack), self.config.abort_ack_timeout_s))
+            return bool(await asyncio.wait_for(asyncio.shield(exp.quiet),
+                                               self.config.abort_ack_timeout_s + 2.0))
         except asyncio.TimeoutError:
-            return False  # logged by _settle_failure
+            return False
 
     def release(self, rid: str) -> None:
         exp = self.expectations.get(rid)
@@ -118,15 +125,16 @@ class Receiver(TcpReceiving):
             conn.close()
 
     # -- state transitions -------------------------------------------------------------------------
-    def _fail(self, exp: Expectation, exc: TransferError, notify: bool) -> asyncio.Future | None:
+    def _fail(self, exp: Expectation, exc: TransferError, notify: bool) -> None:
         self.expectations.pop(exp.request_id, None)
+        self.unsettled[exp.request_id] = exp
         if exp.timer is not None:
             exp.timer.cancel()
         exp.state = "failed"
         conn = exp.conn
         if not notify or conn is None or conn.closed:
             self._settle_failure(exp, exc)
-            return None
+            return
         ack = conn.abort_acks.get(exp.request_id)
         if ack is None:
             ack = conn.abort_acks[exp.request_id] = self.loop.create_future()
@@ -137,15 +145,39 @@ class Receiver(TcpReceiving):
         # with one-sided RDMA writes or a TCP frame that was still arriving.
         timer = self.loop.call_later(self.config.abort_ack_timeout_s, self._settle_failure, exp, exc, True)
         ack.add_done_callback(lambda _f: (timer.cancel(), self._settle_failure(exp, exc)))
-        return ack
 
     def _settle_failure(self, exp: Expectation, exc: TransferError, unconfirmed: bool = False) -> None:
-        if exp._future.done():
+        """The sender confirmed (or is gone, or abort_ack_timeout_s passed): tell the failure once no frame
+        of the request is still arriving into its targets and its last host->device copy has landed (TCP
+        frames already written when the sender stopped may still be in the sockets of its other
+        connections; their payload must not land in blocks the decode service has freed)."""
+        if exp._future.done() or exp.settling is not None:
             return
+        exp.settling = (exc, not unconfirmed)
         if unconfirmed:
-            log.warning("kvtransfer: sender of %s did not confirm the abort within %.1fs; its blocks may "
-                        "still be written", exp.request_id, self.config.abort_ack_timeout_s)
+            log.warning("kvtransfer: sender of %s did not confirm the abort within %.1fs; closing the "
+                        "connections still receiving a frame of it", exp.request_id,
+                        self.config.abort_ack_timeout_s)
+            for conn in list(exp.reading):
+                conn.close()
+        self._settle_if_quiet(exp)
+
+    def _settle_if_quiet(self, exp: Expectation) -> None:
+        if exp.settling is None or exp._future.done() or exp.reading:
+            return
+        event, exp.flushing = exp.flushing, None
+        if event is not None and not event.query():
+            self.loop.create_task(self._settle_after(exp, event))
+            return
+        if self.unsettled.get(exp.request_id) is exp:
+            del self.unsettled[exp.request_id]
+        exc, confirmed = exp.settling
         exp._future.set_exception(exc)
+        exp.quiet.set_result(confirmed)
+
+    async def _settle_after(self, exp: Expectation, event) -> None:
+        await self.memory.ready(event)
+        self._settle_if_quiet(exp)
 
     def _complete(self, exp: Expectation) -> None:
         self.expectations.pop(exp.request_id, None)

@@ -169,6 +169,9 @@ class RxConnection(asyncio.BufferedProtocol):
             os.close(self._fd)
             self._fd = None
         self.rx.conns.discard(self)
+        if self._state == "payload" and self._ctx is not None:  # read on the loop: no more of it comes
+            ctx, self._ctx = self._ctx, None
+            self.rx.on_data_dropped(self, ctx)
         for fut in self.abort_acks.values():
             if not fut.done():
                 fut.set_result(False)
@@ -316,10 +319,12 @@ class RxConnection(asyncio.BufferedProtocol):
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+            self.rx.on_data_dropped(self, ctx)
             return
         if exc is not None:
             log.warning("kvtransfer: connection from %s broke mid-frame: %s", self.peer, exc)
             self.close()
+            self.rx.on_data_dropped(self, ctx)
             return
         io = fut.result()
         self.rx.io_rx.add(*io[:4])

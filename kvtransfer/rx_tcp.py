@@ -47,10 +47,21 @@ class TcpReceiving:
             self._fail(exp, exc, notify=False)
             raise
         views, staging = self.memory.recv_views(planned)
+        exp.reading.add(conn)
         return _DataCtx(exp, planned, views, staging, crc), views
+
+    def on_data_dropped(self, conn, ctx: _DataCtx) -> None:
+        """A DATA frame's payload stopped arriving (its connection broke or was closed): nothing more of it
+        lands; the connection's loss fails the request."""
+        ctx.exp.reading.discard(conn)
+        self._settle_if_quiet(ctx.exp)
 
     def on_data_complete(self, conn, ctx: _DataCtx) -> None:
         exp = ctx.exp
+        exp.reading.discard(conn)
+        if exp.state == "failed":  # failed while the payload arrived: it must not reach the blocks
+            self._settle_if_quiet(exp)
+            return
         if ctx.crc is not None:
             crc = 0
             for view in ctx.views:

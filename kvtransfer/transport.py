@@ -304,6 +304,7 @@ class KVTransport:
         """Counts that must all be 0 when idle (leak checks), plus peers (cached connections)."""
         rx = self.receiver
         return {"expectations": len(rx.expectations) if rx else 0,
+                "unsettled": len(rx.unsettled) if rx else 0,  # failed, not yet told (sender, frames arriving)
                 "sends": len(self._sends),
                 "peers": len(self._peers),
                 "peer_handles": sum(len(p.handles) for p in self._peers.values()),

@@ -269,7 +269,8 @@ class RankAgent:
         per = [tx.stats() for tx in txs]
         return {"expecting": len(self._expecting), "sending": len(self._sending),
                 "staging_in_use": sum(a.in_use for a in self._staging.values()),
-                "expectations": sum(s["expectations"] for s in per), "sends": sum(s["sends"] for s in per),
+                "expectations": sum(s["expectations"] for s in per),
+                "unsettled": sum(s["unsettled"] for s in per), "sends": sum(s["sends"] for s in per),
                 "peer_handles": sum(s["peer_handles"] for s in per),
                 "nixl_xfers": sum(s["nixl_xfers"] for s in per)}
 

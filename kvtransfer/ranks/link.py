@@ -104,8 +104,10 @@ class RankedLink:
         return {"bytes": sum(i["bytes"] for i in infos), "backend": infos[0]["backend"]}
 
     async def release(self, request_id: str) -> None:
+        """Every rank stops expecting it; returns once none of it can land on any rank (as KVLink.release)."""
         self._expected.discard(request_id)
-        await self._release_all(request_id)
+        if not await self._abort_all(request_id, "released by the decode worker"):
+            log.warning("kvtransfer: a rank's sender of %s did not confirm its abort", request_id)
 
     async def _release_all(self, request_id: str) -> None:
         results = await asyncio.gather(*(_maybe(r.release(request_id)) for r in self.ranks),

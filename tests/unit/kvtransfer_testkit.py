@@ -39,19 +39,20 @@ async def closed_clean(ts, *, ready, fields: tuple[str, ...], polls: int) -> Non
 
 
 def _idle(s: dict) -> bool:
-    return s["expectations"] == 0 and s["sends"] == 0
+    return s["expectations"] == 0 and s["unsettled"] == 0 and s["sends"] == 0
 
 
 async def leak_free(*ts, polls: int = 200) -> None:
     """Wait for both sides to settle, assert nothing is left, close, assert every counter is zero."""
-    await closed_clean(ts, ready=_idle, fields=("expectations", "sends", "nixl_xfers"), polls=polls)
+    await closed_clean(ts, ready=_idle, fields=("expectations", "unsettled", "sends", "nixl_xfers"),
+                       polls=polls)
 
 
 async def settled(*transports) -> None:
     """``leak_free`` for TCP transports: also no peer connection handle or load left behind (their
     NIXL counter is always 0)."""
-    await closed_clean(transports, ready=_idle, fields=("expectations", "sends", "peer_handles", "peer_load"),
-                       polls=300)
+    await closed_clean(transports, ready=_idle,
+                       fields=("expectations", "unsettled", "sends", "peer_handles", "peer_load"), polls=300)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

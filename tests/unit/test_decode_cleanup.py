@@ -175,3 +175,43 @@ def test_expired_lease_is_reaped():
         await assert_no_leak(worker)
 
     run(scenario)
+
+
+class SettlingKV(FakeKV):
+    """A receiver whose release waits, as kvtransfer's does, until nothing of the transfer can land any
+    more (the sender's confirmation, frames still arriving on its other connections)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settle = asyncio.Event()
+
+    async def release(self, rid: str) -> None:
+        super().release(rid)
+        await self.settle.wait()
+
+
+@pytest.mark.parametrize("how", ["release", "kv wait timeout"])
+def test_blocks_stay_reserved_until_the_receiver_says_nothing_more_can_land(how):
+    """Freed blocks are reused at once; a transfer cut short may still be writing into them (RDMA writes
+    in flight, TCP frames already in the sockets), so the worker frees them only after the receiver's
+    release returned."""
+    async def scenario(worker):
+        worker.kv = SettlingKV()
+        await worker.allocate("r5", PROMPT, PARAMS)
+        total = await worker.engine.call(lambda e: e.num_total_blocks)
+        if how == "release":
+            ending = asyncio.ensure_future(worker.release("r5"))
+        else:
+            ending = asyncio.ensure_future(anext(worker.decode("r5", 7, kv_wait_s=0.05)))
+        await asyncio.sleep(0.2)
+        assert not ending.done()
+        assert await worker.engine.call(lambda e: e.num_free_blocks) < total  # still reserved
+        worker.kv.settle.set()
+        if how == "release":
+            assert await ending is True
+        else:
+            with pytest.raises(asyncio.TimeoutError):
+                await ending
+        await assert_no_leak(worker)
+
+    run(scenario)
