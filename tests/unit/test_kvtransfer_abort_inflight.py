@@ -46,8 +46,13 @@ def _read_frame(sock: socket.socket) -> tuple[Msg, dict]:
 @pytest.mark.parametrize("staged", [False, True], ids=["host", "staged"])
 @pytest.mark.parametrize("how", ["abort", "link release", "deadline"])
 def test_a_frame_still_arriving_after_the_ack_never_lands_in_freed_blocks(staged, how):
+    frame_after_ack(how, "cpu", staged)
+
+
+def frame_after_ack(how: str, device: str, staged: bool) -> None:
+    """The scenario, on a cache in ``device`` memory (tests/gpu runs it on CUDA: staged by nature)."""
     async def main():
-        dst = LAYOUT.allocate(BLOCKS + 8)
+        dst = LAYOUT.allocate(BLOCKS + 8, device)
         b = await make_transport("tcp", LAYOUT, dst, force_staging=staged, abort_ack_timeout_s=5.0,
                                  stall_timeout_s=0.5).start()
         loop = asyncio.get_running_loop()
@@ -88,6 +93,8 @@ def test_a_frame_still_arriving_after_the_ack_never_lands_in_freed_blocks(staged
         # What the decode service does next: free the blocks, another request's KV lands there.
         dst[:, 8:].zero_()
         await asyncio.sleep(0.3)
+        if dst.is_cuda:
+            torch.cuda.synchronize()
         assert int(dst[:, 8:].view(torch.uint8).max()) == 0, "an aborted request's bytes landed afterwards"
         home.close()
         other.close()
