@@ -10,6 +10,7 @@ connection is gone; so does the decode worker's ``KVLink.release``, after which 
 A raw-socket sender plays the sender's part so the timing is exact."""
 
 import asyncio
+import dataclasses
 import socket
 
 import pytest
@@ -28,9 +29,9 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtyp
 BLOCKS = 128  # one layer of them per frame: 2 MiB, received by a thread
 
 
-def _hello(port: int) -> socket.socket:
+def _hello(port: int, layout: KVLayout = LAYOUT) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(encode(Msg.HELLO, {"version": 1, "layout_hash": LAYOUT.compat_hash(), "want": "tcp",
+    sock.sendall(encode(Msg.HELLO, {"version": 1, "layout_hash": layout.compat_hash(), "want": "tcp",
                                     "sender": "fake-sender"}))
     msg, _f, meta_len, _p = decode_header(recv_exact(sock, HEADER.size))
     assert msg == Msg.HELLO_OK
@@ -51,9 +52,11 @@ def test_a_frame_still_arriving_after_the_ack_never_lands_in_freed_blocks(staged
 
 def frame_after_ack(how: str, device: str, staged: bool) -> None:
     """The scenario, on a cache in ``device`` memory (tests/gpu runs it on CUDA: staged by nature)."""
+    layout = dataclasses.replace(LAYOUT, memory=device)
+
     async def main():
-        dst = LAYOUT.allocate(BLOCKS + 8, device)
-        b = await make_transport("tcp", LAYOUT, dst, force_staging=staged, abort_ack_timeout_s=5.0,
+        dst = layout.allocate(BLOCKS + 8)
+        b = await make_transport("tcp", layout, dst, force_staging=staged, abort_ack_timeout_s=5.0,
                                  stall_timeout_s=0.5).start()
         loop = asyncio.get_running_loop()
         dst_ids = list(range(8, 8 + BLOCKS))
@@ -61,7 +64,7 @@ def frame_after_ack(how: str, device: str, staged: bool) -> None:
         link.expect("s", dst_ids)
         exp = b.receiver.expectations["s"]
         port = b.endpoint()["port"]
-        home, other = await loop.run_in_executor(None, lambda: (_hello(port), _hello(port)))
+        home, other = await loop.run_in_executor(None, lambda: (_hello(port, layout), _hello(port, layout)))
         nbytes = BLOCKS * LAYOUT.num_layers * LAYOUT.block_bytes
         home.sendall(encode(Msg.BEGIN, {"rid": "s", "dst": dst_ids, "nbytes": nbytes, "backend": "tcp",
                                         "stripe": True}))
