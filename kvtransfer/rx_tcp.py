@@ -93,7 +93,7 @@ class TcpReceiving:
             raise InvalidTransfer(f"END of {exp.request_id!r} before all KV arrived: {missing} "
                                   f"(layer, block) pairs missing, {exp.received}/{exp.nbytes} bytes")
         exp.timeline["end"] = time.monotonic()
-        event, exp.flushing = exp.flushing, None
+        event = exp.flushing  # kept: a failure meanwhile is told only once it has landed (_settle_if_quiet)
         if event is None or event.query():
             self._complete(exp)
             return
