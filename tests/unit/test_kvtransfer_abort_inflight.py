@@ -2,9 +2,9 @@
 
 A striped transfer's frames ride several connections. When the receiver aborts it, the sender
 confirms on the home connection (ABORT_ACK) once its writes are done, but a frame it already wrote on
-another connection may still be arriving there. Before, the receiver told the failure at the ack: the
-decode service freed the blocks and the rest of that frame landed in them (host memory: straight into
-the blocks; device memory: its staging buffer flushed into them). Now ``abort()`` and the waiter
+another connection may still be arriving there. If the failure were told at the ack, the decode
+service would free the blocks and the rest of that frame would land in them (host memory: straight
+into the blocks; device memory: its staging buffer flushed into them). So ``abort()`` and the waiter
 return only after every frame of the request being received is in (and dropped, not copied) or its
 connection is gone; so does the decode worker's ``KVLink.release``, after which it frees the blocks.
 A raw-socket sender plays the sender's part so the timing is exact."""
@@ -127,7 +127,8 @@ def test_a_sender_that_never_finishes_its_frame_is_cut_off_at_the_ack_timeout():
         await asyncio.sleep(0.3)
         assert await asyncio.wait_for(b.abort("s", "give up"), 10) is False
         dst[:, 8:].fill_(1.0)
-        with pytest.raises(OSError):  # the receiver closed the stalled connection
+        # the receiver closed the stalled connection (a send timeout would mean it did not)
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
             other.settimeout(5)
             for _ in range(64):
                 other.sendall(bytes(1 << 20))
