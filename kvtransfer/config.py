@@ -74,6 +74,14 @@ class TransportConfig:
     # longer than handing a frame to a lane); each one more costs a frame of page-locked memory per
     # transfer in flight, beside the frames already in lanes.
     tcp_stage_ahead: int = 2
+    # TCP from or into device memory: each connection's own I/O threads stage its frames. Sending, the
+    # lane's writer thread issues a frame's device->host copies (and those of up to tcp_stage_ahead - 1
+    # frames queued behind it), waits for them and writes the frame; a transfer queues all its frames at
+    # once. Receiving, the thread that reads a payload allocates its staging buffer and issues the
+    # host->device copies. The event loop then makes no CUDA call and no hand-off per frame: with them on
+    # the loop, 16 transfers in flight kept each connection's threads busy only 27-48% of the time, each
+    # waiting for the loop's turn (docs/kvtransfer.md). False: staged on the event loop (for comparison).
+    tcp_lane_staging: bool = True
     # The process's GIL switch interval (sys.setswitchinterval), lowered to this when the transport
     # starts (never raised; 0 leaves it). A TCP I/O thread takes the GIL back after every socket call;
     # while the engine's thread runs Python (a decode step's host work, an eager prefill's launches) it

@@ -35,7 +35,9 @@ class Expectation(FutureResult):
         self.timeline = {"expect": self.started}
         self.frame_stats: dict = {}  # trace, TCP: sums over its large DATA frames (rx_conn._trace_frame)
         self.timer: asyncio.TimerHandle | None = None
-        self.flushing = None  # device memory: the CUDA event after this request's last host->device copy
+        # Device memory: the CUDA events after this request's host->device copies not known done yet (one
+        # per staged frame; frames flushed on different threads reach the stream in any order).
+        self.flushing: list = []
         # Connections whose current DATA frame's payload is being received into this request's targets (its
         # blocks, or a staging buffer flushed into them): a failure is told only once none is (receiver.py).
         self.reading: set = set()

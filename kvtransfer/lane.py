@@ -11,6 +11,10 @@ TLS: by default the socket is a TLS relay's plaintext end (tls_relay.py: the rec
 helper process) and nothing here differs; with ``TransportConfig.tls_procs`` 0, the TCP socket under
 a ``TlsChannel`` (tls.py), a large frame encrypted by the writer thread.
 
+Device memory (TransportConfig.tcp_lane_staging): a transfer queues its DATA frames as ``StagedFrame``s
+(tx_frame.py); the writer thread issues a frame's device->host copies, waits for them and writes it, and
+issues the copies of up to tcp_stage_ahead - 1 frames queued behind it meanwhile.
+
 Frames are written whole and in the order they were handed over (FIFO: the writer thread's queue), so
 frames of transfers sharing a lane interleave frame by frame. A write interrupted halfway poisons the
 stream: the peer is closed. ``progress`` is the last instant bytes moved either way (the writer thread
@@ -26,12 +30,14 @@ import select
 import socket
 import threading
 import time
+from collections import deque
 
 from .errors import PeerUnavailable, TransferError
 from .iovec import IOV_MAX, advance, whole_frame_io
 from .protocol import HEADER_SIZE, Msg, decode_header, decode_meta, encode
 from .tls import TlsChannel, client_context, tls_send_blocking
 from .tls_relay import client_status
+from .tx_frame import StagedFrame
 
 
 def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int, stop: list[bool],
@@ -63,6 +69,19 @@ def _sendmsg_blocking(sock: socket.socket, views: list[memoryview], i: int, stop
     return calls, nbytes, polled, time.monotonic() - start
 
 
+def _stage_ahead(writes: queue.SimpleQueue, ahead: deque, depth: int) -> None:
+    """Take up to ``depth`` more items off the writer queue (never waiting) and issue the copies of the
+    StagedFrames among them, so the copy stream works while the frame in hand is on the socket."""
+    while len(ahead) < depth and (not ahead or ahead[-1] is not None):
+        try:
+            ahead.append(writes.get_nowait())
+        except queue.Empty:
+            break
+    for item in ahead:
+        if item is not None and isinstance(item[0], StagedFrame):
+            item[0].start()
+
+
 def _set_once(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -81,6 +100,7 @@ class Lane:
         self.closed = False
         self.progress = [time.monotonic()]
         self.load = 0  # bytes of the transfers riding this lane now (the least loaded takes the next)
+        self.queued_bytes = 0  # bytes of StagedFrames queued on the writer thread and not written yet
         self._writes: queue.SimpleQueue | None = None  # batches for the writer thread (started on first use)
         self._queued = 0  # batches handed to the writer thread and not written yet
         self._stop = [False]
@@ -193,6 +213,30 @@ class Lane:
         write = self.loop.create_future()
         self._queued += 1
         self._writer_queue().put((views, encrypted, write))
+        await self._written_or_lost(write)
+
+    def queue_staged(self, frame: StagedFrame) -> asyncio.Future:
+        """Hand a frame to the writer thread, behind every batch queued before it; the future resolves
+        once it was written (IoStats, or None when it was cancelled unwritten) or fails with the OSError
+        that broke the lane (``wait_written``)."""
+        if self.closed:
+            raise PeerUnavailable(f"connection to KV receiver {self.name} is closed")
+        write = self.loop.create_future()
+        self._queued += 1
+        self.queued_bytes += frame.nbytes
+        self._writer_queue().put((frame, False, write))
+        return write
+
+    async def wait_written(self, write: asyncio.Future) -> None:
+        """Await a queue_staged future; the lane's loss becomes the peer's (PeerUnavailable)."""
+        try:
+            done = await write
+        except OSError as exc:
+            raise self._lost(exc) from exc
+        if done is not None:
+            self.t.io_tx.add(*done)
+
+    async def _written_or_lost(self, write: asyncio.Future) -> None:
         try:
             done = await asyncio.shield(write)
             if done is not None:
@@ -216,26 +260,40 @@ class Lane:
 
     def _write_loop(self, writes: queue.SimpleQueue) -> None:
         """The lane's writer thread: batches in order; after a failed one the stream is broken, so every
-        later one fails with the same error (the peer is closed by whoever awaits them)."""
+        later one fails with the same error (the peer is closed by whoever awaits them). A StagedFrame is
+        staged here, the copies of the next queued ones issued before it is written (``_stage_ahead``)."""
         failed: BaseException | None = None
-        while (item := writes.get()) is not None:
+        ahead: deque = deque()  # items taken off the queue early (their staging started)
+        depth = self.t.config.tcp_stage_ahead - 1
+        while (item := ahead.popleft() if ahead else writes.get()) is not None:
             views, encrypted, fut = item
+            frame = views if isinstance(views, StagedFrame) else None
             result: object = None
             if failed is None:
                 try:
-                    if self.chan is not None and not encrypted:
+                    if frame is not None:
+                        frame.start()
+                        _stage_ahead(writes, ahead, depth)
+                        views = frame.buffers()
+                    if views is None:  # a cancelled frame: nothing to write
+                        pass
+                    elif self.chan is not None and not encrypted:
                         result = tls_send_blocking(self.sock, self.chan, views, self._stop, self.progress)
                     else:
                         result = _sendmsg_blocking(self.sock, views, 0, self._stop, self.progress)
+                    if frame is not None:
+                        frame.times[3] = time.monotonic()
                 except BaseException as exc:  # noqa: BLE001 (handed to the awaiting coroutine)
                     failed = exc
             try:
-                self.loop.call_soon_threadsafe(self._written, fut, result, failed)
+                self.loop.call_soon_threadsafe(self._written, fut, result, failed,
+                                               frame.nbytes if frame is not None else 0)
             except RuntimeError:  # the event loop is gone (interpreter teardown): nobody waits
                 return
 
-    def _written(self, fut: asyncio.Future, result, failed: BaseException | None) -> None:
+    def _written(self, fut: asyncio.Future, result, failed: BaseException | None, staged: int) -> None:
         self._queued -= 1
+        self.queued_bytes -= staged
         if fut.done():
             return
         if failed is not None:

@@ -14,7 +14,12 @@ Staging device memory (the TCP fallback between GPUs), per DATA frame (<= max_fr
     recv   recv_views(segments)  one page-locked buffer the socket is read into
            flush(segments, buf)  asynchronous host->device copies on the side stream: the next frame is
                                  read while they run; returns the event after them: the receiver completes
-                                 a request (END) once its last frame's event is done, awaited off the loop
+                                 a request (END) once every one of its frames' events is done, awaited
+                                 off the loop
+
+Any thread may stage (TransportConfig.tcp_lane_staging: each connection's I/O threads stage their own
+frames). Frames of one request flushed by different threads reach the side stream in any order, so a
+request waits for the events of all its frames, not for the last one it was told of.
 
 A frame's blocks are scattered over the cache (free lists fragment as requests come and go: a 2k-token
 prompt's 128 blocks may be dozens of runs). A frame of more than ``_COPY_MAX_SEGMENTS`` runs moves with
@@ -36,6 +41,7 @@ stream, where every later use is ordered after the copies that read them.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import torch
 
@@ -82,6 +88,7 @@ class KVMemory:
         self._table = self._flat.view(dtype).view(-1, self.block_bytes // width)
         self._blocking_sync = blocking_sync  # staging events sleep in synchronize() instead of spinning
         self._stream = None  # side stream for staging copies (device memory), made on first use
+        self._stream_lock = threading.Lock()  # staging may start on any thread
         self._gather_runs = gather  # False: one copy per segment (TransportConfig.staging_gather)
 
     @property
@@ -104,8 +111,9 @@ class KVMemory:
         next free SM slot ahead of the engine's queued blocks. While serving, a default-priority gather
         (of every multi-run frame) staged a frame in 3.9 ms at p50 against 1.3 ms for per-run copies.
         With this priority and per-run copies up to _COPY_MAX_SEGMENTS: 1.7 vs 1.9 ms."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device, priority=-1)
+        with self._stream_lock:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=self.device, priority=-1)
         return self._stream
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
@@ -122,7 +130,7 @@ class KVMemory:
             return self._split(memoryview(buf.numpy()), segments), None
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))  # after the KV was written
-        with torch.cuda.stream(stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
             self._gather(segments, buf)
             event = torch.cuda.Event(blocking=self._blocking_sync)
             event.record(stream)
@@ -172,6 +180,13 @@ class KVMemory:
             await asyncio.to_thread(event.synchronize)
 
     @staticmethod
+    async def all_ready(events: list) -> None:
+        """Wait (off the event loop) for every one of these events."""
+        pending = [e for e in events if not e.query()]
+        if pending:
+            await asyncio.to_thread(lambda: [e.synchronize() for e in pending])
+
+    @staticmethod
     def _split(view: memoryview, segments) -> list[memoryview]:
         views, pos = [], 0
         for _, n, _ in segments:
@@ -195,7 +210,7 @@ class KVMemory:
             self._scatter(segments, src)
             return None
         stream = self._side_stream()
-        with torch.cuda.stream(stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
             self._scatter(segments, src)
             event = torch.cuda.Event(blocking=self._blocking_sync)
             event.record(stream)

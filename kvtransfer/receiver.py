@@ -165,9 +165,9 @@ class Receiver(TcpReceiving):
     def _settle_if_quiet(self, exp: Expectation) -> None:
         if exp.settling is None or exp._future.done() or exp.reading:
             return
-        event, exp.flushing = exp.flushing, None
-        if event is not None and not event.query():
-            self.loop.create_task(self._settle_after(exp, event))
+        events, exp.flushing = [e for e in exp.flushing if not e.query()], []
+        if events:
+            self.loop.create_task(self._settle_after(exp, events))
             return
         if self.unsettled.get(exp.request_id) is exp:
             del self.unsettled[exp.request_id]
@@ -175,8 +175,8 @@ class Receiver(TcpReceiving):
         exp._future.set_exception(exc)
         exp.quiet.set_result(confirmed)
 
-    async def _settle_after(self, exp: Expectation, event) -> None:
-        await self.memory.ready(event)
+    async def _settle_after(self, exp: Expectation, events: list) -> None:
+        await self.memory.all_ready(events)
         self._settle_if_quiet(exp)
 
     def _complete(self, exp: Expectation) -> None:

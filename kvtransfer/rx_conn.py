@@ -38,8 +38,8 @@ _RAW = 1 << 18  # TLS: ciphertext read per loop callback
 _PEEK = 64 << 10  # the most of a next frame's head a receive thread looks at (DATA metadata is ~1 KiB)
 
 
-def _recv_all(fd: int, views: list[memoryview], stop: list[bool],
-              progress: list[float], chain: bool = False) -> tuple[int, int, float, float, bytes | None]:
+def _recv_all(fd: int, views: list[memoryview] | None, stop: list[bool], progress: list[float],
+              chain: bool = False, ctx=None, rx=None) -> tuple[int, int, float, float, bytes | None]:
     """Fill views from the connection's socket (fd: a dup the caller owns) in as few calls as the frame
     allows: the socket is blocking for the frame (iovec.whole_frame_io) and each ``recvmsg_into`` waits
     for all its buffers (MSG_WAITALL), so the thread takes the GIL back once per frame (per IOV_MAX
@@ -48,7 +48,9 @@ def _recv_all(fd: int, views: list[memoryview], stop: list[bool],
     interval, TransportConfig.gil_switch_interval_s; bench/gil_probe.py). Raises on EOF/reset/stop;
     the socket is non-blocking again on return (the loop reads it next). Returns (calls, bytes, 0.0,
     seconds in all) for IoStats, and with ``chain`` the next frame's header and metadata when they were
-    already in the socket (``_next_frame_head``), else None.
+    already in the socket (``_next_frame_head``), else None. With a frame context ``ctx`` and its
+    receiver ``rx`` (lane staging, TransportConfig.tcp_lane_staging): ``views`` None, the staging buffer
+    is allocated here first (``rx.stage_in``) and the payload landed here last (``rx.land``).
 
     The blocking mode is the event loop's too (one file description): during the frame the loop does not
     read the socket (reading is paused), and its writes are small replies into a send buffer the
@@ -57,7 +59,7 @@ def _recv_all(fd: int, views: list[memoryview], stop: list[bool],
     sock = socket.socket(fileno=fd)
     try:
         whole_frame_io(sock)
-        views = list(views)
+        views = list(views if views is not None else rx.stage_in(ctx))
         i = calls = nbytes = 0
         while i < len(views):
             try:
@@ -72,6 +74,8 @@ def _recv_all(fd: int, views: list[memoryview], stop: list[bool],
                 i = advance(views, i, got)
             if stop[0] and i < len(views):
                 raise ConnectionAbortedError("connection closed locally while receiving")
+        if rx is not None:
+            rx.land(ctx)
         head = _next_frame_head(sock) if chain else None
     finally:
         sock.setblocking(False)
@@ -283,8 +287,11 @@ class RxConnection(asyncio.BufferedProtocol):
             self._reset()
             self.rx.on_control(self, self._msg, meta)
             return
+        threaded = self._payload_len >= _THREAD_MIN and self._fd is not None
         try:
-            self._ctx, self._targets = self.rx.on_data(self, meta, self._payload_len)
+            # targets None: the receive thread allocates them (lane staging, rx_tcp.on_data)
+            self._ctx, self._targets = self.rx.on_data(self, meta, self._payload_len,
+                                                       threaded and self.chan is None)
         except TransferError as exc:
             # Rejected before a single payload byte lands in KV memory: drop the payload.
             self._discard = self._payload_len
@@ -293,9 +300,10 @@ class RxConnection(asyncio.BufferedProtocol):
             if rid is not None:
                 self.send(Msg.ERROR, {"rid": rid, **error_to_wire(exc)})
             return
+        deferred = self._targets is None
         self._ti, self._pos = 0, 0
-        self._state = "payload" if self._targets else "header"
-        if self._payload_len >= _THREAD_MIN and self._fd is not None:
+        self._state = "payload" if self._targets or deferred else "header"
+        if threaded:
             self._state = "thread"
             self._t_meta = time.monotonic()
             self.transport.pause_reading()
@@ -305,9 +313,10 @@ class RxConnection(asyncio.BufferedProtocol):
                                            self._targets, self._stop, self.progress)
             else:
                 fut = loop.run_in_executor(self.rx.recv_pool, _recv_all, self._fd, self._targets, self._stop,
-                                           self.progress, self.rx.config.tcp_rx_chain)
+                                           self.progress, self.rx.config.tcp_rx_chain,
+                                           *((self._ctx, self.rx) if deferred else ()))
             fut.add_done_callback(self._thread_done)
-        if not self._targets:
+        if not self._targets and not deferred:
             ctx, self._ctx = self._ctx, None
             self.rx.on_data_complete(self, ctx)
 

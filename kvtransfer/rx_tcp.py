@@ -22,13 +22,23 @@ class _DataCtx:
     views: list[memoryview]
     staging: object | None  # host staging buffer (device memory), flushed once the payload is in
     crc: int | None
+    # Lane staging (TransportConfig.tcp_lane_staging): the receive thread allocated the staging buffer
+    # (stage_in), then checked the payload and issued its host->device copies (land).
+    landed: bool = False
+    event: object | None = None  # the CUDA event after those copies
+    crc_bad: bool = False
 
 
 class TcpReceiving:
     """The TCP frame handlers of ``Receiver`` (which provides expectations, memory, loop, _bound, _fail,
     _complete)."""
 
-    def on_data(self, conn, meta: dict, payload_len: int) -> tuple[_DataCtx, list[memoryview]]:
+    def on_data(self, conn, meta: dict, payload_len: int,
+                threaded: bool = False) -> tuple[_DataCtx, list[memoryview] | None]:
+        """Check a DATA frame's metadata; returns its context and where its payload goes. ``threaded``: a
+        receive thread reads the payload; with device memory and tcp_lane_staging that thread also
+        allocates the staging buffer (the targets returned are None: ``stage_in``) and copies it to the
+        device (``land``), so the event loop makes no CUDA call for the frame."""
         exp = self._bound(conn, meta, "tcp")
         try:
             segs = meta.get("segs")
@@ -46,32 +56,55 @@ class TcpReceiving:
         except InvalidTransfer as exc:
             self._fail(exp, exc, notify=False)
             raise
-        views, staging = self.memory.recv_views(planned)
+        if threaded and self.memory.staged and self.config.tcp_lane_staging:
+            views = staging = None
+        else:
+            views, staging = self.memory.recv_views(planned)
         exp.reading.add(conn)
         return _DataCtx(exp, planned, views, staging, crc), views
 
+    # -- on the receive thread (lane staging) ------------------------------------------------------
+    def stage_in(self, ctx: _DataCtx) -> list[memoryview]:
+        """The staging buffer a deferred frame's payload is read into."""
+        ctx.views, ctx.staging = self.memory.recv_views(ctx.segments)
+        return ctx.views
+
+    def land(self, ctx: _DataCtx) -> None:
+        """The payload is in: check it and issue its host->device copies. Skipped once the request failed
+        (read racily: a flush that still happens is waited for before the failure is told)."""
+        if ctx.crc is not None:
+            ctx.crc_bad = _crc(ctx.views) != ctx.crc
+        if not ctx.crc_bad and ctx.staging is not None and ctx.exp.state != "failed":
+            ctx.event = self.memory.flush(ctx.segments, ctx.staging)
+        ctx.landed = True
+
+    # -- on the event loop -------------------------------------------------------------------------
     def on_data_dropped(self, conn, ctx: _DataCtx) -> None:
         """A DATA frame's payload stopped arriving (its connection broke or was closed): nothing more of it
         lands; the connection's loss fails the request."""
+        if ctx.event is not None:
+            ctx.exp.flushing.append(ctx.event)
         ctx.exp.reading.discard(conn)
         self._settle_if_quiet(ctx.exp)
 
     def on_data_complete(self, conn, ctx: _DataCtx) -> None:
         exp = ctx.exp
         exp.reading.discard(conn)
+        if ctx.event is not None:
+            exp.flushing.append(ctx.event)
         if exp.state == "failed":  # failed while the payload arrived: it must not reach the blocks
             self._settle_if_quiet(exp)
             return
-        if ctx.crc is not None:
-            crc = 0
-            for view in ctx.views:
-                crc = zlib.crc32(view, crc)
-            if crc != ctx.crc:
-                err = InvalidTransfer(f"checksum mismatch in a DATA frame of {exp.request_id!r}")
-                self._fail(exp, err, notify=True)
-                return
-        if ctx.staging is not None:
-            exp.flushing = self.memory.flush(ctx.segments, ctx.staging)
+        if ctx.crc_bad or (ctx.crc is not None and not ctx.landed and _crc(ctx.views) != ctx.crc):
+            err = InvalidTransfer(f"checksum mismatch in a DATA frame of {exp.request_id!r}")
+            self._fail(exp, err, notify=True)
+            return
+        if ctx.staging is not None and not ctx.landed:
+            event = self.memory.flush(ctx.segments, ctx.staging)
+            if event is not None:
+                exp.flushing.append(event)
+        if len(exp.flushing) > 8:  # keep only copies that may still run
+            exp.flushing = [e for e in exp.flushing if not e.query()]
         exp.received += sum(n for _, n, _ in ctx.segments)
         if exp.end_seen and exp.received == exp.nbytes and self.expectations.get(exp.request_id) is exp:
             self._end(exp)  # a striped transfer's last frame after its END
@@ -93,19 +126,27 @@ class TcpReceiving:
             raise InvalidTransfer(f"END of {exp.request_id!r} before all KV arrived: {missing} "
                                   f"(layer, block) pairs missing, {exp.received}/{exp.nbytes} bytes")
         exp.timeline["end"] = time.monotonic()
-        event = exp.flushing  # kept: a failure meanwhile is told only once it has landed (_settle_if_quiet)
-        if event is None or event.query():
+        # kept: a failure meanwhile is told only once they have landed (_settle_if_quiet)
+        exp.flushing = [e for e in exp.flushing if not e.query()]
+        if not exp.flushing:
             self._complete(exp)
             return
-        # Staged device memory: complete once this request's host->device copies have landed (the side
-        # stream runs them in order, so its last one's event covers them all), waited for off the loop.
+        # Staged device memory: complete once this request's host->device copies have landed, waited for
+        # off the loop.
         exp.state = "flushing"
-        self.loop.create_task(self._complete_after(exp, event))
+        self.loop.create_task(self._complete_after(exp, list(exp.flushing)))
 
-    async def _complete_after(self, exp: Expectation, event) -> None:
-        await self.memory.ready(event)
+    async def _complete_after(self, exp: Expectation, events: list) -> None:
+        await self.memory.all_ready(events)
         if self.expectations.get(exp.request_id) is exp:  # not failed or released meanwhile
             self._complete(exp)
+
+
+def _crc(views: list[memoryview]) -> int:
+    crc = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)
+    return crc
 
 
 def _mark(exp: Expectation, segs: list) -> int:

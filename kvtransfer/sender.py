@@ -73,10 +73,9 @@ class SendHandle(FutureResult):
         # Monotonic instants of its steps (start, begin_sent, begin_ok, posted, xfers_done, sent, acked):
         # diagnostics for benches (bench/gpu_transfer.py breaks a NIXL transfer's time down with them).
         self.timeline = {"start": self.started}
-        # device memory over TCP: (staging issued, staged bytes ready, frame on the socket) per DATA frame,
-        # time.monotonic(); shows whether a streamed send waits on the GPU copies or on the socket
-        # TCP with trace on: per DATA frame (staging issued, staged, lane picked, written)
-        self.frame_times: list[tuple[float, float, float, float]] = []
+        # TCP with trace on: per DATA frame (queued, staging issued, staged, lane picked, written),
+        # time.monotonic(); shows whether a send waits on the GPU copies, its lanes or the socket
+        self.frame_times: list[tuple[float, float, float, float, float]] = []
         self.deadline = self.started + timeout
         self._pushed: set[int] = set()
         self._finished = False

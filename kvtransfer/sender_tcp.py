@@ -8,7 +8,12 @@ connections. BEGIN {stripe: true} and the first frame go on the transfer's home 
 answers BEGIN_OK, after which every frame goes to whichever of the transfer's lanes is free (one frame
 in flight per lane, so frames of transfers sharing a lane still interleave). END follows on the home
 lane once every frame is written; the receiver completes when END and all bytes are in, in either
-order. To a receiver without the capability, everything rides the home lane in order, as before."""
+order. To a receiver without the capability, everything rides the home lane in order, as before.
+
+Device memory with TransportConfig.tcp_lane_staging (the default): a step queues all its DATA frames at
+once as StagedFrames (tx_frame.py), each on a lane of the transfer chosen by the bytes already queued
+there; the lanes' writer threads stage and write them (lane.py), and the step awaits their completions.
+Otherwise frames are staged here, on the event loop, and handed to a free lane one at a time."""
 
 from __future__ import annotations
 
@@ -18,8 +23,10 @@ import zlib
 from collections import deque
 
 from .blocks import plan_segments
+from .errors import PeerUnavailable
 from .protocol import CAP_STRIPE, Msg
 from .send_ops import FINISH
+from .tx_frame import StagedFrame
 
 
 class TcpPath:
@@ -33,6 +40,7 @@ class TcpPath:
         self.lanes = peer.pick_lanes(handle.nbytes, min(len(peer.lanes), frames) if self.stripe else 1)
         self.lane = self.lanes[0]  # home: BEGIN, END and the control frames of this transfer
         self._busy: dict = {}  # lane -> the task writing this transfer's frame on it
+        self._staged: list = []  # lane staging: (lane, StagedFrame, future) of every frame queued
         self._opened = False
 
     def begin_fields(self, meta: dict) -> None:
@@ -52,6 +60,14 @@ class TcpPath:
         tasks = [t for t in self._busy.values() if not t.done()]
         if tasks:
             await asyncio.wait(tasks)
+        # Lane staging: frames whose copies have not begun are never written; the rest are let finish
+        # (or the peer is cut if one is stuck, as Lane._write does).
+        writes = [fut for _lane, frame, fut in self._staged if not fut.done() and not frame.cancel()]
+        if writes:
+            _done, stuck = await asyncio.wait(writes, timeout=2.0)
+            if stuck:
+                self.h.peer.dead(PeerUnavailable(f"frame to {self.lane.name} cut short"))
+                await asyncio.wait(stuck)
 
     async def run(self, begin: dict) -> None:
         h = self.h
@@ -140,6 +156,9 @@ class TcpPath:
                 await self._on_home(head + tail)
             return
         segs = [[(mem.offset(layer, s), n * bb, layer) for layer, s, _d, n in frame] for frame in plan]
+        if mem.staged and self.t.config.tcp_lane_staging:
+            await self._send_lane_staged(head, plan, segs, tail)
+            return
         ahead = self.t.config.tcp_stage_ahead if mem.staged else 1
         staged: deque = deque()  # (issued, (views, event)) of the next frames, copies queued in order
         for i, frame in enumerate(plan):
@@ -157,12 +176,57 @@ class TcpPath:
             task = self.t.loop.create_task(lane.send_frames(batch))
             task.add_done_callback(lambda f: f.cancelled() or f.exception())
             if self.t.config.trace:  # staged, waited for a lane, written (lane queue + socket)
-                task.add_done_callback(
-                    lambda f, a=issued, b=ready, c=picked: h.frame_times.append((a, b, c, time.monotonic())))
+                task.add_done_callback(lambda f, a=issued, b=ready, c=picked:
+                                       h.frame_times.append((a, a, b, c, time.monotonic())))
             self._busy[lane] = task
         await self._drain()
         if tail:
             await self._on_home(tail)
+
+    async def _send_lane_staged(self, head: list, plan: list, segs: list, tail: list) -> None:
+        """_send with the lanes' writer threads staging the frames (module doc). BEGIN rides the first
+        frame on the home lane; striped, the rest go to the home lane one at a time until the receiver
+        acknowledged BEGIN, then each to the transfer's lane with the fewest bytes queued."""
+        h, cfg = self.h, self.t.config
+        frames = []
+        for i, frame in enumerate(plan):
+            last = i == len(plan) - 1
+            rides = last and tail and not self.stripe  # END in order behind the last frame, on the one lane
+            meta = {"rid": h.request_id, "segs": [[layer, d, n] for layer, _s, d, n in frame]}
+            frames.append(StagedFrame(self.t.memory, segs[i], meta, checksum=cfg.checksum,
+                                      head=[(m, x) for m, x, *_ in head] if i == 0 else [],
+                                      tail=[(m, x) for m, x, *_ in tail] if rides else []))
+        if frames[-1].tail:
+            tail = []
+        start = len(self._staged)
+        rest = deque(frames)
+        if head or not self.stripe:
+            self._queue(self.lane, rest.popleft())
+        while rest and self.stripe and not h.begin_ok.done():
+            home = next((f for ln, _fr, f in reversed(self._staged) if ln is self.lane), None)
+            if home is None or home.done():
+                if home is not None and home.exception() is not None:
+                    await self.lane.wait_written(home)  # raises what broke the lane
+                self._queue(self.lane, rest.popleft())
+                continue
+            await asyncio.wait([h.begin_ok, home], return_when=asyncio.FIRST_COMPLETED)
+        if rest and self.stripe and h.begin_ok.done() and h.begin_ok.exception() is not None:
+            raise h.begin_ok.exception()
+        lanes = self.lanes if self.stripe else [self.lane]
+        for frame in rest:
+            self._queue(min(lanes, key=lambda ln: (ln.queued_bytes, ln.index)), frame)
+        for lane, frame, fut in self._staged[start:]:
+            await lane.wait_written(fut)
+            if cfg.trace:
+                q, issued, ready, written = frame.times
+                h.frame_times.append((q, issued, ready, ready, written))
+        if tail:
+            await self._on_home(tail)
+
+    def _queue(self, lane, frame: StagedFrame) -> None:
+        fut = lane.queue_staged(frame)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # raised where awaited
+        self._staged.append((lane, frame, fut))
 
     def _data_frame(self, frame, views: list) -> tuple:
         meta = {"rid": self.h.request_id, "segs": [[layer, d, n] for layer, _s, d, n in frame]}

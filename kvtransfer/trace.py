@@ -30,10 +30,13 @@ def emit(side: str, request_id: str, timeline: dict) -> None:
              json.dumps({k: round(v, 6) for k, v in timeline.items()}, separators=(",", ":")))
 
 
-def frame_summary(frames: list[tuple[float, float, float, float]]) -> dict:
-    """Sums over a send's DATA frames of (staged - issued, picked - staged, written - picked), and the
-    span from the first staging to the last write."""
-    return {"frames": len(frames), "staging_s": sum(b - a for a, b, _c, _d in frames),
-            "lane_wait_s": sum(c - b for _a, b, c, _d in frames),
-            "in_lane_s": sum(d - c for _a, _b, c, d in frames),
-            "span_s": max(d for *_x, d in frames) - min(a for a, *_y in frames)}
+def frame_summary(frames: list[tuple[float, float, float, float, float]]) -> dict:
+    """Sums over a send's DATA frames, each (queued, staging issued, staged, lane picked, written), of
+    (issued - queued, staged - issued, picked - staged, written - picked), and the span from the first
+    frame queued to the last written. Staged on the event loop a frame is queued when its copies are
+    issued; staged by its lane (tcp_lane_staging) it is in its lane when queued, and picked when staged."""
+    return {"frames": len(frames), "queue_s": sum(b - a for a, b, *_x in frames),
+            "staging_s": sum(c - b for _a, b, c, *_x in frames),
+            "lane_wait_s": sum(d - c for *_x, c, d, _e in frames),
+            "in_lane_s": sum(e - d for *_x, d, e in frames),
+            "span_s": max(e for *_x, e in frames) - min(a for a, *_y in frames)}

@@ -309,6 +309,8 @@ class KVTransport:
                 "peers": len(self._peers),
                 "peer_handles": sum(len(p.handles) for p in self._peers.values()),
                 "peer_load": sum(lane.load for p in self._peers.values() for lane in p.lanes),
+                # bytes of frames queued on the lanes' writer threads (tcp_lane_staging), not written yet
+                "peer_queued": sum(lane.queued_bytes for p in self._peers.values() for lane in p.lanes),
                 "nixl_xfers": self.nixl.num_xfers if self.nixl else 0,
                 "nixl_remote_agents": self.nixl.num_remotes if self.nixl else 0,
                 "nixl_remote_dlists": self.nixl.num_remote_dlists if self.nixl else 0,

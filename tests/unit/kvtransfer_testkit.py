@@ -51,8 +51,8 @@ async def leak_free(*ts, polls: int = 200) -> None:
 async def settled(*transports) -> None:
     """``leak_free`` for TCP transports: also no peer connection handle or load left behind (their
     NIXL counter is always 0)."""
-    await closed_clean(transports, ready=_idle,
-                       fields=("expectations", "unsettled", "sends", "peer_handles", "peer_load"), polls=300)
+    fields = ("expectations", "unsettled", "sends", "peer_handles", "peer_load", "peer_queued")
+    await closed_clean(transports, ready=_idle, fields=fields, polls=300)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

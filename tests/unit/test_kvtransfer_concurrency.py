@@ -41,10 +41,10 @@ def test_32_transfers_in_flight_byte_exact_none_aborted_past_their_deadlines():
         forced: list[str] = []
         on_data = rx.on_data
 
-        def data_then_deadline(conn, meta, payload_len):
+        def data_then_deadline(conn, meta, payload_len, threaded=False):
             # The expectation's deadline "passes" right as its first frame arrives: bound, its connection
             # just moved bytes. It must carry on (the deadline is re-armed, nothing fails).
-            out = on_data(conn, meta, payload_len)
+            out = on_data(conn, meta, payload_len, threaded)
             rid = meta["rid"]
             if rid not in forced:
                 forced.append(rid)
@@ -114,9 +114,9 @@ def test_a_transfer_of_many_frames_is_striped_over_every_connection_byte_exact()
         conns: dict[str, set] = {}
         on_data = b.receiver.on_data
 
-        def spy(conn, meta, payload_len):
+        def spy(conn, meta, payload_len, threaded=False):
             conns.setdefault(meta["rid"], set()).add(conn)
-            return on_data(conn, meta, payload_len)
+            return on_data(conn, meta, payload_len, threaded)
 
         b.receiver.on_data = spy
         big, small = list(range(0, 3 * BLOCKS)), [3 * BLOCKS]  # 12 frames; 1 frame
