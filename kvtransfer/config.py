@@ -67,11 +67,6 @@ class TransportConfig:
     # loop three turns before its payload is on a thread; in a serving decode worker, whose loop also
     # runs every token stream, the connection sat idle ~12 ms per 16 MiB frame at 10 req/s.
     tcp_rx_chain: bool = True
-    # TCP receiving, with tcp_rx_chain: when the head a receive thread took is the next DATA frame's, the
-    # loop's turn hands that payload to a thread first and only then finishes the frame just read (its
-    # checksum, its host->device copies: torch calls that each wait for the GIL beside the I/O threads),
-    # so the connection is read again at once. False: finish first, then dispatch (for comparison).
-    tcp_rx_dispatch_first: bool = True
     # TCP from device memory: DATA frames of one transfer whose device->host staging copies are queued
     # ahead of the frame being handed to a lane. 1 staged frame i+1 only once frame i had a lane, so the
     # copy stream idled between frames and a lone striped transfer waited ~0.9 ms per 16 MiB frame before
@@ -85,9 +80,10 @@ class TransportConfig:
     # once. Receiving, the thread that reads a payload allocates its staging buffer and issues the
     # host->device copies. The event loop then makes no CUDA call and no hand-off per frame: with them on
     # the loop, 16 transfers in flight kept each connection's threads busy only 27-48% of the time, each
-    # waiting for the loop's turn. Measured slower (off by default): every torch call of a frame then
-    # waits for the GIL among 16 busy I/O threads, ~76-93 ms of staging per 16 MiB frame at 4 and 16 in
-    # flight against 11-24 on the loop (bench/lane_staging_probe.py, docs/kvtransfer.md).
+    # waiting for the loop's turn. Measured slower on one H200 (off by default): every torch call of a
+    # frame then waits for the GIL among 16 busy I/O threads, 47-93 ms of staging per 16 MiB frame at 4
+    # and 16 in flight against 4-24 on the loop (bench/lane_staging_probe.py, docs/kvtransfer.md
+    # "Staging on the lanes' threads"); two GPUs not measured yet.
     tcp_lane_staging: bool = False
     # The process's GIL switch interval (sys.setswitchinterval), lowered to this when the transport
     # starts (never raised; 0 leaves it). A TCP I/O thread takes the GIL back after every socket call;

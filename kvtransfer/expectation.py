@@ -40,8 +40,7 @@ class Expectation(FutureResult):
         self.flushing: list = []
         # Connections whose current DATA frame's payload is being received into this request's targets (its
         # blocks, or a staging buffer flushed into them): a failure is told only once none is (receiver.py).
-        # (a count per connection: the next frame's payload may be dispatched before the last one is done)
-        self.reading: dict = {}
+        self.reading: set = set()
         self.settling: tuple | None = None  # (error, confirmed) of a failure waiting for those frames
         # True once nothing of it can land any more after a failure with the sender's confirmation, False
         # without it (abort_ack_timeout_s passed); what Receiver.abort returns.
@@ -49,11 +48,3 @@ class Expectation(FutureResult):
         self._future = loop.create_future()
         # Nobody awaiting a failed expectation must not produce "exception never retrieved" noise.
         self._future.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-    def reading_started(self, conn) -> None:
-        self.reading[conn] = self.reading.get(conn, 0) + 1
-
-    def reading_ended(self, conn) -> None:
-        left = self.reading.pop(conn, 0) - 1
-        if left > 0:
-            self.reading[conn] = left

@@ -158,7 +158,7 @@ class Receiver(TcpReceiving):
             log.warning("kvtransfer: sender of %s did not confirm the abort within %.1fs; closing the "
                         "connections still receiving a frame of it", exp.request_id,
                         self.config.abort_ack_timeout_s)
-            for conn in list(exp.reading):  # (keys: the connections)
+            for conn in list(exp.reading):
                 conn.close()
         self._settle_if_quiet(exp)
 

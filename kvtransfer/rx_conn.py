@@ -110,11 +110,6 @@ def _next_frame_head(sock: socket.socket) -> bytes | None:
     return bytes(buf)
 
 
-def _is_data(head: bytes) -> bool:
-    """Whether a frame head (``_next_frame_head``: a whole, parsed header) is a DATA frame's."""
-    return decode_header(head[:HEADER_SIZE])[0] == Msg.DATA
-
-
 class RxConnection(asyncio.BufferedProtocol):
     def __init__(self, receiver, tls: ssl.SSLContext | None = None, peer: str | None = None) -> None:
         self.rx = receiver
@@ -344,17 +339,13 @@ class RxConnection(asyncio.BufferedProtocol):
         self.rx.io_rx.add(*io[:4])
         if self.rx.config.trace:
             self._trace_frame(ctx.exp, io)
-        head = io[4]
-        if head is not None and self.rx.config.tcp_rx_dispatch_first and _is_data(head):
-            self._guarded(self._take_head, head)  # the next payload on a thread first (config.py)
-            head = None
         self.rx.on_data_complete(self, ctx)
         if self.chan is not None:
             self.transport.resume_reading()
             self._guarded(self._pump)  # the thread may have decrypted past its frame: the next one is here
             return
-        if head is not None and not self.closed:
-            self._guarded(self._take_head, head)  # may put the next payload on a thread at once
+        if io[4] is not None and not self.closed:
+            self._guarded(self._take_head, io[4])  # may put the next payload on a thread at once
         if self._state != "thread" and not self.closed:
             self.transport.resume_reading()
 

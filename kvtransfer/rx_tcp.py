@@ -60,7 +60,7 @@ class TcpReceiving:
             views = staging = None
         else:
             views, staging = self.memory.recv_views(planned)
-        exp.reading_started(conn)
+        exp.reading.add(conn)
         return _DataCtx(exp, planned, views, staging, crc), views
 
     # -- on the receive thread (lane staging) ------------------------------------------------------
@@ -84,12 +84,12 @@ class TcpReceiving:
         lands; the connection's loss fails the request."""
         if ctx.event is not None:
             ctx.exp.flushing.append(ctx.event)
-        ctx.exp.reading_ended(conn)
+        ctx.exp.reading.discard(conn)
         self._settle_if_quiet(ctx.exp)
 
     def on_data_complete(self, conn, ctx: _DataCtx) -> None:
         exp = ctx.exp
-        exp.reading_ended(conn)
+        exp.reading.discard(conn)
         if ctx.event is not None:
             exp.flushing.append(ctx.event)
         if exp.state == "failed":  # failed while the payload arrived: it must not reach the blocks
