@@ -62,9 +62,9 @@ async def _round(pairs: dict, mode: str, conc: int, nblocks: int) -> tuple[float
     a, b = pairs[mode]
     rids = [f"{mode}-{conc}-{time.monotonic_ns()}-{i}" for i in range(conc)]
     t0 = time.monotonic()
-    exps = [b.expect(rid, list(range(i * nblocks, (i + 1) * nblocks)), timeout=300) for i, rid in enumerate(rids)]
-    sends = [a.start_send(rid, b.endpoint(), list(range(i * nblocks, (i + 1) * nblocks)),
-                          list(range(i * nblocks, (i + 1) * nblocks)), timeout=300) for i, rid in enumerate(rids)]
+    ids = [list(range(i * nblocks, (i + 1) * nblocks)) for i in range(conc)]  # the same blocks both sides
+    exps = [b.expect(rid, ids[i], timeout=300) for i, rid in enumerate(rids)]
+    sends = [a.start_send(rid, b.endpoint(), ids[i], ids[i], timeout=300) for i, rid in enumerate(rids)]
     done = await asyncio.gather(*(s.wait() for s in sends), *(e.wait() for e in exps))
     wall = time.monotonic() - t0
     nbytes = sum(d["bytes"] for d in done[:conc])
