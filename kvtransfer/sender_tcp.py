@@ -33,7 +33,10 @@ class TcpPath:
     def __init__(self, handle, peer) -> None:
         self.h = handle
         self.t = handle.t
-        frame = self.t.config.max_frame_bytes
+        cfg = self.t.config
+        # larger frames when others to this receiver are in flight (TransportConfig.tcp_busy_frame_factor)
+        busy = any(lane.load for lane in peer.lanes)
+        frame = self.frame_bytes = cfg.max_frame_bytes * (cfg.tcp_busy_frame_factor if busy else 1)
         self.stripe = (self.t.config.tcp_stripe and CAP_STRIPE in peer.caps and len(peer.lanes) > 1
                        and handle.nbytes > frame)
         frames = -(-handle.nbytes // frame)
@@ -150,7 +153,7 @@ class TcpPath:
         zero-copy views. Device memory: page-locked staging, the next frames' device->host copies (up to
         TransportConfig.tcp_stage_ahead) queued while frames are on the socket."""
         h, mem, bb = self.h, self.t.memory, self.t.layout.block_bytes
-        plan = plan_segments(layers, h.runs, bb, self.t.config.max_frame_bytes) if layers else []
+        plan = plan_segments(layers, h.runs, bb, self.frame_bytes) if layers else []
         if not plan:
             if head or tail:
                 await self._on_home(head + tail)

@@ -353,3 +353,37 @@ def test_a_sender_stalled_mid_way_through_a_thread_read_frame_fails_once_idle_an
         assert s == {k: 0 for k in s}, s
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_transfer_starting_behind_others_sends_larger_frames():
+    """TransportConfig.tcp_busy_frame_factor: a transfer alone frames at max_frame_bytes (its frames
+    pipeline over its lanes); one that starts while another to the same receiver is in flight frames at
+    twice that (fewer per-frame hand-offs where transfers queue). Byte-exact either way, leak-free."""
+    async def main():
+        frame = LAYOUT.block_bytes * 8
+        src, dst = LAYOUT.allocate(512), LAYOUT.allocate(512)  # 32 MiB
+        fill_random(src, 31)
+        cfg = {"max_frame_bytes": frame, "tcp_connections": 2}
+        a = await make_transport("tcp", LAYOUT, src, **cfg).start()
+        b = await make_transport("tcp", LAYOUT, dst, **cfg).start()
+        sizes: dict[str, list[int]] = {}
+        on_data = b.receiver.on_data
+
+        def spy(conn, meta, payload_len, *rest):
+            sizes.setdefault(meta["rid"], []).append(payload_len)
+            return on_data(conn, meta, payload_len, *rest)
+
+        b.receiver.on_data = spy
+        first, second = list(range(0, 448)), list(range(448, 512))  # the first still moving when the second starts
+        exps = [b.expect("alone", first, timeout=30), b.expect("behind", second, timeout=30)]
+        alone = a.start_send("alone", b.endpoint(), first, first)
+        while alone.path is None:
+            await asyncio.sleep(0)
+        behind = a.start_send("behind", b.endpoint(), second, second)
+        await asyncio.gather(alone.wait(), behind.wait(), *(e.wait() for e in exps))
+        assert (alone.path.frame_bytes, behind.path.frame_bytes) == (frame, 2 * frame)
+        assert max(sizes["alone"]) == frame and max(sizes["behind"]) == 2 * frame, sizes
+        assert torch.equal(src.view(torch.uint8), dst.view(torch.uint8))
+        await settled(a, b)
+
+    asyncio.run(main())

@@ -47,7 +47,7 @@ def staged_in_flight(device: str, lane_staging: bool) -> None:
         src, dst = layout.allocate(N * BLOCKS), layout.allocate(N * BLOCKS + 8)
         fill_random(src, 3)
         cfg = {"max_frame_bytes": LAYOUT.block_bytes * BLOCKS, "tcp_connections": 4, "force_staging": True,
-               "checksum": True, "tcp_lane_staging": lane_staging}
+               "checksum": True, "tcp_lane_staging": lane_staging, "tcp_busy_frame_factor": 1}
         a = await make_transport("tcp", layout, src, **cfg).start()
         b = await make_transport("tcp", layout, dst, **cfg).start()
         calls: list = []
