@@ -374,7 +374,7 @@ def test_a_transfer_starting_behind_others_sends_larger_frames():
             return on_data(conn, meta, payload_len, *rest)
 
         b.receiver.on_data = spy
-        first, second = list(range(0, 448)), list(range(448, 512))  # the first still moving when the second starts
+        first, second = list(range(0, 448)), list(range(448, 512))  # the first still moving then
         exps = [b.expect("alone", first, timeout=30), b.expect("behind", second, timeout=30)]
         alone = a.start_send("alone", b.endpoint(), first, first)
         while alone.path is None:
