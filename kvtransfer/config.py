@@ -37,9 +37,10 @@ class TransportConfig:
     # hand-offs, each waiting for the GIL beside the I/O threads; when transfers queue behind each other
     # that per-frame cost is what bounds them, and larger frames pay it less often. A transfer alone keeps
     # max_frame_bytes: its frames pipeline (one staged while another is on the socket) over its lanes.
-    # One H200, both sides in one process, 2k-token transfers of the 8B layout (docs/kvtransfer.md):
-    # 32 MiB frames moved 1.40x / 1.17x the bytes of 16 MiB ones at 4 / 16 in flight, but a lone
-    # transfer 0.71x; 8 MiB frames 0.63-0.85x.
+    # One H200, both sides in one process, 2k-token transfers of the 8B layout (docs/kvtransfer.md
+    # "Larger frames behind other transfers"): 32 MiB frames for every transfer moved 1.07-1.40x the
+    # bytes of 16 MiB ones at 4 and 16 in flight but a lone transfer 0.60-0.71x; this factor 1.07x at 4
+    # and 16 (8 rounds), a lone transfer unchanged.
     tcp_busy_frame_factor: int = 2
     # TCP: SO_SNDBUF/SO_RCVBUF; 0 keeps kernel autotuning (usually best on Linux).
     socket_buffer_bytes: int = 0
