@@ -130,7 +130,7 @@ class KVMemory:
             return self._split(memoryview(buf.numpy()), segments), None
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))  # after the KV was written
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):  # (also makes the stream's device current)
             self._gather(segments, buf)
             event = torch.cuda.Event(blocking=self._blocking_sync)
             event.record(stream)
@@ -210,7 +210,7 @@ class KVMemory:
             self._scatter(segments, src)
             return None
         stream = self._side_stream()
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):  # (also makes the stream's device current)
             self._scatter(segments, src)
             event = torch.cuda.Event(blocking=self._blocking_sync)
             event.record(stream)
