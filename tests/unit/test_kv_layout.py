@@ -50,3 +50,13 @@ def test_prefix_hash_chains_and_is_stable():
     # Pinned value: the hash is a cross-process protocol, so it must never drift silently.
     assert block_hashes([1, 2, 3, 4], 4) == [hash_block(0, [1, 2, 3, 4])]
     assert hash_block(0, [1, 2, 3, 4]) == 0x2728AB4454AAA05B
+
+
+@pytest.mark.parametrize("prompt_len,answer_len", [(0, 5), (15, 1), (16, 0), (16, 16), (37, 30), (64, 3)])
+def test_the_routers_held_hashes_extend_the_prompts_as_if_hashed_whole(prompt_len, answer_len):
+    """router.pipeline._held_hashes (what the decode worker holds after a turn), hashed from the prompt's
+    hashes and only the tail on, equals hashing prompt + answer from scratch."""
+    from router.pipeline import _held_hashes
+
+    prompt, answer = list(range(prompt_len)), list(range(1000, 1000 + answer_len))
+    assert _held_hashes(block_hashes(prompt, 16), prompt, answer, 16) == block_hashes(prompt + answer, 16)
