@@ -23,6 +23,7 @@
 #              beside a raw socket over the same connections; mutual TLS (relay helpers, and in-process) vs plaintext
 #              at 1 and 16 (bench.kv_bench;
 #              args after -- go to it, e.g. `kv-concurrency -- --variant spin=staging_blocking_sync=false`)
+#   gemv       decode's matrix products at batch 1/4/16 with cuBLAS and cuBLASLt, GB/s (bench.gemv_probe)
 #   lane-staging  TCP transfers between two transports of one process on one GPU, staged on the lanes'
 #              threads vs on the event loop (bench.lane_staging_probe; the one-GPU stand-in for kv-concurrency)
 #   staging    the TCP path's staging copies alone and beside a loopback socket blast (bench.staging_probe)
@@ -142,6 +143,8 @@ from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve
                 --tls-concurrency 1,16 --variant tls_inproc=tls=true,tls_procs=0 --json "$OUT/kvtransfer-concurrency-gpu.json" "${extra[@]}" 2>&1 \
                 | tee "$OUT/kv-concurrency.log"
             rc=$(( rc | $? )) ;;
+        gemv) python3 -m bench.gemv_probe --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/gemv.log"
+              rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         lane-staging) python3 -m bench.lane_staging_probe --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/lane-staging.log"
                       rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         staging) python3 -m bench.staging_probe --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/staging.log"
