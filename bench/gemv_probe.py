@@ -23,46 +23,94 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
           ("lm_head", 128256, 4096)]
 
 
-def _ms(fn, iters: int = 200) -> float:
-    for _ in range(20):
-        fn()
+def _ms(fn, iters: int = 64) -> float:
+    """GPU time of one call, from a CUDA graph of ``iters`` calls replayed (as a decode step runs them):
+    timing eager calls back to back would time the host's launches of the small products."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    for _ in range(3):
+        graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        fn()
+    for _ in range(10):
+        graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / iters
+    return start.elapsed_time(end) / (10 * iters)
+
+
+def _copy_gbps() -> float:
+    """Device-to-device copy of 1 GiB, read + write bytes per second: the bandwidth the bound uses."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / _ms(lambda: dst.copy_(src), 5) / 1e6
+
+
+def _rotate(fn, weights: list):
+    """A call of ``fn`` on the next of ``weights`` each time (captured in a graph: the same order)."""
+    turn = [0]
+
+    def call():
+        turn[0] = (turn[0] + 1) % len(weights)
+        return fn(weights[turn[0]])
+    return call
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--layouts", action="store_true",
+                    help="also x @ W^T with W^T stored contiguous, (W @ x^T)^T and torch.mv (cuBLAS)")
     args = ap.parse_args()
     rows = []
-    copy_src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    copy_dst = torch.empty_like(copy_src)
-    copy_gbps = 2 * copy_src.numel() / _ms(lambda: copy_dst.copy_(copy_src), 20) / 1e6
-    del copy_src, copy_dst
+    copy_gbps = _copy_gbps()
     for name, n_out, n_in in SHAPES:
-        w = torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16) / n_in ** 0.5
+        # copies enough to fill 512 MiB, called in turn: each call reads memory the last ones did not, as
+        # a decode step's layers do (the small matrices would otherwise sit in the 50 MB L2)
+        copies = max(1, (512 << 20) // (n_out * n_in * 2))
+        ws = [torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16) / n_in ** 0.5
+              for _ in range(copies)]
+        w = ws[0]
         for b in (int(x) for x in args.batches.split(",")):
             x = torch.randn(b, n_in, device="cuda", dtype=torch.bfloat16)
-            row = {"matrix": name, "out": n_out, "in": n_in, "batch": b, "weight_bytes": w.numel() * 2}
+            row = {"matrix": name, "out": n_out, "in": n_in, "batch": b, "weight_bytes": w.numel() * 2,
+                   "copies": copies}
             for lib in ("cublas", "cublaslt"):
                 torch.backends.cuda.preferred_blas_library(lib)
-                ms = _ms(lambda: F.linear(x, w))
+                ms = _ms(_rotate(lambda w, x=x: F.linear(x, w), ws))
                 row[f"{lib}_us"] = round(ms * 1e3, 2)
                 row[f"{lib}_gbps"] = round(w.numel() * 2 / ms / 1e6, 1)
+            if args.layouts:  # the same product with the weight laid out or called differently
+                torch.backends.cuda.preferred_blas_library("cublas")
+                torch.backends.cuda.preferred_blas_library("cublas")
+                wts = [m.t().contiguous() for m in ws]
+                for lname, fn in (("x_wt", _rotate(lambda wt, x=x: x @ wt, wts)),
+                                  ("w_xt", _rotate(lambda w, x=x: (w @ x.t()).t(), ws)),
+                                  ("mv", _rotate(lambda w, x=x: torch.mv(w, x[0]), ws) if b == 1 else None)):
+                    if fn is not None:
+                        ms = _ms(fn)
+                        row[f"{lname}_us"] = round(ms * 1e3, 2)
+                        row[f"{lname}_gbps"] = round(w.numel() * 2 / ms / 1e6, 1)
+                del wts
             rows.append(row)
-        del w
+        del w, ws
     torch.backends.cuda.preferred_blas_library("cublas")
     print(f"device copy {copy_gbps:.0f} GB/s (read + write)")
     print(f"{'matrix':8} {'batch':>5} {'cublas GB/s':>12} {'cublasLt GB/s':>14} {'us':>14}")
     for r in rows:
         print(f"{r['matrix']:8} {r['batch']:>5} {r['cublas_gbps']:>12} {r['cublaslt_gbps']:>14} "
-              f"{r['cublas_us']:>7}/{r['cublaslt_us']}")
+              f"{r['cublas_us']:>7}/{r['cublaslt_us']}"
+              + "".join(f"  {k[:-5]} {r[k]}" for k in r
+                        if k.endswith("_gbps") and not k.startswith("cublas")))
     Path(args.out, "gemv-probe.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(0), "copy_gbps": round(copy_gbps, 1), "rows": rows}, indent=1))
 

@@ -68,13 +68,14 @@ class _Relay(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         rid, ids = request.request_id, list(request.token_ids.ids)
-        alloc = await self.decode.Allocate(decode_pb2.AllocateRequest(request_id=rid, prompt_ids=ids), timeout=30)
+        alloc = await self.decode.Allocate(decode_pb2.AllocateRequest(request_id=rid, prompt_ids=ids),
+                                           timeout=30)
         first = await self.prefill.Prefill(prefill_pb2.PrefillRequest(
             request_id=rid, prompt_ids=ids, target=prefill_pb2.KVTarget(block_ids=list(alloc.block_ids))),
             timeout=30)
         yield router_pb2.GenerateResponse(request_id=rid, token_ids=[first.first_token_id])
-        call = self.decode.Decode(decode_pb2.DecodeRequest(request_id=rid, first_token_id=first.first_token_id,
-                                                           kv_wait_ms=request.max_tokens), timeout=30)
+        call = self.decode.Decode(decode_pb2.DecodeRequest(
+            request_id=rid, first_token_id=first.first_token_id, kv_wait_ms=request.max_tokens), timeout=30)
         async for msg in call:
             out = router_pb2.GenerateResponse(request_id=rid, token_ids=list(msg.token_ids))
             if msg.finish_reason:
@@ -103,8 +104,8 @@ async def _load(port: int, rate: float, requests: int, tokens: int, relay_pid: i
     got = [0]
 
     async def one(i: int) -> None:
-        req = router_pb2.GenerateRequest(request_id=f"r{i}", token_ids=common_pb2.TokenIds(ids=list(range(64))),
-                                         max_tokens=tokens)
+        req = router_pb2.GenerateRequest(request_id=f"r{i}", max_tokens=tokens,
+                                         token_ids=common_pb2.TokenIds(ids=list(range(64))))
         async for msg in stub.Generate(req):
             got[0] += len(msg.token_ids)
 
@@ -133,62 +134,6 @@ async def _load(port: int, rate: float, requests: int, tokens: int, relay_pid: i
             "cpu_ms_per_request": round(cpu / requests * 1e3, 3),
             "threads_ms_per_request": {k: round((v - threads0.get(k, 0.0)) / requests * 1e3, 3)
                                        for k, v in sorted(threads.items()) if v - threads0.get(k, 0.0) > 0}}
-
-
-def _shapes_server(ports: multiprocessing.Queue) -> None:
-    from grpc_health.v1 import health, health_pb2_grpc  # noqa: PLC0415
-    from grpc_reflection.v1alpha import reflection  # noqa: PLC0415
-
-    async def main() -> None:
-        server = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-        reflection.enable_server_reflection(["grpc.health.v1.Health", reflection.SERVICE_NAME], server)
-        ports.put(server.add_insecure_port("127.0.0.1:0"))
-        await server.start()
-        await server.wait_for_termination()
-
-    asyncio.run(main())
-
-
-async def _rpc_shapes(port: int, n: int) -> dict:
-    """Client CPU per call of each RPC shape, 8 in flight (this process's CPU: the server is another)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
-    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: PLC0415
-
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    hc, rs = health_pb2_grpc.HealthStub(channel), reflection_pb2_grpc.ServerReflectionStub(channel)
-    ask = reflection_pb2.ServerReflectionRequest(list_services="")
-
-    async def unary() -> None:
-        await hc.Check(health_pb2.HealthCheckRequest())
-
-    async def stream_one() -> None:
-        call = hc.Watch(health_pb2.HealthCheckRequest())
-        await call.read()
-        call.cancel()
-
-    async def bidi(exchanges: int) -> None:
-        call = rs.ServerReflectionInfo()
-        for _ in range(exchanges):
-            await call.write(ask)
-            await call.read()
-        await call.done_writing()
-        await call.code()
-
-    shapes = {"unary": unary, "server_stream_1": stream_one,
-              "bidi_1_exchange": lambda: bidi(1), "bidi_2_exchanges": lambda: bidi(2)}
-    out = {}
-    for name, fn in shapes.items():
-        for _ in range(50):
-            await fn()
-        cpu0 = proc_cpu_s(os.getpid())
-
-        async def worker(fn=fn) -> None:
-            for _ in range(n // 8):
-                await fn()
-        await asyncio.gather(*(worker() for _ in range(8)))
-        out[name] = round((proc_cpu_s(os.getpid()) - cpu0) / (n // 8 * 8) * 1e3, 3)
-    return out
 
 
 def _shapes_server(ports: multiprocessing.Queue) -> None:
@@ -289,8 +234,8 @@ def main() -> None:
         print("client CPU ms per call, 8 in flight: " + ", ".join(f"{k} {v}" for k, v in shapes.items()))
     print(f"{'rate':>6} {'tokens':>6} {'req/s':>7} {'ms/req':>7} {'us/msg':>7}  by thread (ms/req)")
     for r in rows:
-        print(f"{r['rate'] or 'max':>6} {r['tokens']:>6} {r['achieved_rate']:>7} {r['cpu_ms_per_request']:>7} "
-              f"{r.get('cpu_us_per_relayed_message', '-'):>7}  "
+        print(f"{r['rate'] or 'max':>6} {r['tokens']:>6} {r['achieved_rate']:>7} "
+              f"{r['cpu_ms_per_request']:>7} {r.get('cpu_us_per_relayed_message', '-'):>7}  "
               + ", ".join(f"{k} {v}" for k, v in r["threads_ms_per_request"].items()))
     if args.json:
         with open(args.json, "w") as f:
