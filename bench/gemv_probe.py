@@ -3,8 +3,10 @@
 At batch 1 a decode step of the 8B shape is ~80% matrix-vector products (docs/gpu.md), so their
 bandwidth sets the step's fraction of the HBM bound. This times ``F.linear`` for each of the llama3-8b
 shape's weight matrices (fused qkv, o, fused gate/up, down, lm_head) in bf16 at batch 1, 4 and 16 with
-torch's cuBLAS and with cuBLASLt (``torch.backends.cuda.preferred_blas_library``), beside a device copy
-of the same bytes, and prints achieved GB/s per product.
+torch's cuBLAS and with cuBLASLt (``torch.backends.cuda.preferred_blas_library``), each in a CUDA graph
+over rotating weight copies (``_ms``, ``_rotate``), and prints achieved GB/s per product. The 1 GiB
+device copy printed beside them is timed the same way (in a graph of 5), which reads lower than an eager
+copy of the same size.
 
     python -m bench.gemv_probe --out DIR     (bash bench/device_run.sh gemv)
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import zlib
 
 IOV_MAX = 512  # buffers per sendmsg / readv call (Linux allows 1024)
 IO_TIMEOUT_S = 0.1  # the longest a blocking socket call of an I/O thread runs before it checks ``stop``
@@ -35,3 +36,11 @@ def advance(views: list[memoryview], i: int, n: int) -> int:
             views[i] = head[n:]
             n = 0
     return i
+
+
+def crc32_of(views) -> int:
+    """CRC32 of the views' bytes in order (a DATA frame's ``crc``, TransportConfig.checksum)."""
+    crc = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)
+    return crc

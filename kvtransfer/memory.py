@@ -175,9 +175,8 @@ class KVMemory:
 
     @staticmethod
     async def ready(event) -> None:
-        """Wait (off the event loop) for a stage_out or flush event."""
-        if event is not None and not event.query():
-            await asyncio.to_thread(event.synchronize)
+        """Wait (off the event loop) for a stage_out or flush event (None: nothing to wait for)."""
+        await KVMemory.all_ready([event] if event is not None else [])
 
     @staticmethod
     async def all_ready(events: list) -> None:

@@ -7,11 +7,11 @@ once a DATA frame's metadata is parsed, before a byte of its payload is accepted
 from __future__ import annotations
 
 import time
-import zlib
 from dataclasses import dataclass
 
 from .errors import InvalidTransfer
 from .expectation import Expectation
+from .iovec import crc32_of
 from .protocol import meta_int
 
 
@@ -73,7 +73,7 @@ class TcpReceiving:
         """The payload is in: check it and issue its host->device copies. Skipped once the request failed
         (read racily: a flush that still happens is waited for before the failure is told)."""
         if ctx.crc is not None:
-            ctx.crc_bad = _crc(ctx.views) != ctx.crc
+            ctx.crc_bad = crc32_of(ctx.views) != ctx.crc
         if not ctx.crc_bad and ctx.staging is not None and ctx.exp.state != "failed":
             ctx.event = self.memory.flush(ctx.segments, ctx.staging)
         ctx.landed = True
@@ -95,7 +95,7 @@ class TcpReceiving:
         if exp.state == "failed":  # failed while the payload arrived: it must not reach the blocks
             self._settle_if_quiet(exp)
             return
-        if ctx.crc_bad or (ctx.crc is not None and not ctx.landed and _crc(ctx.views) != ctx.crc):
+        if ctx.crc_bad or (ctx.crc is not None and not ctx.landed and crc32_of(ctx.views) != ctx.crc):
             err = InvalidTransfer(f"checksum mismatch in a DATA frame of {exp.request_id!r}")
             self._fail(exp, err, notify=True)
             return
@@ -140,13 +140,6 @@ class TcpReceiving:
         await self.memory.all_ready(events)
         if self.expectations.get(exp.request_id) is exp:  # not failed or released meanwhile
             self._complete(exp)
-
-
-def _crc(views: list[memoryview]) -> int:
-    crc = 0
-    for view in views:
-        crc = zlib.crc32(view, crc)
-    return crc
 
 
 def _mark(exp: Expectation, segs: list) -> int:

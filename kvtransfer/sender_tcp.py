@@ -10,20 +10,24 @@ in flight per lane, so frames of transfers sharing a lane still interleave). END
 lane once every frame is written; the receiver completes when END and all bytes are in, in either
 order. To a receiver without the capability, everything rides the home lane in order, as before.
 
-Device memory with TransportConfig.tcp_lane_staging (the default): a step queues all its DATA frames at
-once as StagedFrames (tx_frame.py), each on a lane of the transfer chosen by the bytes already queued
-there; the lanes' writer threads stage and write them (lane.py), and the step awaits their completions.
-Otherwise frames are staged here, on the event loop, and handed to a free lane one at a time."""
+Device memory: frames are staged here, on the event loop, and handed to a free lane one at a time. With
+TransportConfig.tcp_lane_staging (off by default: measured slower, docs/kvtransfer.md) a step instead
+queues all its DATA frames at once as StagedFrames (tx_frame.py), each on a lane of the transfer chosen by
+the bytes already queued there; the lanes' writer threads stage and write them (lane.py), and the step
+awaits their completions.
+
+Frame size: max_frame_bytes, times TransportConfig.tcp_busy_frame_factor for a transfer that starts
+while others to the same receiver are in flight."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 from collections import deque
 
 from .blocks import plan_segments
 from .errors import PeerUnavailable
+from .iovec import crc32_of
 from .protocol import CAP_STRIPE, Msg
 from .send_ops import FINISH
 from .tx_frame import StagedFrame
@@ -234,8 +238,5 @@ class TcpPath:
     def _data_frame(self, frame, views: list) -> tuple:
         meta = {"rid": self.h.request_id, "segs": [[layer, d, n] for layer, _s, d, n in frame]}
         if self.t.config.checksum:
-            crc = 0
-            for v in views:
-                crc = zlib.crc32(v, crc)
-            meta["crc"] = crc
+            meta["crc"] = crc32_of(views)
         return (Msg.DATA, meta, views, sum(len(v) for v in views))

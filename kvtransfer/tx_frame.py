@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 
+from .iovec import crc32_of
 from .protocol import Msg, encode
 
 
@@ -64,10 +64,7 @@ class StagedFrame:
         self.times[2] = time.monotonic()
         meta = self.meta
         if self.checksum:
-            crc = 0
-            for view in self._views:
-                crc = zlib.crc32(view, crc)
-            meta = {**meta, "crc": crc}
+            meta = {**meta, "crc": crc32_of(self._views)}
         bufs = [encode(msg, m) for msg, m in self.head]
         bufs.append(encode(Msg.DATA, meta, self.nbytes))
         bufs.extend(self._views)

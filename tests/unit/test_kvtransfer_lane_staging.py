@@ -1,8 +1,9 @@
 """Staged TCP transfers (the path between GPUs: device memory through host buffers, here host memory
 with ``force_staging``) with the staging on each connection's own I/O threads
-(``TransportConfig.tcp_lane_staging``, the default) and on the event loop: byte-exact with checksums, and
+(``TransportConfig.tcp_lane_staging``, off by default) and on the event loop (the default): byte-exact with checksums, and
 with lane staging the event loop makes no staging call at all, on either side. A send aborted while its
-frames are queued writes none of those whose copies had not begun and leaves nothing behind."""
+frames are queued on the lanes writes none of those whose copies had not begun and leaves nothing
+behind."""
 
 import asyncio
 import dataclasses
@@ -78,7 +79,7 @@ def test_an_aborted_send_skips_its_queued_frames_and_leaves_nothing_behind():
         fill_random(src, 4)
         # one connection, no stage-ahead: the frames of all transfers queue on one writer thread
         cfg = {"max_frame_bytes": LAYOUT.block_bytes * BLOCKS, "tcp_connections": 1, "force_staging": True,
-               "tcp_stage_ahead": 1}
+               "tcp_stage_ahead": 1, "tcp_lane_staging": True}
         a = await make_transport("tcp", LAYOUT, src, **cfg).start()
         b = await make_transport("tcp", LAYOUT, dst, **cfg).start()
         staged: list = []
