@@ -1,9 +1,9 @@
 """Staged TCP transfers (the path between GPUs: device memory through host buffers, here host memory
 with ``force_staging``) with the staging on each connection's own I/O threads
-(``TransportConfig.tcp_lane_staging``, off by default) and on the event loop (the default): byte-exact with checksums, and
-with lane staging the event loop makes no staging call at all, on either side. A send aborted while its
-frames are queued on the lanes writes none of those whose copies had not begun and leaves nothing
-behind."""
+(``TransportConfig.tcp_lane_staging``, off by default) and on the event loop (the default):
+byte-exact with checksums, and with lane staging the event loop makes no staging call at all, on either
+side. A send aborted while its frames are queued on the lanes writes none of those whose copies had not
+begun and leaves nothing behind."""
 
 import asyncio
 import dataclasses
