@@ -23,7 +23,9 @@
 #              beside a raw socket over the same connections; mutual TLS (relay helpers, and in-process) vs plaintext
 #              at 1 and 16 (bench.kv_bench;
 #              args after -- go to it, e.g. `kv-concurrency -- --variant spin=staging_blocking_sync=false`)
-#   gemv       decode's matrix products at batch 1/4/16 with cuBLAS and cuBLASLt, GB/s (bench.gemv_probe)
+#   gemv       decode's matrix products at batch 1/4/16 with cuBLAS and cuBLASLt, GB/s (bench.gemv_probe;
+#              `-- --triton` sweeps engine.gemv's configurations beside them)
+#   imports    where a worker's imports go, -X importtime of torch, flashinfer, triton (bench.import_profile)
 #   lane-staging  TCP transfers between two transports of one process on one GPU, staged on the lanes'
 #              threads vs on the event loop (bench.lane_staging_probe; the one-GPU stand-in for kv-concurrency)
 #   staging    the TCP path's staging copies alone and beside a loopback socket blast (bench.staging_probe)
@@ -143,6 +145,8 @@ from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve
                 --tls-concurrency 1,16 --variant tls_inproc=tls=true,tls_procs=0 --json "$OUT/kvtransfer-concurrency-gpu.json" "${extra[@]}" 2>&1 \
                 | tee "$OUT/kv-concurrency.log"
             rc=$(( rc | $? )) ;;
+        imports) python3 -m bench.import_profile --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/imports.log"
+                 rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         gemv) python3 -m bench.gemv_probe --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/gemv.log"
               rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         lane-staging) python3 -m bench.lane_staging_probe --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/lane-staging.log"

@@ -8,7 +8,10 @@ over rotating weight copies (``_ms``, ``_rotate``), and prints achieved GB/s per
 device copy printed beside them is timed the same way (in a graph of 5), which reads lower than an eager
 copy of the same size.
 
-    python -m bench.gemv_probe --out DIR     (bash bench/device_run.sh gemv)
+``--triton`` also sweeps ``engine.gemv``'s configurations (rows per program, K step, warps, pipeline
+stages) at batch 1 and prints the best of each beside cuBLAS and the configuration the engine uses.
+
+    python -m bench.gemv_probe --out DIR [--triton]    (bash bench/device_run.sh gemv [-- --triton])
 """
 
 from __future__ import annotations
@@ -72,8 +75,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--layouts", action="store_true",
                     help="also x @ W^T with W^T stored contiguous, (W @ x^T)^T and torch.mv (cuBLAS)")
+    ap.add_argument("--triton", action="store_true", help="sweep engine.gemv's configurations at batch 1")
     args = ap.parse_args()
     rows = []
+    sweeps = []
     copy_gbps = _copy_gbps()
     for name, n_out, n_in in SHAPES:
         # copies enough to fill 512 MiB, called in turn: each call reads memory the last ones did not, as
@@ -104,6 +109,9 @@ def main() -> None:
                         row[f"{lname}_gbps"] = round(w.numel() * 2 / ms / 1e6, 1)
                 del wts
             rows.append(row)
+            if args.triton and b == 1:
+                sweeps.append(_sweep(name, x, ws))
+                row["triton_best"] = sweeps[-1]["best"]
         del w, ws
     torch.backends.cuda.preferred_blas_library("cublas")
     print(f"device copy {copy_gbps:.0f} GB/s (read + write)")
@@ -113,9 +121,39 @@ def main() -> None:
               f"{r['cublas_us']:>7}/{r['cublaslt_us']}"
               + "".join(f"  {k[:-5]} {r[k]}" for k in r
                         if k.endswith("_gbps") and not k.startswith("cublas")))
+    for sw in sweeps:
+        b = sw["best"]
+        d = sw["default"] or {}
+        print(f"triton {sw['matrix']:8} best {b['gbps']} GB/s {b['us']} us {b['config']}; "
+              f"engine default {d.get('gbps')} GB/s {d.get('us')} us")
     Path(args.out, "gemv-probe.json").write_text(json.dumps(
-        {"device": torch.cuda.get_device_name(0), "copy_gbps": round(copy_gbps, 1), "rows": rows}, indent=1))
+        {"device": torch.cuda.get_device_name(0), "copy_gbps": round(copy_gbps, 1), "rows": rows,
+         "triton_sweeps": sweeps}, indent=1))
 
 
-if __name__ == "__main__":
-    main()
+def _configs():
+    for bn in (2, 4, 8, 16, 32):
+        for bk in (128, 256, 512, 1024):
+            if 1024 <= bn * bk <= 16384:
+                for warps in (4, 8):
+                    for stages in (2, 3, 4):
+                        yield {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+
+
+def _sweep(name: str, x: torch.Tensor, ws: list) -> dict:
+    """engine.gemv over every configuration of ``_configs`` for one matrix at batch 1, sorted by GB/s,
+    and the engine's default configuration."""
+    from engine import gemv as gv
+    ref = F.linear(x, ws[0]).float()
+    nbytes = ws[0].numel() * 2
+    results = []
+    default = {"block_n": gv.BLOCK_N, "block_k": gv.BLOCK_K, "num_warps": gv.NUM_WARPS,
+               "num_stages": gv.NUM_STAGES}
+    for cfg in _configs():
+        err = (gv.gemv(x, ws[0], **cfg).float() - ref).abs().max().item()
+        ms = _ms(_rotate(lambda w, cfg=cfg: gv.gemv(x, w, **cfg), ws))
+        results.append({"config": cfg, "us": round(ms * 1e3, 2), "gbps": round(nbytes / ms / 1e6, 1),
+                        "max_abs_err_vs_cublas": err, "default": cfg == default})
+    results.sort(key=lambda r: -r["gbps"])
+    return {"matrix": name, "best": results[0], "default": next((r for r in results if r["default"]), None),
+            "results": results}

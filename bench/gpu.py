@@ -20,8 +20,9 @@ safetensors first would only measure the disk).
   ``transformers`` ``generate`` against pdserve's decode path (``gpu_hf.py``).
 * ``--variants``: tensor-core decode rows; transfer: kvtransfer NIXL configs (sub-ms poll naps, a spin
   window, the progress thread) and a UCX environment for the raw-NIXL rows, each in fresh processes.
-* ``--variants`` also times decode with ``engine.fused_ops``' Triton kernels off and on
-  (``decode_fused_ops_variant``: batch x context, each with freshly captured graphs).
+* ``--variants`` (or ``--kernel-variants`` alone) also times decode with torch's element-wise ops, with
+  ``engine.fused_ops``' Triton kernels, and with those plus ``engine.gemv``'s batch-1 products
+  (``decode_fused_ops_variant``: batch x context, freshly captured graphs, alternated rounds).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -238,40 +240,47 @@ def roofline(model: CausalLM, cfg, ceil: dict, quick: bool, *, tensor_cores: boo
     }
 
 
-def fused_ops_variant(model: CausalLM, cfg, ceil: dict, quick: bool) -> dict:
-    """Decode steps with ``engine.fused_ops``' Triton kernels off, then on (``CausalLM.set_fused_ops``),
-    each through its own freshly captured graphs, side by side in one run."""
+# The decode kernel configurations the variant compares (CausalLM.set_fused_ops arguments).
+KERNEL_CONFIGS = {
+    "torch": {"enabled": False},  # torch element-wise ops, cuBLAS products
+    "fused": {"enabled": True, "gemv": False},  # engine.fused_ops, cuBLAS products
+    "fused+gemv": {"enabled": True, "gemv": True},  # engine.fused_ops, engine.gemv at batch 1 (default)
+}
+
+
+def fused_ops_variant(model: CausalLM, cfg, ceil: dict, quick: bool, rounds: int = 2) -> dict:
+    """Decode steps under each of ``KERNEL_CONFIGS`` (torch ops; ``engine.fused_ops``' Triton kernels;
+    the kernels plus ``engine.gemv``'s batch-1 products), each through freshly captured graphs, the
+    three alternated over ``rounds`` in one run; each cell is the median of its rounds."""
     batches, contexts = ([1, 64], [1024]) if quick else ([1, 16, 64], [1024, 4096])
-    runs = {}
+    runs: dict[str, list[dict]] = {name: [] for name in KERNEL_CONFIGS}
     try:
-        for on in (False, True):
-            if model.set_fused_ops(on) is not on:
-                raise RuntimeError(f"set_fused_ops({on}) did not take")
-            print(f"  decode, fused ops {'on' if on else 'off'}:", flush=True)
-            runs[on] = roofline(model, cfg, ceil, quick, with_prefill=False, batches=batches,
-                                contexts=contexts)
+        for turn in range(rounds):
+            for name, kw in KERNEL_CONFIGS.items():
+                if model.set_fused_ops(**kw) is not kw["enabled"]:
+                    raise RuntimeError(f"set_fused_ops({kw}) did not take")
+                if (model.linear is not F.linear) is not kw.get("gemv", False):
+                    raise RuntimeError(f"set_fused_ops({kw}): the batch-1 product did not follow")
+                print(f"  decode, {name} (round {turn + 1}/{rounds}):", flush=True)
+                runs[name].append(roofline(model, cfg, ceil, quick, with_prefill=False, batches=batches,
+                                           contexts=contexts))
     except Exception as exc:  # a variant must not cost the rest of the run
         return {"status": "not run", "reason": f"{type(exc).__name__}: {exc}"}
     finally:
         model.set_fused_ops()  # back to the engine's own choice
     rows = []
-    for off, on in zip(runs[False]["decode"], runs[True]["decode"], strict=True):
-        rows.append({
-            "batch": off["batch"],
-            "context": off["context"],
-            "off_step_ms": off["step_ms"],
-            "on_step_ms": on["step_ms"],
-            "speedup": off["step_ms"] / on["step_ms"],
-            "hbm_bound_ms": on["hbm_bound_ms"],
-            "off_fraction_of_bound": off["fraction_of_bound"],
-            "on_fraction_of_bound": on["fraction_of_bound"],
-            "off_eager_step_ms": off.get("eager_step_ms"),
-            "on_eager_step_ms": on.get("eager_step_ms"),
-        })
-        print(f"  b={off['batch']:3d} ctx={off['context']:5d}: {off['step_ms']:.2f} -> "
-              f"{on['step_ms']:.2f} ms "
-              f"({off['fraction_of_bound']:.1%} -> {on['fraction_of_bound']:.1%} of the bound)", flush=True)
-    return {"decode": rows, "off": runs[False], "on": runs[True]}
+    for i, cell in enumerate(runs["torch"][0]["decode"]):
+        row = {"batch": cell["batch"], "context": cell["context"], "hbm_bound_ms": cell["hbm_bound_ms"]}
+        for name in KERNEL_CONFIGS:
+            step = statistics.median(run["decode"][i]["step_ms"] for run in runs[name])
+            row[f"{name}_step_ms"] = step
+            row[f"{name}_fraction_of_bound"] = cell["hbm_bound_ms"] / step
+            row[f"{name}_rounds_ms"] = [run["decode"][i]["step_ms"] for run in runs[name]]
+        rows.append(row)
+        print(f"  b={row['batch']:3d} ctx={row['context']:5d}: "
+              + ", ".join(f"{name} {row[f'{name}_step_ms']:.2f} ms ({row[f'{name}_fraction_of_bound']:.1%})"
+                          for name in KERNEL_CONFIGS), flush=True)
+    return {"decode": rows, "configs": KERNEL_CONFIGS, "rounds": rounds, "runs": runs}
 
 
 @torch.inference_mode()
@@ -326,6 +335,9 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the result file name (gpu-<device>-<date>-TAG.json)")
     ap.add_argument("--variants", action="store_true",
                     help="also time tensor-core decode and the NIXL transfer variants (gpu_transfer.py)")
+    ap.add_argument("--kernel-variants", action="store_true",
+                    help="time decode with torch ops / fused kernels / fused kernels + batch-1 GEMV (alone)")
+    ap.add_argument("--kernel-rounds", type=int, default=2, help="alternated rounds of the kernel variant")
     args = ap.parse_args()
     items = set(args.items.split(","))
     info = machine()
@@ -347,14 +359,15 @@ def main() -> None:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    suffix = (f"-{args.tag}" if args.tag else "") + ("-variants" if args.variants else "")
+    suffix = ((f"-{args.tag}" if args.tag else "") + ("-variants" if args.variants else "")
+              + ("-kernels" if args.kernel_variants and not args.variants else ""))
     path = out / f"gpu-{info['slug']}-{dt.date.today().isoformat()}{suffix}.json"
 
     def save():
         path.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
     cfg = preset_config("llama3-8b")
-    if items & {"roofline", "transformers"}:
+    if items & {"roofline", "transformers"} or args.kernel_variants:
         model = random_model(cfg)
         if "roofline" in items:
             tc = {"auto": None, "on": True, "off": False}[args.decode_tensor_cores]
@@ -365,7 +378,9 @@ def main() -> None:
                                                             with_prefill=False, batches=[16, 64],
                                                             contexts=[1024, 4096])
             save()
-            result["decode_fused_ops_variant"] = fused_ops_variant(model, cfg, ceil, args.quick)
+        if args.variants or args.kernel_variants:
+            result["decode_fused_ops_variant"] = fused_ops_variant(model, cfg, ceil, args.quick,
+                                                                   rounds=args.kernel_rounds)
             save()
         if "transformers" in items:
             from gpu_hf import vs_transformers

@@ -59,16 +59,19 @@ def markdown(r: dict) -> str:
         out.append("")
     fv = r.get("decode_fused_ops_variant")
     if fv:
-        out += ["## Variant: decode with engine.fused_ops' Triton kernels off vs on (same run)", ""]
+        out += ["## Variant: decode with torch ops, engine.fused_ops, and engine.fused_ops + engine.gemv "
+                "(same run, alternated rounds, medians)", ""]
         if fv.get("status") == "not run":
             out += [f"not run: {fv.get('reason')}", ""]
-        else:
-            out += ["| batch | context | off ms | on ms | speedup | fraction off | fraction on | "
-                    "eager off ms | eager on ms |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-            out += [f"| {x['batch']} | {x['context']} | {x['off_step_ms']:.2f} | {x['on_step_ms']:.2f} | "
-                    f"{x['speedup']:.2f}x | {x['off_fraction_of_bound']:.1%} | "
-                    f"{x['on_fraction_of_bound']:.1%} | "
-                    f"{_f(x['off_eager_step_ms'])} | {_f(x['on_eager_step_ms'])} |" for x in fv["decode"]]
+        elif "configs" in fv:
+            names = list(fv["configs"])
+            out += ["| batch | context | HBM bound ms | " + " | ".join(f"{n} ms (fraction)" for n in names)
+                    + " |",
+                    "|---:|---:|---:|" + "---:|" * len(names)]
+            out += [f"| {x['batch']} | {x['context']} | {x['hbm_bound_ms']:.2f} | "
+                    + " | ".join(f"{x[f'{n}_step_ms']:.2f} ({x[f'{n}_fraction_of_bound']:.1%})"
+                                 for n in names)
+                    + " |" for x in fv["decode"]]
             out.append("")
     h = r.get("transformers")
     if h:

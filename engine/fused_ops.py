@@ -13,6 +13,9 @@ gate two, plus the residual add. Here each group is one launch:
 * ``rope_qk(q, k, cos, sin)``: both rotations in one launch, out of place into contiguous
   ``[T, heads, head_dim]`` tensors (``k`` may be a strided view of the fused qkv output). The same
   products and sums as ``engine.model.apply_rope``, each rounded to the dtype, so bit-identical.
+* ``rope_store_kv(q, k, v, cos, sin, cache, slots, src)``: ``rope_qk`` plus the attention backend's
+  store of the rotated keys and the values into the paged cache (``engine.attention``'s
+  ``kv_store_target``), one launch instead of four at batch 1.
 * ``silu_mul(gate_up)``: ``silu(gate) * up`` from the fused ``[T, 2 * I]`` projection, with silu in
   float32 rounded to the dtype before the product (torch's order). ``exp`` is the hardware's, so a
   rare 1- or 2-ulp difference is possible there too.
@@ -92,14 +95,15 @@ if triton is not None:
         tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotate(src_ptr, dst_ptr, row, s_t, s_h, n_heads, c, s, half, HEADS: tl.constexpr,
+    def _rotate(src_ptr, dst_ptr, row, dst_row, s_t, s_h, n_heads, c, s, half, HEADS: tl.constexpr,
                 HALF: tl.constexpr, BF16: tl.constexpr):
-        # One token's heads [HEADS, HALF] of both halves; dst is contiguous [T, n_heads, 2 * half].
+        # Row ``row``'s heads [HEADS, HALF] of both halves; dst is contiguous [rows, n_heads, 2 * half],
+        # written at row ``dst_row``.
         heads = tl.arange(0, HEADS)[:, None]
         cols = tl.arange(0, HALF)[None, :]
         mask = (heads < n_heads) & (cols < half)
         src = src_ptr + row * s_t + heads * s_h + cols
-        dst = dst_ptr + row * (n_heads * 2 * half) + heads * (2 * half) + cols
+        dst = dst_ptr + dst_row * (n_heads * 2 * half) + heads * (2 * half) + cols
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
         # apply_rope: o1 = x1*cos - x2*sin, o2 = x2*cos + x1*sin, every product and sum rounded.
@@ -117,8 +121,35 @@ if triton is not None:
         cmask = cols < half
         c = tl.load(cos_ptr + row * cs_st + cols, mask=cmask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + row * cs_st + cols, mask=cmask, other=0.0).to(tl.float32)
-        _rotate(q_ptr, qo_ptr, row, q_st, q_sh, n_q, c, s, half, QH, HALF, BF16)
-        _rotate(k_ptr, ko_ptr, row, k_st, k_sh, n_k, c, s, half, KH, HALF, BF16)
+        _rotate(q_ptr, qo_ptr, row, row, q_st, q_sh, n_q, c, s, half, QH, HALF, BF16)
+        _rotate(k_ptr, ko_ptr, row, row, k_st, k_sh, n_k, c, s, half, KH, HALF, BF16)
+
+    @triton.jit
+    def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, cache_ptr, slots_ptr, src_ptr,
+                           t, q_st, q_sh, k_st, k_sh, v_st, v_sh, cs_st, n_q, n_k, d, half,
+                           QH: tl.constexpr, KH: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
+                           HAS_SRC: tl.constexpr, BF16: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, HALF)[None, :]
+        cmask = cols < half
+        c = tl.load(cos_ptr + row * cs_st + cols, mask=cmask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + row * cs_st + cols, mask=cmask, other=0.0).to(tl.float32)
+        _rotate(q_ptr, qo_ptr, row, row, q_st, q_sh, n_q, c, s, half, QH, HALF, BF16)
+        k_slot = tl.load(slots_ptr + row)
+        v_slot = tl.load(slots_ptr + t + row)
+        k_row = row
+        v_row = row
+        if HAS_SRC:  # a padding row stores another row's key/value (engine.cuda_graphs)
+            k_row = tl.load(src_ptr + row)
+            v_row = tl.load(src_ptr + t + row) - t
+            c = tl.load(cos_ptr + k_row * cs_st + cols, mask=cmask, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + k_row * cs_st + cols, mask=cmask, other=0.0).to(tl.float32)
+        _rotate(k_ptr, cache_ptr, k_row, k_slot, k_st, k_sh, n_k, c, s, half, KH, HALF, BF16)
+        heads = tl.arange(0, KH)[:, None]
+        dims = tl.arange(0, D)[None, :]
+        vmask = (heads < n_k) & (dims < d)
+        val = tl.load(v_ptr + v_row * v_st + heads * v_sh + dims, mask=vmask, other=0.0)
+        tl.store(cache_ptr + v_slot * (n_k * d) + heads * d + dims, val, mask=vmask)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, gu_stride, out_stride, BF16: tl.constexpr,
@@ -205,6 +236,48 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         **_EXACT,
     )
     return q_out, k_out
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor | None) -> torch.Tensor:
+    """RoPE of ``q`` and ``k``, and the rotated keys and the values written into the paged KV cache, in
+    one launch; returns the rotated ``q`` (new, contiguous ``[T, heads, head_dim]``).
+
+    The same bytes as ``rope_qk`` followed by the attention backend's store (``rows = cat([k, v])``,
+    ``rows.index_select(0, src)`` when ``src`` is given, ``cache.index_copy_(0, slots, rows)``):
+    ``cache [rows, kv_heads, head_dim]`` is the layer's cache flattened to slot rows (contiguous),
+    ``slots [2T]`` int64 the rows receiving the keys (first ``T``) then the values, ``src [2T]`` the row
+    of ``cat([k, v])`` each slot receives (a CUDA-graph padding row stores row 0's key and value into
+    row 0's slot again: identical bytes to one address, never a block outside the batch). Saves the
+    concatenation, the gather and the scatter: three kernels a layer at batch 1.
+    """
+    t, n_q, d = q.shape
+    n_k = k.shape[1]
+    half = d // 2
+    if (k.shape != (t, n_k, d) or v.shape != k.shape or cos.shape != (t, 1, half) or sin.shape != cos.shape
+            or d % 2 or cache.dim() != 3 or cache.shape[1:] != (n_k, d) or slots.shape != (2 * t,)
+            or (src is not None and src.shape != (2 * t,))):
+        raise ValueError(f"fused_ops.rope_store_kv: shapes q {tuple(q.shape)} k {tuple(k.shape)} "
+                         f"v {tuple(v.shape)} cos {tuple(cos.shape)} cache {tuple(cache.shape)} "
+                         f"slots {tuple(slots.shape)}")
+    if not (q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype == cache.dtype):
+        raise ValueError("fused_ops.rope_store_kv: q, k, v, cos, sin and the cache must share a dtype")
+    if sin.stride() != cos.stride() or cos.stride(-1) != 1 or not cache.is_contiguous():
+        raise ValueError("fused_ops.rope_store_kv: cos/sin strides differ, or the cache is not contiguous")
+    for x in (q, k, v):
+        _rows(x)
+    q_out = torch.empty((t, n_q, d), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return q_out
+    hp = triton.next_power_of_2(half)
+    qh, kh = triton.next_power_of_2(n_q), triton.next_power_of_2(n_k)
+    _rope_store_kernel[(t,)](
+        q, k, v, cos, sin, q_out, cache, slots, slots if src is None else src, t, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), n_q, n_k, d, half, QH=qh, KH=kh,
+        HALF=hp, D=triton.next_power_of_2(d), HAS_SRC=src is not None, BF16=q.dtype == torch.bfloat16,
+        num_warps=_warps(qh * hp), **_EXACT,
+    )
+    return q_out
 
 
 _SILU_BLOCK = 1024

@@ -121,12 +121,12 @@ class FusedLinears:
     def matches(self, linears: tuple[nn.Linear, ...]) -> bool:
         return all(lin.weight is p for lin, p in zip(linears, self._params, strict=True))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """The concatenated output ``[T, sum(sizes)]``."""
-        return F.linear(x, self.weight, self.bias)
+    def matmul(self, x: torch.Tensor, linear: Callable = F.linear) -> torch.Tensor:
+        """The concatenated output ``[T, sum(sizes)]`` (through ``F.linear`` or ``engine.gemv.linear``)."""
+        return linear(x, self.weight, self.bias)
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return self.matmul(x).split(self.sizes, dim=-1)
+    def __call__(self, x: torch.Tensor, linear: Callable = F.linear) -> list[torch.Tensor]:
+        return self.matmul(x, linear).split(self.sizes, dim=-1)
 
 
 class Attention(nn.Module):
@@ -149,6 +149,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, h, bias=False)
         self.fused: FusedLinears | None = None
         self.kernels: ModuleType | None = None  # engine.fused_ops when CausalLM.set_fused_ops chose it
+        self.linear: Callable = F.linear  # engine.gemv.linear when CausalLM.set_fused_ops chose it
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
@@ -156,19 +157,23 @@ class Attention(nn.Module):
         t = x.shape[0]
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if self.fused is not None and self.fused.matches(projs):
-            q, k, v = self.fused(x)
+            q, k, v = self.fused(x, self.linear)
         else:
             q, k, v = (proj(x) for proj in projs)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)  # a strided view when fused
-        if self.kernels is not None:
+        store = None if self.kernels is None else attn.backend.kv_store_target(kv_layer, attn)
+        if store is not None:  # RoPE and the cache write in one launch; the backend only attends
+            q, k, v = self.kernels.rope_store_kv(q, k, v, cos, sin, *store), None, None
+        elif self.kernels is not None:
             q, k = self.kernels.rope_qk(q, k, cos, sin)  # one launch for both, same rounding
         else:
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         out = attn.backend.forward(q, k, v, kv_layer, attn)  # [T, heads, head_dim]
-        out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        out = self.linear(out, self.o_proj.weight, self.o_proj.bias)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -184,19 +189,21 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
         self.fused: FusedLinears | None = None
         self.kernels: ModuleType | None = None  # engine.fused_ops when CausalLM.set_fused_ops chose it
+        self.linear: Callable = F.linear  # engine.gemv.linear when CausalLM.set_fused_ops chose it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         projs = (self.gate_proj, self.up_proj)
         if self.fused is not None and self.fused.matches(projs):
             if self.kernels is not None:  # silu(gate) * up straight from the [T, 2 * I] output
-                return self._reduce(self.down_proj(self.kernels.silu_mul(self.fused.matmul(x))))
-            gate, up = self.fused(x)
+                return self._down(self.kernels.silu_mul(self.fused.matmul(x, self.linear)))
+            gate, up = self.fused(x, self.linear)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         # gate is this call's own matmul output: activate and gate it in place.
-        return self._reduce(self.down_proj(F.silu(gate, inplace=True).mul_(up)))
+        return self._down(F.silu(gate, inplace=True).mul_(up))
 
-    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
+    def _down(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.linear(h, self.down_proj.weight, self.down_proj.bias)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -208,13 +215,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
-                attn: AttentionMetadata) -> torch.Tensor:
-        # x is the model's own running residual (never a caller's tensor): add in place (the first
-        # add fused into the post-attention norm when the fused kernels are on).
-        h = self.post_attention_layernorm.add_forward(
-            x, self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, attn))
-        return x.add_(self.mlp(h))
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_layer: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """``x``: the model's own running residual (never a caller's tensor), updated in place;
+        ``pending``: the previous layer's MLP output, not yet added to ``x`` (None for the first layer).
+        Returns this layer's MLP output, which the next layer's input norm (or the final norm) adds:
+        each residual add is fused into the norm that follows it when the fused kernels are on, and
+        the values are the same as adding at the end of the layer."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_forward(x, pending)
+        h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, kv_layer, attn))
+        return self.mlp(h)
 
 
 def _uninitialised(rows: int, cols: int) -> torch.Tensor:
@@ -276,6 +289,7 @@ class CausalLM(nn.Module):
         # Not a buffer: it must survive meta-device construction and never appears in a state dict.
         self._inv_freq = rope_inv_freq(config)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+        self.linear: Callable = F.linear  # lm_head's; engine.gemv.linear when set_fused_ops chose it
 
     def fuse_projections(self, fused_ops: bool | None = None) -> None:
         """Fuse q/k/v and gate/up into one matmul each (call once the weights are in place), and pick
@@ -286,12 +300,14 @@ class CausalLM(nn.Module):
             mlp.fused = FusedLinears([mlp.gate_proj, mlp.up_proj])
         self.set_fused_ops(fused_ops)
 
-    def set_fused_ops(self, enabled: bool | None = None) -> bool:
-        """Use ``engine.fused_ops`` (Triton: add+RMSNorm, RoPE of q and k, silu*up) or torch ops.
+    def set_fused_ops(self, enabled: bool | None = None, gemv: bool | None = None) -> bool:
+        """Use ``engine.fused_ops`` (Triton: add+RMSNorm, RoPE of q and k with the KV cache write, silu*up)
+        and ``engine.gemv`` (the projections at batch 1), or torch ops.
 
         ``None``: when ``engine.fused_ops.available`` says so for the weights' device and dtype (CUDA,
         fp16/bf16, triton importable, ``PDSERVE_FUSED_OPS`` not 0); CPU and float32 models never
         import triton. ``True`` forces them (tests: CPU tensors under ``TRITON_INTERPRET=1``).
+        ``gemv``: the batch-1 products with them (``None``: with them unless ``PDSERVE_GEMV`` is 0).
         Decided here once, not per step; ``.to()`` turns them off again. Returns whether they are on.
         """
         kernels = None
@@ -307,9 +323,17 @@ class CausalLM(nn.Module):
             if fused_ops.triton is None:
                 raise RuntimeError("set_fused_ops(True): triton is not installed")
             kernels = fused_ops
+        linear = F.linear
+        if kernels is not None and gemv is not False:
+            from engine import gemv as batch1
+
+            if gemv or batch1.enabled():
+                linear = batch1.linear
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.kernels = kernels
+            if isinstance(module, (Attention, MLP, CausalLM)):
+                module.linear = linear
         return kernels is not None
 
     def _apply(self, fn, recurse: bool = True):
@@ -320,6 +344,8 @@ class CausalLM(nn.Module):
                 module.fused = None
             if getattr(module, "kernels", None) is not None:
                 module.kernels = None
+            if isinstance(module, (Attention, MLP, CausalLM)):
+                module.linear = F.linear
         return super()._apply(fn, recurse)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,17 +369,21 @@ class CausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        pending = None  # the last MLP output, added to x by the next norm
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache[i], attn)
+            pending = layer(x, pending, cos, sin, kv_cache[i], attn)
             if after_layer is not None:
                 after_layer(i)
-        return self.model.norm(x)
+        if pending is None:
+            return self.model.norm(x)
+        return self.model.norm.add_forward(x, pending)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` (already normed) -> ``[n, vocab]`` float32 logits (on every rank)."""
+        logits = self.linear(hidden, self.lm_head.weight, self.lm_head.bias)
         if self.tp is None:
-            return self.lm_head(hidden).float()
-        full = self.tp.all_gather_last(self.lm_head(hidden).float())  # [n, size * vocab_per_rank]
+            return logits.float()
+        full = self.tp.all_gather_last(logits.float())  # [n, size * vocab_per_rank]
         return full[:, :self.config.vocab_size]
 
     def tp_slices(self) -> dict[str, TensorSlice]:

@@ -80,8 +80,18 @@ class AttentionBackend(ABC):
         """Once per step: index tensors for ``batch`` on the device."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_layer: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Once per layer. ``q [T, heads, head_dim]``, ``k``/``v [T, kv_heads, head_dim]`` (RoPE applied;
         ``v`` may be a strided view, last dim contiguous); stores ``k``/``v`` into ``kv_layer`` and
-        returns ``[T, heads, head_dim]``."""
+        returns ``[T, heads, head_dim]``. ``k`` and ``v`` are None when the caller has already stored
+        them where ``kv_store_target`` said."""
+
+    def kv_store_target(
+        self, kv_layer: torch.Tensor, meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """Where this step's keys and values go, for a caller that writes them itself in a kernel of its
+        own (``engine.fused_ops.rope_store_kv``): the layer's cache as slot rows ``[rows, kv_heads,
+        head_dim]``, the slots ``[2T]`` (keys, then values) and the row of ``cat([k, v])`` each slot
+        receives (``[2T]``, or None for row i to slot i). None: ``forward`` stores them."""
+        return None

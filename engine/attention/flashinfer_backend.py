@@ -13,7 +13,8 @@ values go to, copies them to the device in one pinned ``non_blocking`` copy, and
   which is exactly "cached context, then this step's tokens", so a chunk or a prefix hit needs no mask.
 
 ``forward`` per layer: one ``index_copy_`` writes ``k``/``v`` into the layer's cache (the cache layout
-``[num_blocks, 2, block_size, kv_heads, head_dim]`` is flashinfer's paged NHD layout as is), then the
+``[num_blocks, 2, block_size, kv_heads, head_dim]`` is flashinfer's paged NHD layout as is; with
+``engine.fused_ops`` the model's RoPE kernel has already written them at ``kv_store_target``), then the
 wrappers' ``run``. Both wrappers share one float workspace (they run one after the other).
 
 CUDA graphs (``engine.cuda_graphs``): ``graph_state(batch_size, max_blocks_per_seq)`` gives static
@@ -28,21 +29,67 @@ a model can use this backend, and ``engine.attention.get_backend("auto")`` falls
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, BatchSpec
+from pdserve.settings import env_switch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended split-k scratch size
 
 
+LEAN_IMPORT_ENV = "PDSERVE_FLASHINFER_LEAN"
+
+
+def load_flashinfer() -> SimpleNamespace:
+    """flashinfer's two paged-attention wrappers, importing only the modules they live in.
+
+    ``import flashinfer`` runs the package's ``__init__``, which imports nearly every subpackage (MoE,
+    GEMM, quantization, GDN, ...): 2.5-3.5 s of a worker's start on an H200 host, where
+    ``flashinfer.decode`` and ``flashinfer.prefill`` alone take ~1.5 s (``bench/import_profile.py``,
+    docs/gpu.md "Boot"). So when nothing has imported flashinfer yet, the package module is created
+    from its spec without running ``__init__`` and the two submodules are imported under it. The first
+    access to any other attribute of the package runs ``__init__`` then (a module ``__getattr__``), so a
+    later ``import flashinfer`` anywhere in the process still sees the whole package.
+    ``PDSERVE_FLASHINFER_LEAN=0`` imports the whole package up front instead.
+    """
+    if "flashinfer" not in sys.modules and env_switch(LEAN_IMPORT_ENV):
+        spec = importlib.util.find_spec("flashinfer")
+        if spec is None:
+            raise ImportError("No module named 'flashinfer'")
+        package = importlib.util.module_from_spec(spec)
+
+        def complete(name: str):
+            del package.__getattr__  # once: afterwards a missing attribute is an AttributeError
+            spec.loader.exec_module(package)
+            return getattr(package, name)
+
+        package.__getattr__ = complete
+        sys.modules["flashinfer"] = package
+        try:
+            importlib.import_module("flashinfer.decode")
+            importlib.import_module("flashinfer.prefill")
+        except BaseException:
+            for name in [m for m in sys.modules if m == "flashinfer" or m.startswith("flashinfer.")]:
+                del sys.modules[name]
+            raise
+    decode = importlib.import_module("flashinfer.decode")
+    prefill = importlib.import_module("flashinfer.prefill")
+    return SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=decode.BatchDecodeWithPagedKVCacheWrapper,
+                           BatchPrefillWithPagedKVCacheWrapper=prefill.BatchPrefillWithPagedKVCacheWrapper)
+
+
 def flashinfer_available() -> bool:
     try:
-        import flashinfer  # noqa: F401
+        load_flashinfer()
     except Exception:  # ImportError, or a broken native dependency
         return False
     return torch.cuda.is_available()
@@ -109,9 +156,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 f"flashinfer attention supports head_dim {SUPPORTED_HEAD_DIMS} in fp16/bf16, "
                 f"got head_dim={head_dim} dtype={dtype}"
             )
-        import flashinfer
-
-        self._fi = flashinfer
+        flashinfer = self._fi = load_flashinfer()
         self.dtype = dtype  # None: learnt from the first forward's q
         # Decode on tensor cores (flashinfer's prefill kernels) from GQA group 4 up. Measured on H200,
         # llama3-8b shape, graph replay (bench/results/gpu-2xh200-2026-11-21-variants.md): batch 64 x 4k
@@ -297,22 +342,28 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
 
     # ---- per layer -----------------------------------------------------------------------------
+    def kv_store_target(self, kv_layer: torch.Tensor,
+                        meta: FlashInferMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        # [blocks * 2 * block_size, kvh, d]: the paged NHD layout's slot rows
+        return kv_layer.view(-1, self.num_kv_heads, self.head_dim), meta.kv_slots, meta.kv_src
+
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_layer: torch.Tensor,
         meta: FlashInferMetadata,
     ) -> torch.Tensor:
         if meta.plan_args:  # first step of a backend built without a dtype
             self.dtype = self.dtype or q.dtype
             self._plan_wrappers(meta, q.dtype)
-        flat = kv_layer.view(-1, self.num_kv_heads, self.head_dim)  # [blocks * 2 * block_size, kvh, d]
-        src = torch.cat([k, v])  # [2T, kvh, d]
-        if meta.kv_src is not None:
-            src = src.index_select(0, meta.kv_src)
-        flat.index_copy_(0, meta.kv_slots, src)
+        if k is not None:
+            flat, slots, src_rows = self.kv_store_target(kv_layer, meta)
+            src = torch.cat([k, v])  # [2T, kvh, d]
+            if src_rows is not None:
+                src = src.index_select(0, src_rows)
+            flat.index_copy_(0, slots, src)
         nd = meta.num_decodes
         if meta.prefill is None:
             return meta.decode.run(q, kv_layer)

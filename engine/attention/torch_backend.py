@@ -138,13 +138,19 @@ class TorchAttentionBackend(AttentionBackend):
         return to_device(torch.from_numpy(np.ascontiguousarray(arr)), self.device)
 
     # ---- per layer ----------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+    def kv_store_target(self, kv_layer: torch.Tensor,
+                        meta: TorchAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return kv_layer.view(-1, self.num_kv_heads, self.head_dim), meta.kv_slots, None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_layer: torch.Tensor,
                 meta: TorchAttentionMetadata) -> torch.Tensor:
-        kvh, d = self.num_kv_heads, self.head_dim
-        flat = kv_layer.view(-1, kvh, d)  # [num_blocks * 2 * block_size, kv_heads, head_dim]
+        flat, slots, _ = self.kv_store_target(kv_layer, meta)  # [blocks * 2 * block_size, kv_heads, d]
         t = meta.num_tokens
-        flat.index_copy_(0, meta.kv_slots[:t], k)
-        flat.index_copy_(0, meta.kv_slots[t:], v)
+        if k is not None:
+            flat.index_copy_(0, slots[:t], k)
+            flat.index_copy_(0, slots[t:], v)
+        elif meta.num_prefills:  # stored by the caller (engine.fused_ops): the prefill reads them back
+            k, v = flat.index_select(0, slots[:t]), flat.index_select(0, slots[t:])
         nd = meta.num_decodes
         outs = []
         if nd:

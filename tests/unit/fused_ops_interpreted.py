@@ -14,6 +14,7 @@ nothing more. The GPU versions of these checks are ``tests/gpu/test_fused_ops_gp
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -125,6 +126,71 @@ def test_rope_qk_bit_exact(fo, dtype, t, heads, kv_heads, head_dim, fused):
     assert torch.equal(q, q_before) and torch.equal(k, k_before), "inputs must be left alone"
 
 
+def _store_reference(q, k, v, cos, sin, cache, slots, src):
+    """What Attention.forward does without the fused store: RoPE of q and k, then the flashinfer
+    backend's store (cat, gather for graph padding, scatter into the slot rows)."""
+    q_ref, k_ref = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rows = torch.cat([k_ref, v])
+    if src is not None:
+        rows = rows.index_select(0, src)
+    cache.index_copy_(0, slots, rows)
+    return q_ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["decode-gqa-strided", "batch-gqa-strided", "hd128-strided-odd-heads"])
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "graph-padding"])
+def test_rope_store_kv_bit_exact(fo, dtype, name, padded):
+    t, heads, kv_heads, head_dim, _ = ROPE_SHAPES[name]
+    g = torch.Generator().manual_seed(t * 7 + heads)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q, k, v = (part.view(t, -1, head_dim) for part in qkv.split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    cos, sin = _cos_sin(torch.randint(0, 131072, (t,), generator=g), head_dim // 2, dtype)
+    slot_rows = 4 * t + 8
+    k_slots = torch.randperm(slot_rows // 2, generator=g)[:t] * 2  # distinct; v one row after (any layout)
+    slots = torch.cat([k_slots, k_slots + 1])
+    src = None
+    if padded:  # the last rows are graph padding: row 0's slots again, row 0's key and value
+        real = max(1, t // 2)
+        pad = torch.arange(t) >= real
+        k_slots = torch.where(pad, k_slots[0], k_slots)
+        slots = torch.cat([k_slots, k_slots + 1])
+        src = torch.cat([torch.where(pad, 0, torch.arange(t)), torch.where(pad, t, torch.arange(t) + t)])
+    cache_ref = torch.randn(slot_rows, kv_heads, head_dim, generator=g).to(dtype)
+    cache = cache_ref.clone()
+    q_ref = _store_reference(q, k, v, cos, sin, cache_ref, slots, src)
+    before = qkv.clone()
+    q_out = fo.rope_store_kv(q, k, v, cos, sin, cache, slots, src)
+    assert torch.equal(q_out, q_ref) and q_out.is_contiguous()
+    assert torch.equal(cache, cache_ref), "the cache rows written (and only those) must match"
+    assert torch.equal(qkv, before), "inputs must be left alone"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,k,bias", [(48, 2048, False), (30, 100, True), (7, 1030, False), (64, 64, True)])
+def test_gemv_against_linear(dtype, n, k, bias):
+    """engine.gemv: x @ w.T (+ b) for one row, even shapes and masked ones (N not a multiple of the rows
+    per program, K not of the K step), within the rounding of one bf16/fp16 result of a float32 sum."""
+    from engine import gemv as gv
+
+    g = torch.Generator().manual_seed(n * k)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    out = gv.gemv(x, w, b)
+    assert out.shape == (1, n) and out.dtype == dtype
+    tol = (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10) * (ref.abs() + 1e-3)
+    assert bool(((out.float() - ref).abs() <= tol).all()), float((out.float() - ref).abs().max())
+    # linear: a single row through the kernel, more rows through F.linear unchanged
+    assert torch.equal(gv.linear(x, w, b), out)
+    x3 = torch.randn(3, k, generator=g).to(dtype)
+    assert torch.equal(gv.linear(x3, w, b), F.linear(x3, w, b))
+    with pytest.raises(ValueError):
+        gv.gemv(x3, w)
+
+
 @pytest.mark.parametrize(
     "dtype,t,inter",
     [(d, t, i) for d in DTYPES for t, i in [(1, 100), (3, 1500), (2, 14336)]] + [(torch.bfloat16, 1000, 48)],
@@ -166,26 +232,41 @@ def test_model_forward_with_fused_ops(fo, dtype, torch_single_thread):
 
     cfg = preset_config("tiny")
     model = build_model(cfg, dtype=dtype)
+    exact = copy.deepcopy(model).float()  # the float32 reference on the same (rounded) weights
     model.fuse_projections()
     assert all(m.kernels is None for m in model.modules() if isinstance(m, RMSNorm)), "CPU: torch ops"
     layout = KVLayout.for_model(cfg, block_size=16, dtype=dtype)
     backend = get_backend("torch", device="cpu", **backend_geometry(cfg, block_size=16))
     spec = BatchSpec(query_lens=[7, 1, 12], context_lens=[0, 0, 0], block_tables=[[0], [1], [2]])
     ids = torch.randint(3, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
-    outs, caches = [], []
+    # then one decode step at batch 1: the projections and lm_head go through engine.gemv
+    step = BatchSpec(query_lens=[1], context_lens=[7], block_tables=[[0]])
+    outs, steps, caches = [], [], []
     with torch.inference_mode():
+        kv = KVLayout.for_model(cfg, block_size=16, dtype=torch.float32).allocate(4, device="cpu")
+        exact(ids, backend.plan(spec).positions, kv, backend.plan(spec))
+        meta = backend.plan(step)
+        exact_step = exact.compute_logits(exact(ids[:1], meta.positions, kv, meta))
         for on in (False, True):
             assert model.set_fused_ops(on) is on
+            assert (model.linear is not F.linear) is on, "the batch-1 product comes with the kernels"
             kv = layout.allocate(4, device="cpu")
             meta = backend.plan(spec)
             outs.append(model.compute_logits(model(ids, meta.positions, kv, meta)))
+            meta = backend.plan(step)
+            steps.append(model.compute_logits(model(ids[:1], meta.positions, kv, meta)))
             caches.append(kv)
-    ref, out = outs
-    rel = float((out - ref).norm() / ref.norm())
+    rel = float((outs[1] - outs[0]).norm() / outs[0].norm())
     assert rel < 1e-2, rel
-    # RoPE is bit-exact and the norms rarely differ by an ulp, so keys are (nearly) identical.
+    # At batch 1 the products are engine.gemv's, whose float32 sums round differently from the CPU's
+    # matmul in some elements: as close to the float32 model as the torch ops are, not equal to them.
+    errs = [float((out - exact_step).norm() / exact_step.norm()) for out in steps]
+    assert errs[1] < 1.5 * errs[0] + 1e-3, errs
+    # RoPE is bit-exact and the norms rarely differ by an ulp, so keys are (nearly) identical; the
+    # fused store wrote this step's keys and values where the backend's own store would have.
     k_rel = float((caches[1].float() - caches[0].float()).norm() / caches[0].float().norm())
     assert k_rel < 1e-2, k_rel
+    assert bool(caches[1][:, 0, :, 7].abs().sum(-1).sum(-1).gt(0).all()), "the decode step's slot is written"
 
 
 def test_set_fused_ops_choice(monkeypatch):
