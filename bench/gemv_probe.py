@@ -9,7 +9,8 @@ device copy printed beside them is timed the same way (in a graph of 5), which r
 copy of the same size.
 
 ``--triton`` also sweeps ``engine.gemv``'s configurations (rows per program, K step, warps, pipeline
-stages) at batch 1 and prints the best of each beside cuBLAS and the configuration the engine uses.
+stages) at batch 1 and prints the best of each beside cuBLAS and the configuration ``engine.gemv.linear``
+uses for that shape.
 
     python -m bench.gemv_probe --out DIR [--triton]    (bash bench/device_run.sh gemv [-- --triton])
 """
@@ -149,6 +150,8 @@ def _sweep(name: str, x: torch.Tensor, ws: list) -> dict:
     results = []
     default = {"block_n": gv.BLOCK_N, "block_k": gv.BLOCK_K, "num_warps": gv.NUM_WARPS,
                "num_stages": gv.NUM_STAGES}
+    if ws[0].shape[1] > gv.LONG_ROW:  # the configuration engine.gemv.linear picks for this shape
+        default = gv.LONG_ROW_CONFIG
     for cfg in _configs():
         err = (gv.gemv(x, ws[0], **cfg).float() - ref).abs().max().item()
         ms = _ms(_rotate(lambda w, cfg=cfg: gv.gemv(x, w, **cfg), ws))

@@ -28,11 +28,15 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
-# One configuration for every shape: two rows per program, K in steps of 1024, 4 warps, 3 stages. On one
-# H200 it came within 2.5% of the best of 96 configurations for each of the 8B shape's products and beat
-# cuBLAS on all of them: qkv 3.73 vs 3.28 TB/s, o 3.24 vs 2.51, gate/up 4.37 vs 4.30, down 4.08 vs 3.77,
-# lm_head 4.56 vs 4.42 (bench/gemv_probe.py --triton, docs/gpu.md).
+# Two configurations, by row length, from a sweep of 96 on one H200 (bench/gemv_probe.py --triton,
+# docs/gpu.md): rows of up to 8k elements take 2 rows per program, K in steps of 1024, 4 warps, 3 stages
+# (within 1% of the best for the 8B shape's qkv, o, gate/up and lm_head); longer rows (down, K = 14336)
+# 16 rows per program, 8 warps, 4 stages (the best there; the short-row one reached 93% of it). Against
+# cuBLAS: qkv 3.73 vs 3.28 TB/s, o 3.24 vs 2.51, gate/up 4.37 vs 4.30, down 4.18 vs 3.77, lm_head 4.55
+# vs 4.42. Shapes other than the 8B one's were not swept.
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 2, 1024, 4, 3
+LONG_ROW = 8192
+LONG_ROW_CONFIG = {"block_n": 16, "block_k": 1024, "num_warps": 8, "num_stages": 4}
 ENV = "PDSERVE_GEMV"
 
 
@@ -87,5 +91,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` that runs ``gemv`` for a single row (a decode step at batch 1), cuBLAS otherwise."""
     if x.dim() == 2 and x.shape[0] == 1:
+        if w.shape[1] > LONG_ROW:
+            return gemv(x, w, bias, **LONG_ROW_CONFIG)
         return gemv(x, w, bias)
     return F.linear(x, w, bias)

@@ -266,6 +266,31 @@ def test_model_sources(source: str, sets: tuple[str, ...], volume_key: str) -> N
     assert "claimName" in render_fails("default", ("model.source=pvc",))
 
 
+@pytest.mark.parametrize("kind,sets,volume", [
+    ("emptyDir", (), {"emptyDir": {"sizeLimit": "2Gi"}}),
+    ("pvc", ("engine.kernelCache.type=pvc", "engine.kernelCache.claimName=kernels"),
+     {"persistentVolumeClaim": {"claimName": "kernels"}}),
+    ("hostPath", ("engine.kernelCache.type=hostPath",),
+     {"hostPath": {"path": "/var/cache/pdserve-kernels", "type": "Directory"}}),
+])
+def test_workers_keep_compiled_kernels_where_asked(kind: str, sets: tuple[str, ...], volume: dict) -> None:
+    """Triton's cache and flashinfer's JIT workspace sit on the engine.kernelCache volume of every worker
+    (a worker without them compiles for tens of seconds before serving); the router compiles nothing."""
+    docs = render("gpu", sets)
+    for role in ("prefill", "decode"):
+        spec = deployment(docs, role)["spec"]["template"]["spec"]
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "kernel-cache"]
+        assert {k: v for k, v in vol.items() if k != "name"} == volume
+        c = spec["containers"][0]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "kernel-cache"]
+        env = env_of(c)
+        assert env["TRITON_CACHE_DIR"].startswith(mount["mountPath"] + "/")
+        assert env["FLASHINFER_WORKSPACE_BASE"] == mount["mountPath"]
+    router = deployment(docs, "router")["spec"]["template"]["spec"]
+    assert not [v for v in router["volumes"] if v["name"] == "kernel-cache"]
+    assert "claimName" in render_fails("gpu", ("engine.kernelCache.type=pvc",))
+
+
 def test_redis_password_comes_from_a_secret() -> None:
     docs = render("gpu")
     env = env_of(container(docs, "router"))

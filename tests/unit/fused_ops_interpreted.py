@@ -168,7 +168,8 @@ def test_rope_store_kv_bit_exact(fo, dtype, name, padded):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n,k,bias", [(48, 2048, False), (30, 100, True), (7, 1030, False), (64, 64, True)])
+@pytest.mark.parametrize("n,k,bias", [(48, 2048, False), (30, 100, True), (7, 1030, False), (64, 64, True),
+                                    (20, 9000, True)])
 def test_gemv_against_linear(dtype, n, k, bias):
     """engine.gemv: x @ w.T (+ b) for one row, even shapes and masked ones (N not a multiple of the rows
     per program, K not of the K step), within the rounding of one bf16/fp16 result of a float32 sum."""
@@ -179,7 +180,7 @@ def test_gemv_against_linear(dtype, n, k, bias):
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    out = gv.gemv(x, w, b)
+    out = gv.gemv(x, w, b, **(gv.LONG_ROW_CONFIG if k > gv.LONG_ROW else {}))  # as linear picks it
     assert out.shape == (1, n) and out.dtype == dtype
     tol = (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10) * (ref.abs() + 1e-3)
     assert bool(((out.float() - ref).abs() <= tol).all()), float((out.float() - ref).abs().max())

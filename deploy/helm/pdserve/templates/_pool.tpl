@@ -143,6 +143,11 @@ spec:
             {{- with (include "pdserve.tlsEnv" $root | trim) }}
             {{- . | nindent 12 }}
             {{- end }}
+            # compiled kernels (engine.kernelCache): Triton's cache and flashinfer's JIT workspace
+            - name: TRITON_CACHE_DIR
+              value: /var/cache/pdserve-kernels/triton
+            - name: FLASHINFER_WORKSPACE_BASE
+              value: /var/cache/pdserve-kernels
             {{- with $pool.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -197,6 +202,8 @@ spec:
               mountPath: /tmp
             - name: shm
               mountPath: /dev/shm
+            - name: kernel-cache
+              mountPath: /var/cache/pdserve-kernels
             {{- with (include "pdserve.tlsMount" $root | trim) }}
             {{- . | nindent 12 }}
             {{- end }}
@@ -208,6 +215,19 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $pool.shmSize }}
+        {{- $kc := $v.engine.kernelCache }}
+        - name: kernel-cache
+          {{- if eq $kc.type "pvc" }}
+          persistentVolumeClaim:
+            claimName: {{ required "engine.kernelCache.claimName is required when type is pvc" $kc.claimName }}
+          {{- else if eq $kc.type "hostPath" }}
+          hostPath:
+            path: {{ $kc.hostPath }}
+            type: Directory
+          {{- else }}
+          emptyDir:
+            sizeLimit: {{ $kc.sizeLimit }}
+          {{- end }}
         {{- with (include "pdserve.tlsVolume" (dict "root" $root "role" $role) | trim) }}
         {{- . | nindent 8 }}
         {{- end }}
