@@ -10,8 +10,7 @@ rounds once. No atomics and no split of K: the sum's order is fixed, so the resu
 (splitting K into 2-8 float32 partials measured 1-8% slower on the 8B shapes).
 
 ``linear`` is what ``engine.model`` calls in place of ``F.linear`` when ``CausalLM.set_fused_ops`` turns
-the kernel on: a single row goes through ``gemv``, anything larger through cuBLAS; ``silu_mul_linear``
-the same for the MLP's down projection, with the SiLU gate computed inside the product. The result differs
+the kernel on: a single row goes through ``gemv``, anything larger through cuBLAS. The result differs
 from cuBLAS's in the last bit of some elements (a different summation order), as cuBLAS's own kernels
 for different batch sizes do.
 """
@@ -47,66 +46,44 @@ def enabled() -> bool:
 
 
 if triton is not None:
-    from engine.fused_ops import _round
-
-    @triton.jit
-    def _load(ptr, mask, EVEN: tl.constexpr):
-        if EVEN:
-            return tl.load(ptr).to(tl.float32)
-        else:
-            return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _input(x_ptr, cols, k, mask, EVEN: tl.constexpr, GATED: tl.constexpr, BF16: tl.constexpr):
-        # The vector's elements ``cols`` in float32: x itself, or silu(gate) * up of a fused [1, 2K] gate/up
-        # row rounded as engine.fused_ops.silu_mul rounds it (silu, then the product, each to the dtype).
-        if GATED:
-            g = _load(x_ptr + cols, mask, EVEN)
-            u = _load(x_ptr + k + cols, mask, EVEN)
-            return _round(_round(g / (1.0 + tl.exp(-g)), BF16) * u, BF16)
-        else:
-            return _load(x_ptr + cols, mask, EVEN)
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n, k, w_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BF16: tl.constexpr):
+                     EVEN: tl.constexpr, HAS_BIAS: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < n
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_stride
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < k
             if EVEN:
                 w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
+                xv = tl.load(x_ptr + cols)
             else:
+                cmask = cols < k
                 w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0,
                             eviction_policy="evict_first")
-            acc += w.to(tl.float32) * _input(x_ptr, cols, k, cmask, EVEN, GATED, BF16)[None, :]
+                xv = tl.load(x_ptr + cols, mask=cmask, other=0.0)
+            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:  # added in float32 before the one rounding, as cuBLAS's epilogue does
             y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False,
-         block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_warps: int = NUM_WARPS,
-         num_stages: int = NUM_STAGES) -> torch.Tensor:
-    """``x @ w.T (+ bias)`` for ``x [1, K]``, ``w [N, K]`` -> ``[1, N]`` in ``x``'s dtype. ``gated``: ``x`` is
-    a fused gate/up row ``[1, 2K]`` and the vector is ``silu(gate) * up`` (``engine.fused_ops.silu_mul``,
-    the same bits), computed on the fly instead of by a kernel of its own."""
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, block_n: int = BLOCK_N,
+         block_k: int = BLOCK_K, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for ``x [1, K]``, ``w [N, K]`` -> ``[1, N]`` in ``x``'s dtype."""
     n, k = w.shape
-    if (x.shape != (1, 2 * k if gated else k) or x.stride(-1) != 1 or w.stride(-1) != 1 or x.dtype != w.dtype
-            or (gated and x.dtype not in (torch.float16, torch.bfloat16))):
-        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} against w {tuple(w.shape)} {w.dtype}"
-                         f"{' (gated: a [1, 2K] fp16/bf16 gate/up row)' if gated else ''}")
+    if x.shape != (1, k) or x.stride(-1) != 1 or w.stride(-1) != 1 or x.dtype != w.dtype:
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} against w {tuple(w.shape)} {w.dtype}")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"gemv: bias {tuple(bias.shape)} against {n} outputs")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, w if bias is None else bias, out, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=n % block_n == 0 and k % block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
-        BF16=x.dtype == torch.bfloat16, num_warps=num_warps, num_stages=num_stages,
+        EVEN=n % block_n == 0 and k % block_k == 0, HAS_BIAS=bias is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -114,15 +91,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` that runs ``gemv`` for a single row (a decode step at batch 1), cuBLAS otherwise."""
     if x.dim() == 2 and x.shape[0] == 1:
-        return gemv(x, w, bias, **(LONG_ROW_CONFIG if w.shape[1] > LONG_ROW else {}))
+        if w.shape[1] > LONG_ROW:
+            return gemv(x, w, bias, **LONG_ROW_CONFIG)
+        return gemv(x, w, bias)
     return F.linear(x, w, bias)
-
-
-def silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear(engine.fused_ops.silu_mul(gate_up), w, bias)`` (the MLP's down projection): for a single
-    row the activation is computed inside the product, one kernel instead of two."""
-    if gate_up.dim() == 2 and gate_up.shape[0] == 1:
-        return gemv(gate_up, w, bias, gated=True, **(LONG_ROW_CONFIG if w.shape[1] > LONG_ROW else {}))
-    from engine.fused_ops import silu_mul
-
-    return F.linear(silu_mul(gate_up), w, bias)

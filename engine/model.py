@@ -190,24 +190,20 @@ class MLP(nn.Module):
         self.fused: FusedLinears | None = None
         self.kernels: ModuleType | None = None  # engine.fused_ops when CausalLM.set_fused_ops chose it
         self.linear: Callable = F.linear  # engine.gemv.linear when CausalLM.set_fused_ops chose it
-        self.silu_mul_linear: Callable | None = None  # engine.gemv's, with engine.gemv.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         projs = (self.gate_proj, self.up_proj)
         if self.fused is not None and self.fused.matches(projs):
             if self.kernels is not None:  # silu(gate) * up straight from the [T, 2 * I] output
-                gate_up = self.fused.matmul(x, self.linear)
-                if self.silu_mul_linear is not None:  # engine.gemv: at batch 1 inside the down product
-                    return self._down(gate_up, self.silu_mul_linear)
-                return self._down(self.kernels.silu_mul(gate_up))
+                return self._down(self.kernels.silu_mul(self.fused.matmul(x, self.linear)))
             gate, up = self.fused(x, self.linear)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         # gate is this call's own matmul output: activate and gate it in place.
         return self._down(F.silu(gate, inplace=True).mul_(up))
 
-    def _down(self, h: torch.Tensor, linear: Callable | None = None) -> torch.Tensor:
-        out = (linear or self.linear)(h, self.down_proj.weight, self.down_proj.bias)
+    def _down(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.linear(h, self.down_proj.weight, self.down_proj.bias)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -327,19 +323,17 @@ class CausalLM(nn.Module):
             if fused_ops.triton is None:
                 raise RuntimeError("set_fused_ops(True): triton is not installed")
             kernels = fused_ops
-        linear, silu_mul_linear = F.linear, None
+        linear = F.linear
         if kernels is not None and gemv is not False:
             from engine import gemv as batch1
 
             if gemv or batch1.enabled():
-                linear, silu_mul_linear = batch1.linear, batch1.silu_mul_linear
+                linear = batch1.linear
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.kernels = kernels
             if isinstance(module, (Attention, MLP, CausalLM)):
                 module.linear = linear
-            if isinstance(module, MLP):
-                module.silu_mul_linear = silu_mul_linear
         return kernels is not None
 
     def _apply(self, fn, recurse: bool = True):
@@ -352,8 +346,6 @@ class CausalLM(nn.Module):
                 module.kernels = None
             if isinstance(module, (Attention, MLP, CausalLM)):
                 module.linear = F.linear
-            if isinstance(module, MLP):
-                module.silu_mul_linear = None
         return super()._apply(fn, recurse)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

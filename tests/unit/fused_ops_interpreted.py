@@ -192,23 +192,6 @@ def test_gemv_against_linear(dtype, n, k, bias):
         gv.gemv(x3, w)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n,k", [(48, 2048), (7, 1030), (20, 9000)])
-def test_gated_gemv_is_silu_mul_then_gemv(fo, dtype, n, k):
-    """The down projection with the SiLU gate computed inside the product: bit for bit silu_mul, then
-    the same product (the vector it multiplies is the same bf16/fp16 values)."""
-    from engine import gemv as gv
-
-    g = torch.Generator().manual_seed(n + k)
-    gate_up = (torch.randn(1, 2 * k, generator=g) * 4).to(dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
-    cfg = gv.LONG_ROW_CONFIG if k > gv.LONG_ROW else {}
-    ref = gv.gemv(fo.silu_mul(gate_up), w, **cfg)
-    assert torch.equal(gv.silu_mul_linear(gate_up, w), ref)
-    rows = (torch.randn(3, 2 * k, generator=g) * 4).to(dtype)  # more rows: silu_mul, then cuBLAS
-    assert torch.equal(gv.silu_mul_linear(rows, w), F.linear(fo.silu_mul(rows), w))
-
-
 @pytest.mark.parametrize(
     "dtype,t,inter",
     [(d, t, i) for d in DTYPES for t, i in [(1, 100), (3, 1500), (2, 14336)]] + [(torch.bfloat16, 1000, 48)],
