@@ -113,14 +113,20 @@ if triton is not None:
         tl.store(dst + half, o2.to(dst_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, q_st, q_sh, k_st, k_sh,
-                        cs_st, n_q, n_k, half, QH: tl.constexpr, KH: tl.constexpr, HALF: tl.constexpr,
-                        BF16: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def _cos_sin(cos_ptr, sin_ptr, row, cs_st, half, HALF: tl.constexpr):
+        # Row ``row``'s cos and sin [1, HALF] in float32 (zero past ``half``).
         cols = tl.arange(0, HALF)[None, :]
         cmask = cols < half
         c = tl.load(cos_ptr + row * cs_st + cols, mask=cmask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + row * cs_st + cols, mask=cmask, other=0.0).to(tl.float32)
+        return c, s
+
+    @triton.jit
+    def _rope_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, q_st, q_sh, k_st, k_sh,
+                        cs_st, n_q, n_k, half, QH: tl.constexpr, KH: tl.constexpr, HALF: tl.constexpr,
+                        BF16: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c, s = _cos_sin(cos_ptr, sin_ptr, row, cs_st, half, HALF)
         _rotate(q_ptr, qo_ptr, row, row, q_st, q_sh, n_q, c, s, half, QH, HALF, BF16)
         _rotate(k_ptr, ko_ptr, row, row, k_st, k_sh, n_k, c, s, half, KH, HALF, BF16)
 
@@ -130,10 +136,7 @@ if triton is not None:
                            QH: tl.constexpr, KH: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
                            HAS_SRC: tl.constexpr, BF16: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, HALF)[None, :]
-        cmask = cols < half
-        c = tl.load(cos_ptr + row * cs_st + cols, mask=cmask, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + row * cs_st + cols, mask=cmask, other=0.0).to(tl.float32)
+        c, s = _cos_sin(cos_ptr, sin_ptr, row, cs_st, half, HALF)
         _rotate(q_ptr, qo_ptr, row, row, q_st, q_sh, n_q, c, s, half, QH, HALF, BF16)
         k_slot = tl.load(slots_ptr + row)
         v_slot = tl.load(slots_ptr + t + row)
@@ -142,8 +145,7 @@ if triton is not None:
         if HAS_SRC:  # a padding row stores another row's key/value (engine.cuda_graphs)
             k_row = tl.load(src_ptr + row)
             v_row = tl.load(src_ptr + t + row) - t
-            c = tl.load(cos_ptr + k_row * cs_st + cols, mask=cmask, other=0.0).to(tl.float32)
-            s = tl.load(sin_ptr + k_row * cs_st + cols, mask=cmask, other=0.0).to(tl.float32)
+            c, s = _cos_sin(cos_ptr, sin_ptr, k_row, cs_st, half, HALF)
         _rotate(k_ptr, cache_ptr, k_row, k_slot, k_st, k_sh, n_k, c, s, half, KH, HALF, BF16)
         heads = tl.arange(0, KH)[:, None]
         dims = tl.arange(0, D)[None, :]
