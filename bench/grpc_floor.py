@@ -10,10 +10,13 @@ the load, divided by the requests and by the relayed messages, are the floor tha
 ``bench.relay_cpu``'s router figures compare with: the router's CPU per request minus this is what our
 code costs on top of gRPC.
 
-    python -m bench.grpc_floor [--rates 40,200,0] [--tokens 2,129] [--requests 300] [--json OUT]
+    python -m bench.grpc_floor [--rates 40,200,0] [--tokens 2,129] [--requests 300] [--relays aio,sync]
+                               [--json OUT]
 
-``--rates 0`` is flat out (8 requests in flight). Two ``--tokens`` values give the per-message cost:
-(CPU at the larger - CPU at the smaller) / (the difference in messages). ``--rpc-shapes`` also times
+``--rates 0`` is flat out (8 requests in flight). ``--relays aio,sync`` runs the same relay on grpc's
+asyncio server (the router's) and on its synchronous thread-pool server, side by side at each rate.
+Two ``--tokens`` values give the per-message cost: (CPU at the larger - CPU at the smaller) / (the
+difference in messages). ``--rpc-shapes`` also times
 the client side of single RPC shapes flat out (a unary call, a one-message server stream, a
 bidirectional stream of one and of two exchanges) against grpc's health and reflection services: what
 merging two calls into one stream would save.
@@ -84,7 +87,42 @@ class _Relay(router_pb2_grpc.RouterServicer):
             yield out
 
 
+class _SyncRelay(router_pb2_grpc.RouterServicer):
+    """The same relay on grpc's synchronous server (a thread per call from a pool) and stubs."""
+
+    def __init__(self, port: int) -> None:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.decode = decode_pb2_grpc.DecodeStub(channel)
+        self.prefill = prefill_pb2_grpc.PrefillStub(channel)
+
+    def Generate(self, request, context):
+        rid, ids = request.request_id, list(request.token_ids.ids)
+        alloc = self.decode.Allocate(decode_pb2.AllocateRequest(request_id=rid, prompt_ids=ids), timeout=30)
+        first = self.prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id=rid, prompt_ids=ids, target=prefill_pb2.KVTarget(block_ids=list(alloc.block_ids))),
+            timeout=30)
+        yield router_pb2.GenerateResponse(request_id=rid, token_ids=[first.first_token_id])
+        stream = self.decode.Decode(decode_pb2.DecodeRequest(
+            request_id=rid, first_token_id=first.first_token_id, kv_wait_ms=request.max_tokens), timeout=30)
+        for msg in stream:
+            out = router_pb2.GenerateResponse(request_id=rid, token_ids=list(msg.token_ids))
+            if msg.finish_reason:
+                out.final.finish_reason = msg.finish_reason
+                out.final.usage.completion_tokens = msg.completion_tokens
+            yield out
+
+
 def _serve(kind: str, arg: int, ports: multiprocessing.Queue) -> None:
+    if kind == "sync-relay":
+        from concurrent import futures  # noqa: PLC0415
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+        router_pb2_grpc.add_RouterServicer_to_server(_SyncRelay(arg), server)
+        ports.put(server.add_insecure_port("127.0.0.1:0"))
+        server.start()
+        server.wait_for_termination()
+        return
+
     async def main() -> None:
         server = grpc.aio.server()
         if kind == "workers":
@@ -199,6 +237,9 @@ def main() -> None:
     ap.add_argument("--tokens", default="2,129", help="tokens per answer (one message each)")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--json", default="")
+    ap.add_argument("--relays", default="aio",
+                    help="which relays, side by side: aio (grpc.aio, as the router) and/or sync (grpc's "
+                    "thread-pool server and blocking stubs)")
     ap.add_argument("--rpc-shapes", type=int, default=0, metavar="N",
                     help="also time N calls of each single RPC shape (client CPU ms per call)")
     args = ap.parse_args()
@@ -206,20 +247,27 @@ def main() -> None:
     procs = [multiprocessing.Process(target=_serve, args=("workers", 0, ports), daemon=True)]
     procs[0].start()
     workers_port = ports.get(timeout=30)
-    procs.append(multiprocessing.Process(target=_serve, args=("relay", workers_port, ports), daemon=True))
-    procs[1].start()
-    relay_port = ports.get(timeout=30)
+    relays = {}
+    for name in args.relays.split(","):
+        kind = {"aio": "relay", "sync": "sync-relay"}[name]
+        procs.append(multiprocessing.Process(target=_serve, args=(kind, workers_port, ports), daemon=True))
+        procs[-1].start()
+        relays[name] = (ports.get(timeout=30), procs[-1].pid)
     rows = []
     try:
         for rate in (float(r) for r in args.rates.split(",")):
-            level = [asyncio.run(_load(relay_port, rate, args.requests, int(t), procs[1].pid))
-                     for t in args.tokens.split(",")]
-            lo, hi = level[0], level[-1]
-            if hi["tokens"] > lo["tokens"]:
-                per = (hi["cpu_ms_per_request"] - lo["cpu_ms_per_request"]) / (hi["tokens"] - lo["tokens"])
+            for name, (relay_port, relay_pid) in relays.items():  # side by side at each rate
+                level = [asyncio.run(_load(relay_port, rate, args.requests, int(t), relay_pid))
+                         for t in args.tokens.split(",")]
+                lo, hi = level[0], level[-1]
                 for row in level:
-                    row["cpu_us_per_relayed_message"] = round(per * 1e3, 1)
-            rows.extend(level)
+                    row["relay"] = name
+                if hi["tokens"] > lo["tokens"]:
+                    per = ((hi["cpu_ms_per_request"] - lo["cpu_ms_per_request"])
+                           / (hi["tokens"] - lo["tokens"]))
+                    for row in level:
+                        row["cpu_us_per_relayed_message"] = round(per * 1e3, 1)
+                rows.extend(level)
     finally:
         for p in procs:
             p.terminate()
@@ -232,9 +280,10 @@ def main() -> None:
         finally:
             proc.terminate()
         print("client CPU ms per call, 8 in flight: " + ", ".join(f"{k} {v}" for k, v in shapes.items()))
-    print(f"{'rate':>6} {'tokens':>6} {'req/s':>7} {'ms/req':>7} {'us/msg':>7}  by thread (ms/req)")
+    print(f"{'relay':>5} {'rate':>6} {'tokens':>6} {'req/s':>7} {'ms/req':>7} {'us/msg':>7}  "
+          "by thread (ms/req)")
     for r in rows:
-        print(f"{r['rate'] or 'max':>6} {r['tokens']:>6} {r['achieved_rate']:>7} "
+        print(f"{r['relay']:>5} {r['rate'] or 'max':>6} {r['tokens']:>6} {r['achieved_rate']:>7} "
               f"{r['cpu_ms_per_request']:>7} {r.get('cpu_us_per_relayed_message', '-'):>7}  "
               + ", ".join(f"{k} {v}" for k, v in r["threads_ms_per_request"].items()))
     if args.json:
