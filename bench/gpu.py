@@ -253,8 +253,10 @@ DEFAULT_KERNEL_CONFIGS = ("torch", "fused", "fused+gemv")
 
 
 def _kernel_config(model: CausalLM, spec: dict) -> None:
-    """Put ``model`` in one of ``KERNEL_CONFIGS`` (``_kernel_config_reset`` undoes the gemv parts)."""
+    """Put ``model`` in one of ``KERNEL_CONFIGS`` (``_kernel_config_reset`` undoes it)."""
     from engine import gemv
+
+    gemv.LONG_ROW = LONG_ROW  # the previous configuration's tweak, if any, undone
 
     kw = {k: spec[k] for k in ("enabled", "gemv") if k in spec}
     if model.set_fused_ops(**kw) is not spec["enabled"]:
@@ -276,9 +278,8 @@ def fused_ops_variant(model: CausalLM, cfg, ceil: dict, quick: bool, rounds: int
                       configs: tuple[str, ...] = DEFAULT_KERNEL_CONFIGS) -> dict:
     """Decode steps under each of ``configs`` (``KERNEL_CONFIGS``: torch ops; ``engine.fused_ops``' Triton
     kernels; the kernels plus ``engine.gemv``'s batch-1 products, with or without its long-row
-    configuration), each
-    through freshly captured graphs, alternated over ``rounds`` in one run; each cell is the median of
-    its rounds."""
+    configuration), each through freshly captured graphs, alternated over ``rounds`` in one run; each
+    cell is the median of its rounds."""
     batches, contexts = ([1, 64], [1024]) if quick else ([1, 16, 64], [1024, 4096])
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     try:
@@ -288,7 +289,6 @@ def fused_ops_variant(model: CausalLM, cfg, ceil: dict, quick: bool, rounds: int
                 print(f"  decode, {name} (round {turn + 1}/{rounds}):", flush=True)
                 runs[name].append(roofline(model, cfg, ceil, quick, with_prefill=False, batches=batches,
                                            contexts=contexts))
-                _kernel_config_reset(model)
     except Exception as exc:  # a variant must not cost the rest of the run
         return {"status": "not run", "reason": f"{type(exc).__name__}: {exc}"}
     finally:

@@ -206,6 +206,24 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return _norm(x, delta, weight, eps)
 
 
+def _rope_inputs(op: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Checks the RoPE kernels' shared inputs; ``(T, heads, kv_heads, head_dim, head_dim / 2)``."""
+    t, n_q, d = q.shape
+    n_k = k.shape[1]
+    half = d // 2
+    if k.shape != (t, n_k, d) or cos.shape != (t, 1, half) or sin.shape != cos.shape or d % 2:
+        raise ValueError(f"fused_ops.{op}: shapes q {tuple(q.shape)} k {tuple(k.shape)} "
+                         f"cos {tuple(cos.shape)} sin {tuple(sin.shape)}")
+    if not (q.dtype == k.dtype == cos.dtype == sin.dtype):
+        raise ValueError(f"fused_ops.{op}: q, k, cos and sin must share a dtype")
+    if sin.stride() != cos.stride() or cos.stride(-1) != 1:
+        raise ValueError(f"fused_ops.{op}: cos and sin must have the same strides, last one 1")
+    _rows(q)
+    _rows(k)
+    return t, n_q, n_k, d, half
+
+
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(apply_rope(q, cos, sin), apply_rope(k, cos, sin))`` in one launch.
@@ -214,18 +232,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     dimension, e.g. views of the fused qkv output), ``cos``/``sin [T, 1, head_dim / 2]`` in the same
     dtype. Returns new contiguous tensors.
     """
-    t, n_q, d = q.shape
-    n_k = k.shape[1]
-    half = d // 2
-    if k.shape != (t, n_k, d) or cos.shape != (t, 1, half) or sin.shape != cos.shape or d % 2:
-        raise ValueError(f"fused_ops.rope_qk: shapes q {tuple(q.shape)} k {tuple(k.shape)} "
-                         f"cos {tuple(cos.shape)} sin {tuple(sin.shape)}")
-    if not (q.dtype == k.dtype == cos.dtype == sin.dtype):
-        raise ValueError("fused_ops.rope_qk: q, k, cos and sin must share a dtype")
-    if sin.stride() != cos.stride() or cos.stride(-1) != 1:
-        raise ValueError("fused_ops.rope_qk: cos and sin must have the same strides, last one 1")
-    _rows(q)
-    _rows(k)
+    t, n_q, n_k, d, half = _rope_inputs("rope_qk", q, k, cos, sin)
     q_out = torch.empty((t, n_q, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((t, n_k, d), dtype=k.dtype, device=k.device)
     if t == 0:
@@ -253,21 +260,14 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     row 0's slot again: identical bytes to one address, never a block outside the batch). Saves the
     concatenation, the gather and the scatter: three kernels a layer at batch 1.
     """
-    t, n_q, d = q.shape
-    n_k = k.shape[1]
-    half = d // 2
-    if (k.shape != (t, n_k, d) or v.shape != k.shape or cos.shape != (t, 1, half) or sin.shape != cos.shape
-            or d % 2 or cache.dim() != 3 or cache.shape[1:] != (n_k, d) or slots.shape != (2 * t,)
+    t, n_q, n_k, d, half = _rope_inputs("rope_store_kv", q, k, cos, sin)
+    if (v.shape != k.shape or cache.dim() != 3 or cache.shape[1:] != (n_k, d) or slots.shape != (2 * t,)
             or (src is not None and src.shape != (2 * t,))):
-        raise ValueError(f"fused_ops.rope_store_kv: shapes q {tuple(q.shape)} k {tuple(k.shape)} "
-                         f"v {tuple(v.shape)} cos {tuple(cos.shape)} cache {tuple(cache.shape)} "
-                         f"slots {tuple(slots.shape)}")
-    if not (q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype == cache.dtype):
-        raise ValueError("fused_ops.rope_store_kv: q, k, v, cos, sin and the cache must share a dtype")
-    if sin.stride() != cos.stride() or cos.stride(-1) != 1 or not cache.is_contiguous():
-        raise ValueError("fused_ops.rope_store_kv: cos/sin strides differ, or the cache is not contiguous")
-    for x in (q, k, v):
-        _rows(x)
+        raise ValueError(f"fused_ops.rope_store_kv: shapes k {tuple(k.shape)} v {tuple(v.shape)} "
+                         f"cache {tuple(cache.shape)} slots {tuple(slots.shape)}")
+    if v.dtype != q.dtype or cache.dtype != q.dtype or not cache.is_contiguous():
+        raise ValueError("fused_ops.rope_store_kv: v and the cache must have q's dtype, the cache contiguous")
+    _rows(v)
     q_out = torch.empty((t, n_q, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return q_out
