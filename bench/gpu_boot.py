@@ -96,6 +96,26 @@ def process_stats(address: str) -> dict:
                        for p in s.boot]}
 
 
+def settled_stats(address: str, quiet_s: float = 1.0, limit_s: float = 15.0) -> dict:
+    """``process_stats`` once no new phase has appeared for ``quiet_s``: the decode CUDA graphs a
+    worker captures while idle after SERVING (``cuda_graph_idle_capture``) are then all in, and
+    ``graphs_done_s`` says when the last one ended (process start = 0)."""
+    stats, seen, t = process_stats(address), -1, time.monotonic()
+    quiet_since = t
+    while time.monotonic() - t < limit_s:
+        stats = process_stats(address)
+        if len(stats["phases"]) != seen:
+            seen, quiet_since = len(stats["phases"]), time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            break
+        time.sleep(0.1)
+    idle = [p for p in stats["phases"] if p["name"] == "cuda_graph_idle_capture"]
+    stats["graphs_done_s"] = round(max((p["start_s"] + p["seconds"] for p in idle),
+                                       default=stats["serving_after_s"]), 3)
+    stats["idle_captures"] = len(idle)
+    return stats
+
+
 def boot(model: Path, layout: str, logs: Path, kv_gb: float, gpu: str, extra_env: dict | None = None) -> dict:
     """Start the layout's workers at once on one GPU; seconds until every one is SERVING."""
     roles = ["colocated"] if layout == "colocated" else ["prefill", "decode"]
@@ -117,8 +137,8 @@ def boot(model: Path, layout: str, logs: Path, kv_gb: float, gpu: str, extra_env
         for p in started:
             wait_serving(p.address, t0 + 300)
         wall = time.monotonic() - t0
-        return {"wall_s": wall,
-                "workers": {r: process_stats(p.address) for r, p in zip(roles, started, strict=True)}}
+        workers = {r: settled_stats(p.address) for r, p in zip(roles, started, strict=True)}
+        return {"wall_s": wall, "workers": workers}
     finally:
         for p in procs:
             p.stop()
@@ -128,7 +148,9 @@ def _line(r: dict) -> str:
     if "wall_s" not in r:
         return r["error"]
     per = "; ".join(f"{w}: " + ", ".join(f"{p['name']} {p['seconds']:.2f}" for p in s["phases"]
-                                         if p["seconds"] > 0.05) for w, s in r["workers"].items())
+                                         if p["seconds"] > 0.05 and p["name"] != "cuda_graph_idle_capture")
+                    + f"; {s['idle_captures']} graphs captured idle, all by {s['graphs_done_s']:.2f}"
+                    for w, s in r["workers"].items())
     return f"{r['wall_s']:6.2f}s to SERVING  {per}"
 
 

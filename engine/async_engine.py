@@ -7,7 +7,8 @@ The engine is not thread-safe and its ``step()`` is long (a forward pass), so ex
   engine directly: ``call(fn)`` ships a closure to the engine thread and awaits its result.
 * The engine thread loops: run every queued closure; if the engine has unfinished work, ``step()``
   and route each ``StepOutput`` to the ``RequestStream`` of its request (through
-  ``loop.call_soon_threadsafe``); otherwise block on the command queue — no busy spin when idle.
+  ``loop.call_soon_threadsafe``); otherwise run one piece of the engine's deferred start-up work
+  (``idle_work``: a CUDA graph), if any, or block on the command queue — no busy spin when idle.
 * ``generate()`` / ``prefill()`` / ``commit_prefilled()`` register a stream *before* the request
   enters the engine (in the same closure), so no output can be lost. A stream ends on an output with
   ``finished=True``. When the consumer goes away early (task cancelled, generator closed), the
@@ -258,14 +259,20 @@ class AsyncEngine:
     # ---- the engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            idle_ok = True  # False after idle work that could do nothing, until the next command
             while True:
                 engine_busy = self.engine.has_unfinished()
+                idle = not engine_busy and idle_ok and self._has_idle_work()
                 try:
-                    cmd = self._commands.get_nowait() if engine_busy else self._commands.get()
+                    cmd = self._commands.get_nowait() if engine_busy or idle else self._commands.get()
                 except queue.Empty:
                     cmd = ...
                 if cmd is None:
                     break
+                if cmd is ... and not engine_busy:  # nothing to step or run: deferred start-up work
+                    idle_ok = self.engine.idle_work()
+                    continue
+                idle_ok = True
                 if cmd is not ...:
                     cmd()
                     # run every command queued so far before stepping (batch admissions together)
@@ -296,6 +303,10 @@ class AsyncEngine:
         finally:
             self._stopped.set()
             self._shutdown_streams()
+
+    def _has_idle_work(self) -> bool:
+        has = getattr(self.engine, "has_idle_work", None)  # engines without idle work (fakes) have none
+        return bool(has is not None and has())
 
     def _shutdown_streams(self) -> None:
         err = EngineStopped(f"engine stopped: {self.error or 'shutdown'}")

@@ -6,16 +6,21 @@ it removes them. Lifecycle::
 
     runner = DecodeGraphRunner(model, backend, kv_cache, max_batch=64, max_model_len=4096)
     runner.capture()                  # at start-up, before any request: the buckets up to
-                                      # capture_first (largest first), one memory pool for all
+                                      # capture_at_start (largest first), one memory pool for all
+    runner.capture_idle(block)        # while idle: the largest bucket still missing
     if runner.can_run(spec):          # every sequence has one query token, batch <= max_batch
         hidden = runner.run(input_ids, spec)   # [n, hidden]: fill static inputs, plan, replay
 
-Boot time: capturing every bucket of an 8B model takes seconds, and a worker serves its first
-requests at small batch. So only the buckets up to ``capture_first`` are captured before the
-worker turns SERVING; a larger bucket is captured the first time a batch needs it, inside that
-step. That capture's warm-up pass runs the step's own batch (its real tokens, positions and
-slots), so it writes exactly the K/V the replay then writes again -- never block 0 of a live
-request, which the start-up captures' dummy batch uses.
+Boot time: capturing every bucket of an 8B model takes about 0.2 s each, and a worker serves its
+first requests at small batch. So only the buckets up to ``capture_at_start`` (1) are captured
+before the worker turns SERVING. The rest are captured while the engine has nothing to step
+(``capture_idle``, driven by ``engine.async_engine``), largest first, one per idle moment, their
+warm-up writing a dummy token into a scratch block the engine lends for it. A batch that needs a
+bucket not captured yet captures it inside that step. That capture's warm-up pass runs the step's
+own batch (its real tokens, positions and slots), so it writes exactly the K/V the replay then writes
+again -- never block 0 of a live request, which the start-up captures' dummy batch uses.
+``capture_when_idle=False`` (tensor parallelism: every rank must capture in the same step, because
+the forward's all-reduces are collective) leaves the rest to that first use.
 
 ``run`` does host work and ``non_blocking`` copies from pinned staging only (token ids, positions,
 cache slots, page tables into static device buffers, then flashinfer's ``plan``), so nothing inside
@@ -38,7 +43,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, BatchSpec
 from pdserve.process_stats import BOOT
-from pdserve.settings import env_switch
+from pdserve.settings import cuda_graphs_at_start, env_switch
 
 log = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -49,13 +54,15 @@ class CudaGraphConfig:
     max_batch: int = 64
     max_model_len: int = 4096
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
-    capture_first: int = 8  # buckets up to this are captured at start; larger ones on first use
+    capture_at_start: int = 1  # buckets up to this are captured before serving
+    capture_when_idle: bool = True  # the rest: while the engine is idle (else on first use)
 
     def __post_init__(self) -> None:
         if self.max_batch <= 0 or self.max_model_len <= 0:
             raise ValueError("CudaGraphConfig.max_batch and max_model_len must be positive")
-        if self.capture_first <= 0:
-            raise ValueError(f"CudaGraphConfig.capture_first must be positive, got {self.capture_first}")
+        if self.capture_at_start <= 0:
+            raise ValueError(f"CudaGraphConfig.capture_at_start must be positive, got "
+                             f"{self.capture_at_start}")
         if any(b <= 0 for b in self.buckets):
             raise ValueError(f"bucket sizes must be positive, got {self.buckets}")
 
@@ -93,12 +100,14 @@ class DecodeGraphRunner:
         self.graphs: dict[int, _Graph] = {}
         self.sizes = config.sizes()
         self.lazy_captures: list[int] = []  # buckets captured on first use, in order
+        self.idle_captures: list[int] = []  # buckets captured while idle, in order
+        self._when_idle = config.capture_when_idle
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture the buckets up to ``capture_first`` (at least the smallest), largest first, into
+        """Capture the buckets up to ``capture_at_start`` (at least the smallest), largest first, into
         one shared memory pool. Run before serving: the warm-up pass writes K/V of a dummy token
         into block 0."""
         # The garbage collector must not run inside a capture: collecting an earlier engine's graphs
@@ -110,14 +119,45 @@ class DecodeGraphRunner:
         gc.disable()
         try:
             with BOOT.phase("cuda_graph_capture"):
-                first = [b for b in self.sizes if b <= self.config.capture_first] or self.sizes[:1]
+                first = [b for b in self.sizes if b <= self.config.capture_at_start] or self.sizes[:1]
                 for b in reversed(first):
                     self._capture_one(b, None, None)
         finally:
             if gc_was_enabled:
                 gc.enable()
-        log.info("captured decode CUDA graphs for batch sizes %s at start; %s on first use",
-                 sorted(self.graphs), [b for b in self.sizes if b not in self.graphs])
+        later = "while idle or on first use" if self.config.capture_when_idle else "on first use"
+        log.info("captured decode CUDA graphs for batch sizes %s at start; %s %s", sorted(self.graphs),
+                 self.missing(), later)
+
+    def missing(self) -> list[int]:
+        """Buckets not captured yet, largest first."""
+        return [b for b in reversed(self.sizes) if b not in self.graphs]
+
+    def idle_pending(self) -> bool:
+        """Whether ``capture_idle`` has a bucket left to capture."""
+        return self._when_idle and len(self.graphs) < len(self.sizes)
+
+    def stop_idle_captures(self) -> None:
+        self._when_idle = False
+
+    @torch.inference_mode()
+    def capture_idle(self, scratch_block: int) -> int | None:
+        """Capture the largest bucket still missing (None when there is none), its warm-up pass writing
+        a dummy token into ``scratch_block``: a block the caller owns for the call, so the pass writes
+        into no request's K/V -- a decode worker's idle engine may hold blocks a KV transfer is
+        filling, or cached prefixes. Run only when no step is in flight (the engine's own thread)."""
+        missing = self.missing()
+        if not missing or not self._when_idle:
+            return None
+        b = missing[0]
+        t0 = time.monotonic()
+        spec = BatchSpec(query_lens=[1], context_lens=[0], block_tables=[[scratch_block]])
+        with BOOT.phase("cuda_graph_idle_capture"):  # after SERVING: GetProcessStats shows when all were done
+            self._capture_guarded(b, spec, [0])
+        self.idle_captures.append(b)
+        log.info("captured the decode CUDA graph for batch size %d while idle in %.3fs", b,
+                 time.monotonic() - t0)
+        return b
 
     def _capture_one(self, b: int, spec: BatchSpec | None, input_ids: list[int] | None) -> None:
         """Capture bucket ``b``; ``spec``/``input_ids``: the batch of the step that needs it (a lazy
@@ -145,8 +185,8 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.backend.device)
         self.graphs[b] = _Graph(graph=graph, state=state, input_ids=ids, ids_host=ids_host, hidden=hidden)
 
-    def _capture_lazily(self, b: int, input_ids: list[int], spec: BatchSpec) -> None:
-        t0 = time.monotonic()
+    def _capture_guarded(self, b: int, spec: BatchSpec, input_ids: list[int]) -> None:
+        """``_capture_one`` with the garbage collector off (see ``capture``)."""
         gc.collect()
         gc_was_enabled = gc.isenabled()
         gc.disable()
@@ -155,6 +195,10 @@ class DecodeGraphRunner:
         finally:
             if gc_was_enabled:
                 gc.enable()
+
+    def _capture_lazily(self, b: int, input_ids: list[int], spec: BatchSpec) -> None:
+        t0 = time.monotonic()
+        self._capture_guarded(b, spec, input_ids)
         self.lazy_captures.append(b)
         log.info("captured the decode CUDA graph for batch size %d on first use in %.3fs", b,
                  time.monotonic() - t0)
@@ -201,16 +245,20 @@ def maybe_runner(
     max_batch: int,
     max_model_len: int,
     capture: bool = True,
+    when_idle: bool = True,
 ) -> DecodeGraphRunner | None:
     """A captured runner when the backend supports graphs on CUDA and ``PDSERVE_CUDA_GRAPHS`` is not
-    ``0``; None otherwise (the caller runs eagerly)."""
+    ``0``; None otherwise (the caller runs eagerly). ``when_idle=False``: no idle captures, and the
+    buckets up to 8 are captured at start instead of 1 (``PDSERVE_CUDA_GRAPHS_AT_START`` overrides
+    either)."""
     if not env_switch("PDSERVE_CUDA_GRAPHS"):
         return None
     if backend.device.type != "cuda" or not hasattr(backend, "graph_state"):
         return None
-    runner = DecodeGraphRunner(
-        model, backend, kv_cache, CudaGraphConfig(max_batch=max_batch, max_model_len=max_model_len)
-    )
+    at_start = cuda_graphs_at_start(1 if when_idle else 8)
+    config = CudaGraphConfig(max_batch=max_batch, max_model_len=max_model_len, capture_at_start=at_start,
+                             capture_when_idle=when_idle)
+    runner = DecodeGraphRunner(model, backend, kv_cache, config)
     if capture:
         runner.capture()
     return runner

@@ -91,7 +91,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.rank_kv_layout, num_blocks, device=self.device,
                                   attention_backend=config.attention_backend, seed=config.seed,
                                   launch_ahead_layers=config.launch_ahead_layers)
-        self.runner.enable_cuda_graphs(max_batch=config.max_num_seqs, max_model_len=self.max_model_len)
+        if config.cuda_graphs:
+            self.runner.enable_cuda_graphs(max_batch=config.max_num_seqs, max_model_len=self.max_model_len)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self._requests: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # outputs decided outside step() (abort, commit)
@@ -124,6 +125,35 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.has_work()
+
+    # ---- idle work ----------------------------------------------------------------------------
+    def has_idle_work(self) -> bool:
+        """Whether ``idle_work`` has something to do: decode CUDA graphs not captured yet."""
+        graphs = self.runner.cuda_graphs
+        return graphs is not None and graphs.idle_pending()
+
+    def idle_work(self) -> bool:
+        """One piece of start-up work deferred past SERVING -- the largest decode CUDA graph not
+        captured yet, ~0.2 s on an 8B model -- for a driver to run only while ``has_unfinished()``
+        is False (``engine.async_engine``). Returns False when it did nothing (no work, or no free
+        block to lend the capture's dummy token): the driver then waits for its next command before
+        asking again. A capture that runs out of GPU memory ends idle captures (logged); those
+        buckets are then captured on first use, as without idle work."""
+        graphs = self.runner.cuda_graphs
+        if graphs is None or not graphs.idle_pending():
+            return False
+        try:
+            (block,) = self.block_manager.allocate(1)
+        except KVCacheFull:
+            return False
+        try:
+            graphs.capture_idle(block)
+        except torch.OutOfMemoryError:
+            log.warning("no GPU memory for the next decode CUDA graph; idle captures stop", exc_info=True)
+            graphs.stop_idle_captures()
+        finally:
+            self.block_manager.release([block])
+        return True
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Seq[int],

@@ -37,6 +37,9 @@ class EngineConfig:
     launch_ahead_layers: int = 4
     enable_prefix_caching: bool = True
     seed: int | None = None  # for requests without their own seed
+    # decode CUDA graphs (engine.cuda_graphs) where the backend supports them; a prefill worker, which
+    # never runs a decode step, turns them off
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue"):

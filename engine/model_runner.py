@@ -67,13 +67,14 @@ class ModelRunner:
         self.cuda_graphs = None  # engine.cuda_graphs.DecodeGraphRunner once enable_cuda_graphs() captured
 
     def enable_cuda_graphs(self, *, max_batch: int, max_model_len: int) -> None:
-        """Capture decode CUDA graphs when the backend can be captured on CUDA (see engine.cuda_graphs)."""
+        """Capture decode CUDA graphs when the backend can be captured on CUDA (see engine.cuda_graphs).
+        Under tensor parallelism no bucket is captured while idle: every rank captures in the same step."""
         from engine.cuda_graphs import maybe_runner
 
         if self.tp is not None and not tp_graphs():  # every rank runs eager steps
             return
         self.cuda_graphs = maybe_runner(self.model, self.backend, self.kv_cache, max_batch=max_batch,
-                                        max_model_len=max_model_len)
+                                        max_model_len=max_model_len, when_idle=self.tp is None)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=torch.int64), self.device)

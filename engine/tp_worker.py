@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from engine import attention
 from engine.config import ModelConfig
 from engine.engine_types import EngineConfig
 from engine.kv_layout import KVLayout, dtype_name
@@ -56,7 +57,9 @@ def load_model(config: EngineConfig, device: torch.device, tp: TPGroup | None):
     model_config = ModelConfig.from_pretrained(path)
     dtype = getattr(torch, config.dtype) if config.dtype else model_config.torch_dtype
     model = build_model(model_config, init="meta", tp=tp)
-    load_weights(model, path, dtype=dtype, device=device, slices=model.tp_slices())
+    with attention.prefetching(config.attention_backend, device=device, dtype=dtype,
+                               head_dim=model_config.head_dim):
+        load_weights(model, path, dtype=dtype, device=device, slices=model.tp_slices())
     return model, Tokenizer.from_dir(path)
 
 
@@ -133,7 +136,8 @@ class TPFollower:
         # the block count too): each capture's forward carries the all-reduces
         cfg = model.config
         max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.runner.enable_cuda_graphs(max_batch=config.max_num_seqs, max_model_len=max_model_len)
+        if config.cuda_graphs:
+            self.runner.enable_cuda_graphs(max_batch=config.max_num_seqs, max_model_len=max_model_len)
         self.steps = 0
 
     @property

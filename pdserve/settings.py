@@ -313,6 +313,19 @@ def env_switch(name: str, default: bool = True) -> bool:
     return raw != "0"
 
 
+def cuda_graphs_at_start(default: int) -> int:
+    """``PDSERVE_CUDA_GRAPHS_AT_START``: decode CUDA graphs for batch sizes up to this are captured
+    before a worker turns SERVING (the others while it is idle, engine.cuda_graphs); unset keeps
+    ``default``. Raises ValueError for anything but a positive integer."""
+    raw = os.environ.get("PDSERVE_CUDA_GRAPHS_AT_START", "")
+    if raw == "":
+        return default
+    value = int(raw)
+    if value <= 0:
+        raise ValueError(f"PDSERVE_CUDA_GRAPHS_AT_START must be a positive integer, got {raw!r}")
+    return value
+
+
 def stall_watch_ms() -> float:
     """``PDSERVE_STALL_WATCH_MS`` (0 = off); a value that is not a number is off, with ValueError's text."""
     raw = os.environ.get("PDSERVE_STALL_WATCH_MS", "0") or "0"

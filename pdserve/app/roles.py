@@ -35,7 +35,8 @@ def build_engine(settings: ServeSettings):
 
     kwargs = dict(model=settings.model, dtype=None if settings.dtype == "auto" else settings.dtype,
                   device=settings.device,
-                  block_size=settings.block_size, max_num_seqs=settings.max_num_seqs)
+                  block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
+                  cuda_graphs=settings.role != "prefill")  # a prefill worker never runs a decode step
     if settings.num_blocks is not None:
         kwargs["num_blocks"] = settings.num_blocks
     if settings.kv_memory_gb is not None:

@@ -35,11 +35,14 @@ def model(request):
     return build_model(cfg, device=DEV, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("capture_first", [8, 1], ids=["all-at-start", "lazy"])
+@pytest.mark.parametrize("mode", ["all-at-start", "lazy", "idle"])
 @pytest.mark.parametrize("batch", [3, 8, 1])
-def test_graph_decode_equals_eager(model, batch, capture_first):
-    """capture_first=1: only bucket 1 is captured at start; a larger batch's bucket is captured in
-    the first step that needs it (its warm-up on the live cache), then replayed token-exact."""
+def test_graph_decode_equals_eager(model, batch, mode):
+    """all-at-start: every bucket before the first step. lazy: only bucket 1 at start; a larger batch's
+    bucket is captured in the first step that needs it (its warm-up on the live cache). idle: bucket 1
+    at start, the rest by ``capture_idle`` on a scratch block (block 0 here) before the first step.
+    Each is then replayed token-exact."""
+    capture_first = 8 if mode == "all-at-start" else 1
     cfg = model.config
     kw = dict(backend_geometry(cfg, block_size=BLOCK), device=DEV, dtype=torch.bfloat16)
     eager, graphed = FlashInferAttentionBackend(**kw), FlashInferAttentionBackend(**kw)
@@ -58,7 +61,7 @@ def test_graph_decode_equals_eager(model, batch, capture_first):
         graphed,
         None,
         CudaGraphConfig(max_batch=8, max_model_len=per_seq * BLOCK, buckets=(1, 2, 4, 8),
-                        capture_first=capture_first),
+                        capture_at_start=capture_first, capture_when_idle=mode == "idle"),
     )
     with torch.inference_mode():
         spec = BatchSpec(query_lens=lens, context_lens=[0] * batch, block_tables=tables)
@@ -70,7 +73,13 @@ def test_graph_decode_equals_eager(model, batch, capture_first):
         cache_g = cache_e.clone()
         runner.kv_cache = cache_g
         runner.capture()
-        cache_g[:, 1:] = cache_e[:, 1:]  # capture's warm-up wrote a dummy token into block 0 only
+        assert sorted(runner.graphs) == [b for b in (1, 2, 4, 8) if b <= capture_first]
+        while runner.capture_idle(0) is not None:  # "idle": the rest, largest first
+            pass
+        assert runner.idle_captures == ([8, 4, 2] if mode == "idle" else [])
+        assert not runner.idle_pending()
+        torch.cuda.synchronize()
+        assert torch.equal(cache_g[:, 1:], cache_e[:, 1:])  # the captures wrote into block 0 only
         assert runner.bucket(batch) >= batch
         tok_e, tok_g = first.clone(), first.clone()
         for step in range(steps):
@@ -87,7 +96,7 @@ def test_graph_decode_equals_eager(model, batch, capture_first):
             assert torch.equal(tok_e, tok_g), f"step {step}: greedy tokens differ"
     torch.cuda.synchronize()
     assert _rel(cache_g[:, 1:].float(), cache_e[:, 1:].float()) < 1e-2
-    lazy = [runner.bucket(batch)] if runner.bucket(batch) > capture_first else []
+    lazy = [runner.bucket(batch)] if mode == "lazy" and runner.bucket(batch) > capture_first else []
     assert runner.lazy_captures == lazy
 
 

@@ -50,6 +50,38 @@ def test_generate_with_cuda_graphs_equals_eager(make_checkpoint, monkeypatch):
     assert all(len(o) == 24 for o in out_graph)
 
 
+def test_idle_work_captures_the_rest_and_lends_a_block_back(make_checkpoint, monkeypatch):
+    """At start only bucket 1 is captured; ``idle_work`` captures the others, largest first, each on a
+    block it borrows and gives back; generation afterwards replays them and equals eager generation.
+    A prefill worker's engine (``cuda_graphs=False``) captures nothing."""
+    path = make_checkpoint(preset="small", dtype="bfloat16")
+    eng = _engine(path)
+    graphs = eng.runner.cuda_graphs
+    assert sorted(graphs.graphs) == [1] and eng.has_idle_work()
+    free = eng.num_free_blocks
+    done = 0
+    while eng.idle_work():
+        done += 1
+        assert eng.num_free_blocks == free
+    assert done == 3 and graphs.idle_captures == [8, 4, 2] and not eng.has_idle_work()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(eng.model_config.vocab_size)
+    out = eng.generate(prompts, params)
+    assert graphs.lazy_captures == []
+    assert eng.num_free_blocks == free
+    monkeypatch.setenv("PDSERVE_CUDA_GRAPHS", "0")
+    assert _engine(path).generate(prompts, params) == out
+    monkeypatch.delenv("PDSERVE_CUDA_GRAPHS")
+    prefill = _engine(path, cuda_graphs=False)
+    assert prefill.runner.cuda_graphs is None and not prefill.has_idle_work()
+
+
+def test_graphs_at_start_setting(make_checkpoint, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CUDA_GRAPHS_AT_START", "8")
+    eng = _engine(make_checkpoint(preset="small", dtype="bfloat16"))
+    assert sorted(eng.runner.cuda_graphs.graphs) == [1, 2, 4, 8] and not eng.has_idle_work()
+
+
 @pytest.mark.parametrize("backend", ["flashinfer", "torch"])
 def test_explicit_backends_generate(make_checkpoint, backend):
     eng = _engine(make_checkpoint(preset="small", dtype="bfloat16"), attention_backend=backend)

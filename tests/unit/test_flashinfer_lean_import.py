@@ -80,3 +80,68 @@ def test_a_failed_lean_import_leaves_nothing_half_imported(fake_flashinfer, tmp_
         fib.load_flashinfer()
     assert not [m for m in sys.modules if m == "flashinfer" or m.startswith("flashinfer.")]
     assert fib.flashinfer_available() is False
+
+
+def test_prefetching_imports_on_a_thread_with_a_short_switch_interval(fake_flashinfer, tmp_path):
+    """The import runs on another thread while the body runs (it waits here on a module the body
+    holds back), the switch interval is short inside and restored after, and ``load_flashinfer``
+    waits for that thread and returns what it imported."""
+    import threading
+
+    gate = threading.Event()
+    imported_on = []
+    fake_flashinfer.PREFETCH_GATE = gate
+    fake_flashinfer.PREFETCH_THREADS = imported_on
+    (tmp_path / "flashinfer" / "utils.py").write_text(
+        "import builtins, threading\nbuiltins.PREFETCH_THREADS.append(threading.current_thread().name)\n"
+        "assert builtins.PREFETCH_GATE.wait(30)\ndef helper():\n    return 'utils'\n")
+    before = sys.getswitchinterval()
+    with fib.prefetching():
+        assert sys.getswitchinterval() < before
+        gate.set()  # the weight load's place: the thread's import finishes meanwhile or right after
+    assert sys.getswitchinterval() == before
+    fi = fib.load_flashinfer()
+    assert imported_on == ["flashinfer-prefetch"]
+    assert fi.BatchDecodeWithPagedKVCacheWrapper.__module__ == "flashinfer.decode"
+    assert fake_flashinfer.FLASHINFER_INIT_RUNS == 0
+
+
+def test_a_prefetch_that_failed_raises_on_the_callers_thread(fake_flashinfer, tmp_path):
+    (tmp_path / "flashinfer" / "decode.py").write_text("raise ImportError('libcudart.so.13: not found')\n")
+    with fib.prefetching():
+        pass
+    with pytest.raises(ImportError, match="libcudart"):
+        fib.load_flashinfer()
+    assert not [m for m in sys.modules if m == "flashinfer" or m.startswith("flashinfer.")]
+
+
+def test_no_prefetch_when_switched_off_or_already_imported(fake_flashinfer, monkeypatch):
+    import threading
+
+    monkeypatch.setenv(fib.PREFETCH_ENV, "0")
+    before = sys.getswitchinterval()
+    with fib.prefetching():
+        assert sys.getswitchinterval() == before
+        assert "flashinfer" not in sys.modules
+        assert not [t for t in threading.enumerate() if t.name == "flashinfer-prefetch"]
+    monkeypatch.delenv(fib.PREFETCH_ENV)
+    fib.load_flashinfer()
+    with fib.prefetching():
+        assert sys.getswitchinterval() == before
+
+
+def test_attention_prefetching_only_where_flashinfer_will_be_used(fake_flashinfer):
+    import contextlib
+
+    import torch
+
+    from engine import attention
+
+    torch_cases = [("auto", "cpu", torch.bfloat16, 64), ("torch", "cuda", torch.bfloat16, 64),
+                   ("auto", "cuda", torch.float32, 64), ("auto", "cuda", torch.bfloat16, 96)]
+    for name, device, dtype, head_dim in torch_cases:
+        ctx = attention.prefetching(name, device=device, dtype=dtype, head_dim=head_dim)
+        assert isinstance(ctx, contextlib.nullcontext), (name, device, dtype, head_dim)
+    for name, dtype in [("auto", torch.bfloat16), ("flashinfer", torch.float16)]:
+        ctx = attention.prefetching(name, device="cuda", dtype=dtype, head_dim=128)
+        assert not isinstance(ctx, contextlib.nullcontext)
