@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-from engine import attention
 from engine.config import ModelConfig
 from engine.engine_types import EngineConfig
 from engine.kv_layout import KVLayout, dtype_name
@@ -57,9 +56,7 @@ def load_model(config: EngineConfig, device: torch.device, tp: TPGroup | None):
     model_config = ModelConfig.from_pretrained(path)
     dtype = getattr(torch, config.dtype) if config.dtype else model_config.torch_dtype
     model = build_model(model_config, init="meta", tp=tp)
-    with attention.prefetching(config.attention_backend, device=device, dtype=dtype,
-                               head_dim=model_config.head_dim):
-        load_weights(model, path, dtype=dtype, device=device, slices=model.tp_slices())
+    load_weights(model, path, dtype=dtype, device=device, slices=model.tp_slices())
     return model, Tokenizer.from_dir(path)
 
 

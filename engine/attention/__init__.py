@@ -25,39 +25,15 @@ def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype | N
     from engine.attention import flashinfer_backend as fib  # imports flashinfer lazily
 
     if name == "auto":
-        fits = _may_use_flashinfer(name, device=device, dtype=dtype, head_dim=kwargs.get("head_dim", 0))
-        name = "flashinfer" if fits and fib.flashinfer_available() else "torch"
+        fits = dtype is not None and fib.supports(head_dim=kwargs.get("head_dim", 0), dtype=dtype)
+        name = "flashinfer" if torch.device(device).type == "cuda" and fits and fib.flashinfer_available() \
+            else "torch"
     if name == "flashinfer":
         return fib.FlashInferAttentionBackend(device=device, dtype=dtype, **kwargs)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} "
                          f"(available: auto, flashinfer, {', '.join(sorted(BACKENDS))})")
     return BACKENDS[name](device=device, **kwargs)
-
-
-def prefetching(name: str, *, device: torch.device | str, dtype: torch.dtype | None, head_dim: int):
-    """A context manager that imports, in the background while its body runs, what ``get_backend``
-    with these arguments will import (flashinfer, ``flashinfer_backend.prefetching``); a no-op where
-    the torch backend will be used."""
-    import contextlib
-
-    if not _may_use_flashinfer(name, device=device, dtype=dtype, head_dim=head_dim):
-        return contextlib.nullcontext()
-    from engine.attention import flashinfer_backend as fib
-
-    return fib.prefetching()
-
-
-def _may_use_flashinfer(name: str, *, device: torch.device | str, dtype: torch.dtype | None,
-                        head_dim: int) -> bool:
-    """flashinfer asked for, or ``auto`` on CUDA for a model it supports (if it imports)."""
-    if name == "flashinfer":
-        return True
-    if name != "auto" or torch.device(device).type != "cuda" or dtype is None:
-        return False
-    from engine.attention import flashinfer_backend as fib
-
-    return fib.supports(head_dim=head_dim, dtype=dtype)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "BatchSpec", "TorchAttentionBackend", "get_backend",

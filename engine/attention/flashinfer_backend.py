@@ -29,12 +29,9 @@ a model can use this backend, and ``engine.attention.get_backend("auto")`` falls
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import sys
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -52,54 +49,7 @@ WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended split-k scratch size
 LEAN_IMPORT_ENV = "PDSERVE_FLASHINFER_LEAN"
 
 
-PREFETCH_ENV = "PDSERVE_BOOT_PREFETCH"
-_PREFETCH_SWITCH_INTERVAL_S = 1e-4
-_prefetch_lock = threading.Lock()
-_prefetch_thread: threading.Thread | None = None
-
-
-@contextlib.contextmanager
-def prefetching() -> Iterator[None]:
-    """Import flashinfer (``load_flashinfer``) on a background thread while the body runs -- a worker's
-    weight load: ~1 s of imports overlapped with the copies. The load is many short stretches of
-    Python between GIL-free copies; behind an import that holds the GIL, each of them would wait for
-    the interpreter's switch interval (5 ms) before running, so the interval is lowered to 0.1 ms for
-    the body and restored after. ``load_flashinfer`` waits for the thread; an import that failed
-    there is retried (and raises) on the caller's thread. ``PDSERVE_BOOT_PREFETCH=0``: no thread."""
-    global _prefetch_thread
-    if not env_switch(PREFETCH_ENV) or "flashinfer" in sys.modules:
-        yield
-        return
-    with _prefetch_lock:
-        if _prefetch_thread is None:
-            _prefetch_thread = threading.Thread(target=_prefetch, name="flashinfer-prefetch", daemon=True)
-            _prefetch_thread.start()
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(_PREFETCH_SWITCH_INTERVAL_S)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(interval)
-
-
-def _prefetch() -> None:
-    try:
-        _import_flashinfer()
-    except Exception:  # noqa: BLE001 (absent or broken: load_flashinfer raises it on its caller's thread)
-        pass
-
-
 def load_flashinfer() -> SimpleNamespace:
-    """flashinfer's two paged-attention wrappers (waiting for ``prefetching``'s thread, if any)."""
-    global _prefetch_thread
-    with _prefetch_lock:
-        thread, _prefetch_thread = _prefetch_thread, None
-    if thread is not None and thread is not threading.current_thread():
-        thread.join()
-    return _import_flashinfer()
-
-
-def _import_flashinfer() -> SimpleNamespace:
     """flashinfer's two paged-attention wrappers, importing only the modules they live in.
 
     ``import flashinfer`` runs the package's ``__init__``, which imports nearly every subpackage (MoE,
