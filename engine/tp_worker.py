@@ -32,7 +32,7 @@ import torch
 from engine.config import ModelConfig
 from engine.engine_types import EngineConfig
 from engine.kv_layout import KVLayout, dtype_name
-from engine.model import CausalLM, build_model
+from engine.model import CausalLM, build_model, fused_kernels_for
 from engine.model_runner import ModelRunner
 from engine.tp_group import TPGroup
 from engine.tp_plan import receive
@@ -56,7 +56,12 @@ def load_model(config: EngineConfig, device: torch.device, tp: TPGroup | None):
     model_config = ModelConfig.from_pretrained(path)
     dtype = getattr(torch, config.dtype) if config.dtype else model_config.torch_dtype
     model = build_model(model_config, init="meta", tp=tp)
+    model.allocate_fused(device, dtype)  # q/k/v and gate/up load straight into their fused weights
+    kernels = fused_kernels_for(device, dtype)
+    warming = kernels.warm_compile_cache() if kernels is not None else None  # overlaps the load
     load_weights(model, path, dtype=dtype, device=device, slices=model.tp_slices())
+    if warming is not None:
+        warming.join()
     return model, Tokenizer.from_dir(path)
 
 

@@ -37,3 +37,26 @@ def test_truncated_file_is_model_load_error(tmp_path):
     file.write_bytes(b"\x10\x00")
     with pytest.raises(ModelLoadError, match="bad.safetensors"):
         MappedFile(file)
+
+
+def test_close_in_background_unmaps_on_a_thread(tmp_path, caplog):
+    import threading
+
+    file = tmp_path / "m.safetensors"
+    save_file(_tensors(), str(file))
+    with MappedFile(file, close_in_background=True) as mapped:
+        copy = mapped.view("b.f32").clone()
+    for t in [t for t in threading.enumerate() if t.name == "munmap"]:
+        t.join(10)
+    assert mapped._mm.closed
+    assert torch.equal(copy, _tensors()["b.f32"])
+    held = MappedFile(file)
+    view = held.view("a.bf16")
+    with caplog.at_level("WARNING", logger="engine.weight_upload"):
+        held.close(background=True)  # a live view: the unmap is refused, logged, the mapping kept
+        for t in [t for t in threading.enumerate() if t.name == "munmap"]:
+            t.join(10)
+    assert not held._mm.closed and "still in use" in caplog.text
+    assert torch.equal(view, _tensors()["a.bf16"])
+    del view
+    held._mm.close()

@@ -97,6 +97,33 @@ def test_in_place_load_keeps_parameter_objects(tiny_llama_dir):
         assert p is before[name] and torch.equal(p, ref[name])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"], ids=["stored-dtype", "converted"])
+def test_load_into_preallocated_fused_projections(tiny_qwen2_dir, dtype):
+    """``allocate_fused`` on a meta model: q/k/v (with biases) and gate/up load in place into their
+    concatenated weights, which ``fuse_projections`` then keeps; the values equal the checkpoint's."""
+    config = ModelConfig.from_pretrained(tiny_qwen2_dir)
+    model = build_model(config, init="meta")
+    target = getattr(torch, dtype)
+    model.allocate_fused(torch.device("cpu"), target)
+    layer = model.model.layers[0]
+    fused_qkv, fused_mlp = layer.self_attn.fused, layer.mlp.fused
+    q_before = layer.self_attn.q_proj.weight
+    load_weights(model, tiny_qwen2_dir, dtype=dtype, device="cpu")
+    assert layer.self_attn.q_proj.weight is q_before  # filled in place, not replaced
+    model.fuse_projections(False)
+    assert layer.self_attn.fused is fused_qkv and layer.mlp.fused is fused_mlp
+    ref = reference_state(tiny_qwen2_dir)
+    pre = "model.layers.0."
+    qkv = [ref[pre + f"self_attn.{p}_proj.weight"] for p in "qkv"]
+    assert torch.equal(fused_qkv.weight, torch.cat(qkv).to(target))
+    qkv_bias = [ref[pre + f"self_attn.{p}_proj.bias"] for p in "qkv"]
+    assert torch.equal(fused_qkv.bias, torch.cat(qkv_bias).to(target))
+    assert torch.equal(fused_mlp.weight, torch.cat([ref[pre + "mlp.gate_proj.weight"],
+                                                    ref[pre + "mlp.up_proj.weight"]]).to(target))
+    for name, p in model.named_parameters():
+        assert torch.equal(p, ref[name].to(target)), name
+
+
 def broken_copy(src, tmp_path, edit):
     """Copy a checkpoint, apply ``edit(tensors) -> tensors`` to its single weights file."""
     dst = tmp_path / "ckpt"
