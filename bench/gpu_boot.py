@@ -167,6 +167,8 @@ def main() -> None:
                     "beside the same boot without them, rounds interleaved (e.g. "
                     "nograph=PDSERVE_CUDA_GRAPHS=0)")
     ap.add_argument("--variant-rounds", type=int, default=3)
+    ap.add_argument("--variant-source", choices=("disk-page-cache", "disk-cold"), default="disk-page-cache",
+                    help="where the variants' checkpoint is read from (disk-cold: evicted before each boot)")
     ap.add_argument("--no-first-start", action="store_true",
                     help="skip the first boot (reported apart) that compiles the Triton kernels, and any "
                     "flashinfer JIT module not carried, into this machine's caches before the measured boots")
@@ -227,15 +229,21 @@ def main() -> None:
         for text in args.variant:
             vname, _, rest = text.partition("=")
             variants[vname] = dict(item.split("=", 1) for item in rest.split(",") if item)
-        raw_read(disk)  # in the page cache
+        cold = args.variant_source == "disk-cold"
+        raw_read(disk)  # in the page cache (evicted again before each boot when cold)
+        result["variant_source"] = args.variant_source
         result["variants"] = {v: [] for v in variants}
         for _round in range(args.variant_rounds):
             for vname, extra in variants.items():
+                if cold:
+                    evict(disk)
                 try:
                     r = boot(disk, "colocated", logs, args.kv_gb, args.gpu, extra)
                 except Exception as exc:
                     r = {"error": str(exc)}
                 r.update(variant=vname, env=extra)
+                if cold and "wall_s" in r:
+                    r["vs_raw_cold_read"] = r["wall_s"] / raw_cold["seconds"]
                 result["variants"][vname].append(r)
                 print(f"  variant {vname:<12} {_line(r)}", flush=True)
         for vname, rs in result["variants"].items():

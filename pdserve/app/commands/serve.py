@@ -31,6 +31,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2
+    if settings.role != "router":  # the disk starts on the checkpoint while the imports below run
+        from engine import readahead
+
+        readahead.start(settings.model)
     from pdserve.app.roles import run_role
 
     try:
