@@ -2,8 +2,10 @@
 
 A worker's start reads nothing from its checkpoint until ``torch``, gRPC and the model code are
 imported and the model is built (3.4-4.2 s on an H200 host); from a cold local disk the weight load
-then takes about as long as reading the files (9.6-10.0 s for the 8B shape against a raw read of
-9.7 s, docs/gpu.md "Boot"), so the imports and the read add up.
+then takes about as long as reading the files (9.0-10.4 s for the 8B shape against raw reads of
+8.3-9.7 s), so the imports and the read add up. Read ahead from the process start, a cold 8B start
+took 13.0-13.3 s against 15.5-16.5 s without, rounds alternated in one run (1.57-1.60x the raw cold
+read against 1.86-1.98x; docs/gpu.md "Boot").
 
 ``start(model_dir)`` reads every ``*.safetensors`` file of the directory, in order, in ``CHUNK``
 pieces into one scratch buffer on a daemon thread, from the first moment of ``pdserve serve`` (this
