@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from pdserve.settings import env_switch
+
 log = logging.getLogger(__name__)
 ENV = "PDSERVE_READAHEAD"
 CHUNK = 16 << 20
@@ -36,7 +38,7 @@ _PROBE = 4096
 def start(model_dir: str | os.PathLike | None) -> threading.Thread | None:
     """Begin reading ``model_dir``'s safetensors files ahead (see the module docstring); returns the
     thread, or None when off, not a directory, without safetensors files, or off Linux."""
-    if os.environ.get(ENV, "") == "0" or not model_dir or not hasattr(os, "RWF_NOWAIT"):
+    if not env_switch(ENV) or not model_dir or not hasattr(os, "RWF_NOWAIT"):
         return None
     path = Path(model_dir)
     if not path.is_dir():
