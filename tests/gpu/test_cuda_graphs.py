@@ -42,7 +42,7 @@ def test_graph_decode_equals_eager(model, batch, mode):
     bucket is captured in the first step that needs it (its warm-up on the live cache). idle: bucket 1
     at start, the rest by ``capture_idle`` on a scratch block (block 0 here) before the first step.
     Each is then replayed token-exact."""
-    capture_first = 8 if mode == "all-at-start" else 1
+    at_start = 8 if mode == "all-at-start" else 1
     cfg = model.config
     kw = dict(backend_geometry(cfg, block_size=BLOCK), device=DEV, dtype=torch.bfloat16)
     eager, graphed = FlashInferAttentionBackend(**kw), FlashInferAttentionBackend(**kw)
@@ -61,7 +61,7 @@ def test_graph_decode_equals_eager(model, batch, mode):
         graphed,
         None,
         CudaGraphConfig(max_batch=8, max_model_len=per_seq * BLOCK, buckets=(1, 2, 4, 8),
-                        capture_at_start=capture_first, capture_when_idle=mode == "idle"),
+                        capture_at_start=at_start, capture_when_idle=mode == "idle"),
     )
     with torch.inference_mode():
         spec = BatchSpec(query_lens=lens, context_lens=[0] * batch, block_tables=tables)
@@ -73,7 +73,7 @@ def test_graph_decode_equals_eager(model, batch, mode):
         cache_g = cache_e.clone()
         runner.kv_cache = cache_g
         runner.capture()
-        assert sorted(runner.graphs) == [b for b in (1, 2, 4, 8) if b <= capture_first]
+        assert sorted(runner.graphs) == [b for b in (1, 2, 4, 8) if b <= at_start]
         while runner.capture_idle(0) is not None:  # "idle": the rest, largest first
             pass
         assert runner.idle_captures == ([8, 4, 2] if mode == "idle" else [])
@@ -96,7 +96,7 @@ def test_graph_decode_equals_eager(model, batch, mode):
             assert torch.equal(tok_e, tok_g), f"step {step}: greedy tokens differ"
     torch.cuda.synchronize()
     assert _rel(cache_g[:, 1:].float(), cache_e[:, 1:].float()) < 1e-2
-    lazy = [runner.bucket(batch)] if mode == "lazy" and runner.bucket(batch) > capture_first else []
+    lazy = [runner.bucket(batch)] if mode == "lazy" and runner.bucket(batch) > at_start else []
     assert runner.lazy_captures == lazy
 
 
