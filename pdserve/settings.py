@@ -320,7 +320,7 @@ def cuda_graphs_at_start(default: int) -> int:
     raw = os.environ.get("PDSERVE_CUDA_GRAPHS_AT_START", "")
     if raw == "":
         return default
-    value = int(raw)
+    value = int(raw) if raw.strip().lstrip("-").isdigit() else 0
     if value <= 0:
         raise ValueError(f"PDSERVE_CUDA_GRAPHS_AT_START must be a positive integer, got {raw!r}")
     return value

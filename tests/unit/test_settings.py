@@ -62,3 +62,16 @@ def test_kv_staging_flag_reaches_the_transport() -> None:
 def test_invalid_settings_name_the_problem(argv, env, needle) -> None:
     with pytest.raises(ValueError, match=needle):
         parse(argv, env)
+
+
+def test_cuda_graphs_at_start(monkeypatch) -> None:
+    from pdserve.settings import cuda_graphs_at_start
+
+    monkeypatch.delenv("PDSERVE_CUDA_GRAPHS_AT_START", raising=False)
+    assert cuda_graphs_at_start(1) == 1 and cuda_graphs_at_start(8) == 8
+    monkeypatch.setenv("PDSERVE_CUDA_GRAPHS_AT_START", "16")
+    assert cuda_graphs_at_start(1) == 16
+    for bad in ("0", "-2", "eight"):
+        monkeypatch.setenv("PDSERVE_CUDA_GRAPHS_AT_START", bad)
+        with pytest.raises(ValueError, match="PDSERVE_CUDA_GRAPHS_AT_START must be a positive integer"):
+            cuda_graphs_at_start(1)
