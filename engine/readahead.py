@@ -13,10 +13,11 @@ module needs nothing but the standard library, so it starts before torch is impo
 the GIL). The disk then works during the imports, and the load finds what was read in the page cache.
 A chunk whose first page is already cached is skipped without a copy (a 4 KiB ``preadv`` with
 ``RWF_NOWAIT`` probes it), so a warm page cache costs next to nothing; where that probe is not
-supported (tmpfs, say) nothing is read ahead. At most half of ``MemAvailable`` is read, so a host with
-less memory than the checkpoint never evicts the beginning of the file to read its end before the
-load gets there. ``PDSERVE_READAHEAD=0`` turns it off. (Asking the kernel with
-``posix_fadvise(WILLNEED)`` instead was measured and did not shorten the cold load.)
+supported (tmpfs, say) nothing is read ahead. At most half of the memory the page cache can take here
+is read (``memory_budget``: the host's ``MemAvailable`` and the container's cgroup limit), so the
+beginning of the file is never evicted to read its end before the load gets there.
+``PDSERVE_READAHEAD=0`` turns it off. (Asking the kernel with ``posix_fadvise(WILLNEED)`` instead was
+measured and did not shorten the cold load.)
 """
 
 from __future__ import annotations
@@ -52,16 +53,43 @@ def start(model_dir: str | os.PathLike | None) -> threading.Thread | None:
     return thread
 
 
-def memory_budget(meminfo: str = "/proc/meminfo") -> int:
-    """Half of ``MemAvailable`` in bytes (unbounded when it cannot be read)."""
+def memory_budget(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:
+    """Half of the memory this process can fill with page cache without evicting it again: the host's
+    ``MemAvailable``, and the headroom under the container's cgroup memory limit (v2 ``memory.max`` -
+    ``memory.current``, or v1 ``memory/memory.limit_in_bytes`` - ``usage_in_bytes``), whichever is
+    smaller -- a pod's page cache is charged to its limit (the chart's default for a worker is 8 GiB),
+    so reading a 16 GB checkpoint ahead there would evict its own beginning and the load would read
+    it twice. Unbounded when neither can be read."""
+    room = [_meminfo_available(meminfo)]
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        cap, used = _read_int(f"{cgroup}/{limit}"), _read_int(f"{cgroup}/{usage}")
+        if cap is not None and used is not None:
+            room.append(max(0, cap - used))
+            break
+    known = [r for r in room if r is not None]
+    return min(known) // 2 if known else 1 << 62
+
+
+def _meminfo_available(path: str) -> int | None:
     try:
-        with open(meminfo) as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 // 2
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return 1 << 62
+    return None
+
+
+def _read_int(path: str) -> int | None:
+    """An integer file of the cgroup filesystem; None when absent or ``max`` (no limit)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _read_ahead(files: list[Path], budget: int) -> None:

@@ -85,11 +85,25 @@ def test_real_files_are_read_through(tmp_path):
     assert not thread.is_alive()
 
 
-def test_memory_budget_reads_meminfo(tmp_path):
+def test_memory_budget_takes_the_smaller_of_host_and_cgroup(tmp_path):
     info = tmp_path / "meminfo"
-    info.write_text("MemTotal: 100 kB\nMemAvailable: 64 kB\n")
-    assert readahead.memory_budget(str(info)) == 32 * 1024
-    assert readahead.memory_budget(str(tmp_path / "none")) == 1 << 62
+    info.write_text("MemTotal: 100000 kB\nMemAvailable: 64000 kB\n")
+    host = 64000 * 1024
+    none = tmp_path / "no-cgroup"
+    assert readahead.memory_budget(str(info), str(none)) == host // 2
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{8 << 20}\n")  # a pod limited to 8 MiB, 3 MiB in use
+    (v2 / "memory.current").write_text(f"{3 << 20}\n")
+    assert readahead.memory_budget(str(info), str(v2)) == (5 << 20) // 2
+    (v2 / "memory.max").write_text("max\n")  # no limit: the host's figure
+    assert readahead.memory_budget(str(info), str(v2)) == host // 2
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{16 << 20}")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{20 << 20}")  # over: nothing to spare
+    assert readahead.memory_budget(str(info), str(v1)) == 0
+    assert readahead.memory_budget(str(tmp_path / "none"), str(none)) == 1 << 62
 
 
 def test_imports_no_torch():
