@@ -16,6 +16,12 @@ it compiles the Triton kernels, and any flashinfer JIT module not carried, into 
 (``--no-first-start`` skips it). Goals: <= 5 s start -> SERVING from page cache; cold from disk within
 1.5x of the raw cold read. Then decode at batch 1, 1k context, next to the HBM bound (bench/gpu.py's
 roofline item, the same function). Writes boot-<device>.json and prints a table.
+
+``--variant NAME=ENV=VALUE[,ENV=VALUE]`` adds colocated boots with worker environment variables,
+rounds alternated with the default (``--variant-rounds``), from the page cache or, with
+``--variant-source disk-cold``, evicted before each boot. Each boot's phases are read once no new one
+has appeared for a second, so the decode graphs captured while idle after SERVING are in
+(``graphs_done_s``: when the last one ended).
 """
 
 from __future__ import annotations
