@@ -106,13 +106,14 @@ def settled_stats(address: str, quiet_s: float = 1.0, limit_s: float = 15.0) -> 
     """``process_stats`` once no new phase has appeared for ``quiet_s``: the decode CUDA graphs a
     worker captures while idle after SERVING (``cuda_graph_idle_capture``) are then all in, and
     ``graphs_done_s`` says when the last one ended (process start = 0)."""
-    stats, seen, t = process_stats(address), -1, time.monotonic()
+    seen, t = -1, time.monotonic()
     quiet_since = t
-    while time.monotonic() - t < limit_s:
+    while True:
         stats = process_stats(address)
+        now = time.monotonic()
         if len(stats["phases"]) != seen:
-            seen, quiet_since = len(stats["phases"]), time.monotonic()
-        elif time.monotonic() - quiet_since >= quiet_s:
+            seen, quiet_since = len(stats["phases"]), now
+        if now - quiet_since >= quiet_s or now - t >= limit_s:
             break
         time.sleep(0.1)
     idle = [p for p in stats["phases"] if p["name"] == "cuda_graph_idle_capture"]

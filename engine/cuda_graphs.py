@@ -146,10 +146,9 @@ class DecodeGraphRunner:
         a dummy token into ``scratch_block``: a block the caller owns for the call, so the pass writes
         into no request's K/V -- a decode worker's idle engine may hold blocks a KV transfer is
         filling, or cached prefixes. Run only when no step is in flight (the engine's own thread)."""
-        missing = self.missing()
-        if not missing or not self._when_idle:
+        if not self.idle_pending():
             return None
-        b = missing[0]
+        b = self.missing()[0]
         t0 = time.monotonic()
         spec = BatchSpec(query_lens=[1], context_lens=[0], block_tables=[[scratch_block]])
         with BOOT.phase("cuda_graph_idle_capture"):  # after SERVING: GetProcessStats shows when all were done
