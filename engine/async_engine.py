@@ -317,6 +317,12 @@ class AsyncEngine:
                 pass
             stream.put_threadsafe(err)
         self._streams.clear()
+        sync = getattr(self.engine, "sync", None)  # a step launched ahead gives its blocks back
+        if sync is not None and self.error is None:
+            try:
+                sync()
+            except Exception:
+                log.debug("reading the step in flight at shutdown failed", exc_info=True)
         # fail any call() still queued
         while True:
             try:

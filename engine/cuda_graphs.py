@@ -22,11 +22,13 @@ again -- never block 0 of a live request, which the start-up captures' dummy bat
 ``capture_when_idle=False`` (tensor parallelism: every rank must capture in the same step, because
 the forward's all-reduces are collective) leaves the rest to that first use.
 
-``run`` does host work and ``non_blocking`` copies from pinned staging only (token ids, positions,
-cache slots, page tables into static device buffers, then flashinfer's ``plan``), so nothing inside
-a decode step waits on the device; the caller's read of the sampled tokens is the step's one sync,
-and it is what makes reusing the pinned staging next step safe. A batch of ``n`` sequences runs in
-the smallest bucket ``>= n``; padding rows are harmless (see ``FlashInferAttentionBackend``).
+``run`` (``stage`` then ``replay``) does host work and ``non_blocking`` copies from pinned staging
+only (token ids, positions, cache slots, page tables into static device buffers, then flashinfer's
+``plan``), so nothing inside a decode step waits on the device. The pinned staging is written again by
+the next step's ``stage``; with the next step launched before this one's tokens are read, the caller
+orders the two (model_runner waits for an event recorded after the copies are queued). A batch of
+``n`` sequences runs in the smallest bucket ``>= n``; padding rows are harmless (see
+``FlashInferAttentionBackend``).
 
 Only backends with ``graph_state``/``plan_graph`` (flashinfer) can be captured; ``maybe_runner``
 returns None for the others, on CPU, or when ``PDSERVE_CUDA_GRAPHS=0``.
@@ -158,9 +160,10 @@ class DecodeGraphRunner:
                  time.monotonic() - t0)
         return b
 
-    def _capture_one(self, b: int, spec: BatchSpec | None, input_ids: list[int] | None) -> None:
+    def _capture_one(self, b: int, spec: BatchSpec | None, input_ids: list[int] | None, patch=None) -> None:
         """Capture bucket ``b``; ``spec``/``input_ids``: the batch of the step that needs it (a lazy
-        capture), whose own slots the warm-up writes; None: the dummy batch on block 0 (start-up)."""
+        capture), whose own slots the warm-up writes (``patch``: its rows whose ids are on the device,
+        see ``stage``); None: the dummy batch on block 0 (start-up)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.backend.device)
@@ -170,6 +173,8 @@ class DecodeGraphRunner:
         if input_ids is not None:
             ids_host.numpy()[:len(input_ids)] = input_ids
         ids = ids_host.to(self.backend.device)
+        if patch is not None:
+            patch(ids)
         self.backend.plan_graph(state, spec, self.dtype)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the graph (lazy inits, autotuning)
@@ -184,20 +189,20 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.backend.device)
         self.graphs[b] = _Graph(graph=graph, state=state, input_ids=ids, ids_host=ids_host, hidden=hidden)
 
-    def _capture_guarded(self, b: int, spec: BatchSpec, input_ids: list[int]) -> None:
+    def _capture_guarded(self, b: int, spec: BatchSpec, input_ids: list[int], patch=None) -> None:
         """``_capture_one`` with the garbage collector off (see ``capture``)."""
         gc.collect()
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            self._capture_one(b, spec, input_ids)
+            self._capture_one(b, spec, input_ids, patch)
         finally:
             if gc_was_enabled:
                 gc.enable()
 
-    def _capture_lazily(self, b: int, input_ids: list[int], spec: BatchSpec) -> None:
+    def _capture_lazily(self, b: int, input_ids: list[int], spec: BatchSpec, patch=None) -> None:
         t0 = time.monotonic()
-        self._capture_guarded(b, spec, input_ids)
+        self._capture_guarded(b, spec, input_ids, patch)
         self.lazy_captures.append(b)
         log.info("captured the decode CUDA graph for batch size %d on first use in %.3fs", b,
                  time.monotonic() - t0)
@@ -222,16 +227,28 @@ class DecodeGraphRunner:
     def run(self, input_ids: list[int], spec: BatchSpec) -> torch.Tensor:
         """Replay the bucket's graph for a decode batch; returns ``hidden [n, hidden]`` (a view of
         the graph's static output, valid until the next ``run``)."""
+        return self.replay(self.stage(input_ids, spec), spec.num_seqs)
+
+    @torch.inference_mode()
+    def stage(self, input_ids: list[int], spec: BatchSpec, patch=None) -> _Graph:
+        """Fill the bucket's static inputs for ``spec`` (plan, token ids; ``patch(ids)`` then writes the
+        rows whose ids are still on the device, model_runner.PrevTokens) and return its graph."""
         n = spec.num_seqs
         b = self.bucket(n)
         if b not in self.graphs:
-            self._capture_lazily(b, input_ids, spec)
+            self._capture_lazily(b, input_ids, spec, patch)
         g = self.graphs[b]
         self.backend.plan_graph(g.state, spec, self.dtype)
         host = g.ids_host.numpy()
         host[:n] = input_ids
         host[n:] = 0
         g.input_ids.copy_(g.ids_host, non_blocking=True)
+        if patch is not None:
+            patch(g.input_ids)
+        return g
+
+    @staticmethod
+    def replay(g: _Graph, n: int) -> torch.Tensor:
         g.graph.replay()
         return g.hidden[:n]
 

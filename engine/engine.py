@@ -33,8 +33,9 @@ from engine.layer_sink import LayerSink
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
 from engine.sampler import advance_generator, make_generator
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, Status
+from engine.step_ahead import PLACEHOLDER, InFlight, ahead_batch, continues, goes_ahead, prev_tokens
 from engine.tp_group import TPGroup
 from engine.tp_plan import send_stop
 from engine.tp_worker import agree_num_blocks, load_model, rank_layout, tp_fingerprint
@@ -96,6 +97,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self._requests: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # outputs decided outside step() (abort, commit)
+        self._inflight: InFlight | None = None  # a decode step launched, tokens not read (step_ahead)
+        self.overlap_steps = _overlap_steps(config, self.device, tp)
         self._arrivals = 0
         self.stats = _Counters()
         self._closed = False
@@ -124,7 +127,7 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_work()
+        return bool(self._pending) or self.scheduler.has_work() or self._inflight is not None
 
     # ---- idle work ----------------------------------------------------------------------------
     def has_idle_work(self) -> bool:
@@ -206,7 +209,7 @@ class LLMEngine:
             return False
         _abort_sink(seq, "aborted")
         live = seq.status in (Status.WAITING, Status.RUNNING)
-        self.scheduler.remove(seq)
+        self._remove(seq)
         if live:
             seq.finish_reason = "abort"
             self._pending.append(self._output(seq, [], None))
@@ -218,7 +221,14 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One step: a synchronous forward, or (decode steps launched ahead, engine.step_ahead) the next
+        step's launch and the tokens of the one in flight. Outputs of a launched step come from the
+        ``step()`` after the one that launched it."""
         outputs, self._pending = self._pending, []
+        if self._inflight is not None:
+            flight, self._inflight = self._inflight, None
+            self._inflight = self._launch_ahead(flight)
+            return outputs + self._read(flight)
         sched = self.scheduler.schedule()
         for seq in sched.rejected:
             self._requests.pop(seq.request_id, None)
@@ -226,8 +236,11 @@ class LLMEngine:
             outputs.append(self._output(seq, [], None))
         if not sched.scheduled:
             return outputs
-        self.stats.steps += 1
         self.stats.preemptions += sched.num_preempted
+        if self.overlap_steps and goes_ahead(sched.scheduled):
+            self._inflight = self._launch(sched.scheduled, None)
+            return outputs
+        self._count(sched.scheduled)
         tokens, logprobs = self.runner.execute(sched.scheduled)
         sampled = []
         for s in sched.scheduled:
@@ -236,8 +249,64 @@ class LLMEngine:
             if s.samples:
                 sampled.append(s.seq)
                 s.seq.layer_sink = None  # every layer was reported (model_runner): its job is done
+        return outputs + self._take_tokens(sampled, tokens, logprobs)
+
+    def sync(self) -> list[StepOutput]:
+        """Wait for a step launched ahead and take its tokens (outputs of requests still held); a no-op
+        without one. ``engine.async_engine`` calls it on shutdown so every deferred block comes back."""
+        if self._inflight is None:
+            return []
+        flight, self._inflight = self._inflight, None
+        return self._read(flight)
+
+    def _count(self, batch: list[ScheduledSeq]) -> None:
+        self.stats.steps += 1
+        for s in batch:
             if s.num_tokens > 1 or s.context_len < s.seq.num_prompt_tokens:
                 self.stats.prompt_tokens += s.num_tokens
+
+    def _launch(self, batch: list[ScheduledSeq], prev: InFlight | None) -> InFlight:
+        """Launch a decode step without reading its tokens; KV counts as computed, prefix-cache blocks
+        are registered when it is read (its input tokens may still be placeholders)."""
+        self._count(batch)
+        launched = self.runner.launch(batch, prev_tokens(prev, batch) if prev is not None else None)
+        for s in batch:
+            s.seq.num_computed += 1
+        return InFlight(launched=launched, seqs=[s.seq for s in batch],
+                        members={id(s.seq) for s in batch})
+
+    def _launch_ahead(self, flight: InFlight) -> InFlight | None:
+        """Schedule and launch the step after ``flight`` before reading it, or None when it cannot go
+        ahead (engine.step_ahead.ahead_batch): ``flight`` is then read alone."""
+        live = [seq for seq in flight.seqs if seq.status is Status.RUNNING]
+        continuing = [seq for seq in live if continues(seq, self.max_model_len)]
+        if not ahead_batch(self.scheduler, continuing):
+            return None
+        for seq in continuing:
+            seq.pending_slot = seq.num_tokens
+            seq.tokens.append(PLACEHOLDER)
+        sched = self.scheduler.schedule()
+        if sched.rejected or sched.num_preempted or not goes_ahead(sched.scheduled):
+            raise RuntimeError(f"a step scheduled ahead is not a pure decode step: {sched}")
+        return self._launch(sched.scheduled, flight)
+
+    def _read(self, flight: InFlight) -> list[StepOutput]:
+        """Wait for ``flight``'s tokens and take them; then free what finished while it was in flight."""
+        tokens, logprobs = flight.launched.result()
+        live = [(seq, t, lp) for seq, t, lp in zip(flight.seqs, tokens, logprobs, strict=True)
+                if seq.status is Status.RUNNING]  # aborted meanwhile: already answered
+        outputs = self._take_tokens([x[0] for x in live], [x[1] for x in live], [x[2] for x in live],
+                                    register=True)
+        for table in flight.deferred:
+            self.block_manager.release(table)
+        return outputs
+
+    def _take_tokens(self, sampled: list[Sequence], tokens: list[int], logprobs, *,
+                     register: bool = False) -> list[StepOutput]:
+        """Append each sampled token and answer its request. ``register``: publish prefix-cache blocks
+        once the token is in (a launched step's input may have been a placeholder), short of the KV the
+        step in flight is still writing."""
+        outputs = []
         for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
             self.stats.generated_tokens += 1
             lps = [lp] if lp is not None else None
@@ -249,6 +318,9 @@ class LLMEngine:
                                             first_scheduled_at=seq.first_scheduled_at))
                 continue
             self._append_token(seq, token)
+            if register:
+                writing = self._inflight is not None and self._inflight.holds(seq)
+                self.scheduler.register_computed(seq, seq.num_computed - writing)
             if seq.finish_reason is not None:
                 outputs.append(self._finish(seq, [token], lps))
             else:
@@ -335,14 +407,21 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _append_token(self, seq: Sequence, token: int) -> None:
-        """Add a generated token and decide whether the request is finished (sets finish_reason)."""
-        seq.tokens.append(token)
+        """Add a generated token (into its placeholder when a step launched ahead already holds its place)
+        and decide whether the request is finished (sets finish_reason)."""
+        if seq.pending_slot is None:
+            seq.tokens.append(token)
+            count = seq.num_tokens
+        else:
+            count = seq.pending_slot + 1
+            seq.tokens[seq.pending_slot] = token
+            seq.pending_slot = None
         p = seq.params
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             seq.finish_reason = "stop"
         elif seq.decoder is not None and self._hit_stop_string(seq, seq.decoder.push(token)):
             seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif count - seq.num_prompt_tokens >= p.max_tokens or count >= self.max_model_len:
             seq.finish_reason = "length"
 
     @staticmethod
@@ -359,8 +438,17 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, new_tokens: list[int], lps=None) -> StepOutput:
         self._requests.pop(seq.request_id, None)
-        self.scheduler.remove(seq)
+        self._remove(seq)
         return self._output(seq, new_tokens, lps)
+
+    def _remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the scheduler; its blocks wait for the step in flight if it writes them."""
+        flight = self._inflight
+        if flight is None or not flight.holds(seq):
+            self.scheduler.remove(seq)
+            return
+        table = self.scheduler.remove(seq, keep_blocks=True)
+        flight.deferred.append(table)
 
     def _output(self, seq: Sequence, new_tokens: list[int], lps, *, block_ids: list[int] | None = None,
                 first_scheduled_at: float | None = None) -> StepOutput:
@@ -402,6 +490,8 @@ class LLMEngine:
         problems = []
         if self._requests or self.scheduler.running or self.scheduler.waiting or self.scheduler.held:
             problems.append(f"requests still held: {sorted(self._requests)[:8]}")
+        if self._inflight is not None:
+            problems.append(f"a step is in flight, {len(self._inflight.deferred)} block tables wait for it")
         bm = self.block_manager.leak_report()
         if bm:
             problems.append(bm)
@@ -412,6 +502,21 @@ def _abort_sink(seq: Sequence, reason: str) -> None:
     if seq.layer_sink is not None:
         sink, seq.layer_sink = seq.layer_sink, None
         sink.abort(reason)
+
+
+def _overlap_steps(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> bool:
+    """Decode steps launched ahead (engine.step_ahead): ``EngineConfig.overlap_steps``, else
+    ``PDSERVE_OVERLAP_STEPS``, else on CUDA (on CPU a launch computes the step, so nothing overlaps).
+    Never under tensor parallelism."""
+    from pdserve.settings import overlap_steps
+
+    want = config.overlap_steps if config.overlap_steps is not None else overlap_steps()
+    if want is None:
+        want = device.type == "cuda"
+    if want and tp is not None:
+        log.info("decode steps are not launched ahead under tensor parallelism")
+        return False
+    return want
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

@@ -40,6 +40,9 @@ class EngineConfig:
     # decode CUDA graphs (engine.cuda_graphs) where the backend supports them; a prefill worker, which
     # never runs a decode step, turns them off
     cuda_graphs: bool = True
+    # decode steps launched before the previous one's tokens are read (engine.step_ahead). None:
+    # PDSERVE_OVERLAP_STEPS, else on CUDA; never under tensor parallelism
+    overlap_steps: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue"):

@@ -7,6 +7,11 @@ sequence whose known tokens are now all in KV; a prompt chunk that is not the la
 nothing) and samples them. The only device->host transfer is the sampled ids (plus logprobs when a
 request asked for them).
 
+``launch`` queues a step and returns at once (a ``LaunchedStep``); its ``result()`` waits for that
+step's sampled ids. ``execute`` is the two back to back. Between them the engine may launch the next
+decode step, its input ids copied on the device from this one's sampled ids (``PrevTokens``), so the
+host's work for step n+1 runs while the GPU computes step n (engine.step_ahead).
+
 A request running its final prompt chunk with a layer sink (``engine.layer_sink``) makes the step
 eager with an ``after_layer`` hook that reports each layer's KV as written; steps without one pass
 no hook at all.
@@ -44,6 +49,89 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class PrevTokens:
+    """Input rows ``dst`` of a step take the tokens at rows ``src`` of ``tokens``, the device tensor of
+    sampled ids of the step launched before it (``LaunchedStep.token_ids``)."""
+
+    tokens: torch.Tensor
+    dst: list[int]
+    src: list[int]
+
+    def patch(self, ids: torch.Tensor) -> None:
+        """Write the rows into ``ids`` (a step's input ids on the device), on the current stream."""
+        n = len(self.dst)
+        if self.dst == self.src == list(range(n)):  # the common case: the same batch, in order
+            ids[:n].copy_(self.tokens[:n])
+            return
+        dst = to_device(torch.tensor(self.dst, dtype=torch.int64), ids.device)
+        src = to_device(torch.tensor(self.src, dtype=torch.int64), ids.device)
+        ids.index_copy_(0, dst, self.tokens.index_select(0, src))
+
+
+class LaunchedStep:
+    """One step queued on the device. ``token_ids`` are its sampled ids on the device (a later launch
+    may take its input from them); ``result()`` waits for the step and reads them, with the logprob
+    entries, on the host. Sampled values are copied into pinned host buffers as part of the launch,
+    and an event marks them, so ``result()`` waits for this step only, not for one queued after it."""
+
+    def __init__(self, runner: ModelRunner, samplers: list[ScheduledSeq], *, num_tokens: int,
+                 t0: float) -> None:
+        self._runner = runner
+        self._samplers = samplers
+        self._num_tokens = num_tokens
+        self._t0 = t0
+        self.launched_at = t0
+        self.token_ids: torch.Tensor | None = None
+        self._host: list[torch.Tensor | None] = []
+        self._done: torch.cuda.Event | None = None
+
+    def take(self, out) -> None:
+        self.token_ids = out.token_ids
+        parts = [out.token_ids, out.logprobs, out.top_ids, out.top_logprobs]
+        if out.token_ids.device.type == "cpu":
+            self._host = parts
+            return
+        self._host = [None if t is None else _to_host(t) for t in parts]
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        t1 = time.monotonic()
+        phases = {"tokens": self._num_tokens, "launch_ms": round((self.launched_at - self._t0) * 1e3, 1)}
+        if not self._samplers:
+            self._runner.last_phases = phases
+            return [], []
+        if self._done is not None:
+            self._done.synchronize()
+        tokens_t, lps_t, top_ids_t, top_lps_t = self._host
+        tokens = tokens_t.tolist()
+        # Host time of the step's parts (pdserve.stall_watch reports them with a GIL stall): plan and
+        # launch of the forward and the sampling, then the wait for the sampled tokens.
+        phases["sync_ms"] = round((time.monotonic() - t1) * 1e3, 1)
+        self._runner.last_phases = phases
+        if lps_t is None:
+            return tokens, [None] * len(tokens)
+        lps = lps_t.tolist()
+        top_ids = top_ids_t.tolist() if top_ids_t is not None else None
+        top_lps = top_lps_t.tolist() if top_lps_t is not None else None
+        entries: list[TokenLogprob | None] = []
+        for i, s in enumerate(self._samplers):
+            n = s.seq.params.logprobs
+            if n is None:
+                entries.append(None)
+                continue
+            top = tuple(zip(top_ids[i][:n], top_lps[i][:n], strict=True)) if n and top_ids else ()
+            entries.append(TokenLogprob(token_id=tokens[i], logprob=lps[i], top=top))
+        return tokens, entries
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, layout: KVLayout, num_blocks: int, *, device: torch.device,
                  attention_backend: str = "auto", seed: int | None = None, launch_ahead_layers: int = 0,
@@ -65,6 +153,7 @@ class ModelRunner:
         self.backend = get_backend(attention_backend, device=device, dtype=layout.torch_dtype, **geometry)
         self.sampler = Sampler(device, seed=seed)
         self.cuda_graphs = None  # engine.cuda_graphs.DecodeGraphRunner once enable_cuda_graphs() captured
+        self._staged: torch.cuda.Event | None = None  # the last launch's copies queued (_mark_staged)
 
     def enable_cuda_graphs(self, *, max_batch: int, max_model_len: int) -> None:
         """Capture decode CUDA graphs when the backend can be captured on CUDA (see engine.cuda_graphs).
@@ -89,12 +178,26 @@ class ModelRunner:
             seq.layer_sink.begin(list(seq.block_table))
         return layer_callback([seq.layer_sink for seq in sinks], self.device)
 
-    @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprob | None]]:
         """Run ``batch``; returns the sampled token (and logprob entry) of each sampling row, in order."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: list[ScheduledSeq], prev: PrevTokens | None = None) -> LaunchedStep:
+        """Queue ``batch``'s forward and sampling on the device and return without waiting for them;
+        ``result()`` of the returned step reads its tokens. ``prev``: rows whose input token is a token
+        the step launched before this one sampled, still on the device (engine.step_ahead); their host
+        ids are placeholders."""
+        if self._staged is not None:  # the last launch's host->device copies have left its staging
+            self._staged.synchronize()
         input_ids: list[int] = []
         for s in batch:
             input_ids.extend(s.seq.tokens[s.context_len:s.context_len + s.num_tokens])
+        if prev is not None:
+            if self.tp is not None:
+                raise RuntimeError("a step launched from device tokens has no plan for the other TP ranks")
+            for row in prev.dst:
+                input_ids[row] = 0
         spec = BatchSpec(query_lens=[s.num_tokens for s in batch],
                          context_lens=[s.context_len for s in batch],
                          block_tables=[s.seq.block_table for s in batch])
@@ -110,43 +213,39 @@ class ModelRunner:
         throttle = (launch_throttle(self.launch_ahead_layers)
                     if self.launch_ahead_layers and len(input_ids) >= LAUNCH_THROTTLE_MIN_TOKENS else None)
         hook = chain(after_layer, throttle)
+        patch = prev.patch if prev is not None else None
         if replay:
-            hidden = self.cuda_graphs.run(input_ids, spec)  # a replayed decode graph: [n, hidden]
-        elif hook is None:
+            graph = self.cuda_graphs.stage(input_ids, spec, patch)
+            self._mark_staged()
+            hidden = self.cuda_graphs.replay(graph, spec.num_seqs)  # [n, hidden]
+        else:
             meta = self.backend.plan(spec)
-            hidden = self.model(self._to_device(input_ids), meta.positions, self.kv_cache, meta)
-        else:  # eager (a graph carries no hook): a 1-token final chunk must report its layers too
-            meta = self.backend.plan(spec)
-            hidden = self.model(self._to_device(input_ids), meta.positions, self.kv_cache, meta,
-                                after_layer=hook)
+            ids = self._to_device(input_ids)
+            if patch is not None:
+                patch(ids)
+            self._mark_staged()
+            # eager; a graph carries no hook: a 1-token final chunk must report its layers too
+            hidden = self.model(ids, meta.positions, self.kv_cache, meta,
+                                **({"after_layer": hook} if hook is not None else {}))
         if sent is not None:  # posted before this rank's own planning and launch (engine.tp_plan)
             sent.wait()
-        t1 = time.monotonic()
         samplers = [s for s in batch if s.samples]
-        if not samplers:
-            self.last_phases = {"tokens": len(input_ids), "launch_ms": round((t1 - t0) * 1e3, 1)}
-            return [], []
-        logits = self.model.compute_logits(self._rows(hidden, rows))
-        out = self.sampler(logits, [s.seq.params for s in samplers], [s.seq.generator for s in samplers])
-        tokens = out.token_ids.tolist()
-        # Host time of the last step's parts (pdserve.stall_watch reports them with a GIL stall):
-        # plan + launching the forward, then sampling up to the first host read (the GPU sync).
-        self.last_phases = {"tokens": len(input_ids), "launch_ms": round((t1 - t0) * 1e3, 1),
-                            "sync_ms": round((time.monotonic() - t1) * 1e3, 1)}
-        if out.logprobs is None:
-            return tokens, [None] * len(tokens)
-        lps = out.logprobs.tolist()
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        entries: list[TokenLogprob | None] = []
-        for i, s in enumerate(samplers):
-            n = s.seq.params.logprobs
-            if n is None:
-                entries.append(None)
-                continue
-            top = tuple(zip(top_ids[i][:n], top_lps[i][:n], strict=True)) if n and top_ids else ()
-            entries.append(TokenLogprob(token_id=tokens[i], logprob=lps[i], top=top))
-        return tokens, entries
+        step = LaunchedStep(self, samplers, num_tokens=len(input_ids), t0=t0)
+        if samplers:
+            logits = self.model.compute_logits(self._rows(hidden, rows))
+            out = self.sampler(logits, [s.seq.params for s in samplers],
+                               [s.seq.generator for s in samplers])
+            step.take(out)
+        step.launched_at = time.monotonic()
+        return step
+
+    def _mark_staged(self) -> None:
+        """Record that this step's host->device copies are queued. The pinned staging they read (the
+        graphs' static inputs, flashinfer's page-locked plan buffers) is written again by the next
+        launch, which waits for this event first: with a step launched ahead, nothing else orders it."""
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
 
     def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if len(rows) == hidden.shape[0]:

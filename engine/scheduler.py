@@ -92,8 +92,10 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take ``seq`` out of whatever stage it is in and release its blocks (idempotent)."""
+    def remove(self, seq: Sequence, *, keep_blocks: bool = False) -> list[int]:
+        """Take ``seq`` out of whatever stage it is in and release its blocks (idempotent). With
+        ``keep_blocks`` the blocks are not released but returned: the caller releases them later (a
+        step in flight still writes them, engine.step_ahead)."""
         if seq.status is Status.WAITING:
             try:
                 self.waiting.remove(seq)
@@ -103,8 +105,12 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.held.pop(seq.request_id, None)
-        self._free_blocks(seq)
         seq.status = Status.FINISHED
+        if keep_blocks:
+            table, seq.block_table = seq.block_table, []
+            return table
+        self._free_blocks(seq)
+        return []
 
     def pin(self, seq: Sequence) -> None:
         """A prefill-only request is done: keep its blocks for the caller until ``remove``."""
@@ -130,12 +136,14 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
-    def register_computed(self, seq: Sequence) -> None:
-        """Publish newly completed full blocks to the prefix cache."""
-        full = seq.num_computed // self.block_size
+    def register_computed(self, seq: Sequence, upto: int | None = None) -> None:
+        """Publish newly completed full blocks to the prefix cache: those of the first ``upto`` tokens
+        (default ``num_computed``; less while a step launched ahead still writes the last one)."""
+        upto = seq.num_computed if upto is None else upto
+        full = upto // self.block_size
         if not self.enable_prefix_caching or full <= seq.num_registered:
             return  # the common decode step: no block completed
-        hashes = seq.full_block_hashes(self.block_size, seq.num_computed)
+        hashes = seq.full_block_hashes(self.block_size, upto)
         for i in range(seq.num_registered, full):
             self.bm.register(seq.block_table[i], hashes[i])
         seq.num_registered = full

@@ -48,6 +48,9 @@ class Sequence:
         self.num_preemptions = 0
         self.layer_sink = None  # engine.layer_sink.LayerSink until its final prompt chunk has run
         self.first_scheduled_at: float | None = None  # time.monotonic() of its first step (admission)
+        # index in ``tokens`` of a placeholder for a token a launched step has not returned yet; only
+        # set inside LLMEngine.step (engine.step_ahead)
+        self.pending_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -313,6 +313,13 @@ def env_switch(name: str, default: bool = True) -> bool:
     return raw != "0"
 
 
+def overlap_steps() -> bool | None:
+    """``PDSERVE_OVERLAP_STEPS``: ``1`` launches decode steps before the previous one's tokens are read
+    (engine.step_ahead) even on CPU, ``0`` never; unset: None (the engine's default: on CUDA)."""
+    raw = os.environ.get("PDSERVE_OVERLAP_STEPS", "")
+    return None if raw == "" else raw != "0"
+
+
 def cuda_graphs_at_start(default: int) -> int:
     """``PDSERVE_CUDA_GRAPHS_AT_START``: decode CUDA graphs for batch sizes up to this are captured
     before a worker turns SERVING (the others while it is idle, engine.cuda_graphs); unset keeps

@@ -300,8 +300,9 @@ class FlashInferAttentionBackend(AttentionBackend):
     def plan_graph(self, state: DecodeGraphState, batch: BatchSpec | None, dtype: torch.dtype) -> None:
         """Fill ``state``'s buffers for a decode ``batch`` of at most ``state.batch_size`` sequences
         (None: a dummy batch on block 0, used while capturing) and plan its wrapper. Host work and
-        ``non_blocking`` copies only; the pinned staging is safe to reuse because the caller reads
-        each step's sampled tokens (a sync) before planning the next."""
+        ``non_blocking`` copies only. The pinned staging (``state.host``, ``indices_host`` and the
+        wrapper's page-locked plan buffer) is written again by the next plan: the caller must know the
+        copies queued here have run by then (model_runner waits for an event recorded after them)."""
         b, bs = state.batch_size, self.block_size
         if batch is None:
             batch = BatchSpec(query_lens=[1], context_lens=[0], block_tables=[[0]])

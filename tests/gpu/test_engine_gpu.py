@@ -37,8 +37,8 @@ def test_generate_with_cuda_graphs_equals_eager(make_checkpoint, monkeypatch):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     graphed = _engine(path)
     replays = []
-    run = graphed.runner.cuda_graphs.run
-    graphed.runner.cuda_graphs.run = lambda ids, spec: (replays.append(len(ids)), run(ids, spec))[1]
+    replay = graphed.runner.cuda_graphs.replay
+    graphed.runner.cuda_graphs.replay = lambda g, n: (replays.append(n), replay(g, n))[1]
     prompts = _prompts(graphed.model_config.vocab_size)
     out_graph = graphed.generate(prompts, params)
     assert replays, "no decode step went through a CUDA graph"
@@ -110,3 +110,83 @@ def test_launch_throttle_keeps_tokens_and_bounds_the_host_lead(make_checkpoint, 
     assert made and set(made) == {1}  # the 512-token chunks of the two long prompts
     free = _engine(path, launch_ahead_layers=0)
     assert free.generate(prompts, params) == out
+
+
+def _drive(eng: LLMEngine, requests: dict, *, late: set[str] = frozenset(), abort: str | None = None) -> dict:
+    """Start ``requests`` (``late`` ones at step 3, ``abort`` aborted at step 5); id -> (tokens, finish
+    reason, (token, logprob) pairs)."""
+    for rid, (p, params) in requests.items():
+        if rid not in late:
+            eng.add_request(rid, p, params)
+    outs = {rid: [] for rid in requests}
+    n = 0
+    while eng.has_unfinished() or n < 6:
+        if n == 3:
+            for rid in sorted(late):
+                eng.add_request(rid, *requests[rid])
+        if n == 5 and abort:
+            eng.abort(abort)
+        for out in eng.step():
+            outs[out.request_id].append(out)
+        n += 1
+    assert eng.leak_report() is None, eng.leak_report()
+    return {rid: ([t for o in seq for t in o.new_token_ids], seq[-1].finish_reason,
+                  [(lp.token_id, lp.logprob) for o in seq for lp in (o.new_logprobs or [])])
+            for rid, seq in outs.items()}
+
+
+def _counting(launch, fed: list[bool]):
+    """``ModelRunner.launch`` noting whether each step took input ids from the step before (PrevTokens)."""
+    def counted(batch, prev=None):
+        fed.append(prev is not None)
+        return launch(batch, prev)
+    return counted
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_steps_launched_ahead_equal_synchronous_steps(make_checkpoint, monkeypatch, graphs):
+    """On CUDA decode steps are launched before the previous step's tokens are read (engine.step_ahead):
+    the next step's input ids come from the previous step's sampled ids on the device and its staging is
+    written while that step runs. Requests that stop by length run the same batches either way, so greedy
+    and seeded tokens and their logprobs must be bitwise the same, with and without CUDA graphs."""
+    monkeypatch.setenv("PDSERVE_CUDA_GRAPHS", graphs)
+    path = make_checkpoint(preset="small", dtype="bfloat16")
+    results, launched = [], []
+    for ahead in (False, True):
+        eng = _engine(path, overlap_steps=ahead)
+        assert eng.overlap_steps is ahead
+        fed: list[bool] = []
+        eng.runner.launch = _counting(eng.runner.launch, fed)
+        ps = _prompts(eng.model_config.vocab_size)
+        requests = {f"g{i}": (p, SamplingParams(max_tokens=12 + 5 * i, logprobs=1, ignore_eos=True))
+                    for i, p in enumerate(ps)}
+        requests.update({f"s{i}": (p, SamplingParams(max_tokens=20, temperature=0.8, top_k=50, seed=i,
+                                                     logprobs=2, ignore_eos=True))
+                         for i, p in enumerate(ps[:2])})
+        results.append(_drive(eng, requests))
+        launched.append(sum(fed))
+    assert results[0] == results[1]
+    assert launched[0] == 0 and launched[1] > 20
+
+
+def test_stops_arrivals_and_aborts_under_a_step_in_flight(make_checkpoint):
+    """Stops read one step late (the extra token dropped), requests arriving and aborted while a step is in
+    flight: the same tokens as synchronous steps. Float32 (torch attention, eager steps), where a batch's
+    makeup cannot flip a greedy choice as bf16 rounding can."""
+    path = make_checkpoint(preset="small")
+    results = []
+    for ahead in (False, True):
+        eng = _engine(path, overlap_steps=ahead)
+        ps = _prompts(eng.model_config.vocab_size)
+        stop = [out[7] for out in eng.generate(ps[:3], SamplingParams(max_tokens=20, ignore_eos=True))]
+        requests = {f"g{i}": (p, SamplingParams(max_tokens=12 + 2 * i, stop_token_ids=stop))
+                    for i, p in enumerate(ps)}
+        requests["s"] = (ps[1], SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True))
+        results.append(_drive(eng, requests, late={"g4", "g5", "s"}, abort="g3"))
+    sync, ahead = results
+    aborted_sync, aborted_ahead = sync.pop("g3"), ahead.pop("g3")
+    assert aborted_sync[1] == aborted_ahead[1] == "abort"
+    shorter = min(len(aborted_sync[0]), len(aborted_ahead[0]))
+    assert aborted_sync[0][:shorter] == aborted_ahead[0][:shorter]
+    assert {rid: r[:2] for rid, r in ahead.items()} == {rid: r[:2] for rid, r in sync.items()}
+    assert {reason for _, reason, _ in sync.values()} == {"stop", "length"}

@@ -1,7 +1,8 @@
 """LLMEngine end to end on tiny random models: batching, prefix cache, chunking, KV pressure, hooks.
 
-Every test ends with a leak check (the ``make_engine`` fixture): no request left, every KV block
-free or in the evictable prefix cache, every reference count zero.
+Every test runs twice, with synchronous steps and with decode steps launched ahead (engine.step_ahead),
+and ends with a leak check (the ``make_engine`` fixture): no request left, every KV block free or in the
+evictable prefix cache, every reference count zero.
 """
 
 import random
@@ -32,12 +33,15 @@ def models():
     return get
 
 
-@pytest.fixture
-def make_engine(models):
+@pytest.fixture(params=[False, True], ids=["sync", "ahead"])
+def make_engine(models, request):
+    """Engines stepping synchronously, or launching decode steps ahead (engine.step_ahead): every test
+    runs both ways."""
     engines = []
 
     def make(arch="llama", **overrides):
-        cfg = dict(device="cpu", num_blocks=256, block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
+        cfg = dict(device="cpu", num_blocks=256, block_size=4, max_num_seqs=16, max_num_batched_tokens=64,
+                   overlap_steps=request.param)
         cfg.update(overrides)
         engine = LLMEngine(EngineConfig(**cfg), model=models(arch))
         engines.append(engine)

@@ -1,0 +1,196 @@
+"""Decode steps launched ahead (engine.step_ahead) against synchronous steps, one engine, one GPU.
+
+    bash bench/device_run.sh step-ahead                       # llama3-8b shape, ~4 minutes of device time
+    python3 -m bench.gpu_step_ahead --out DIR [--preset P] [--rounds N] [--serve-rates 2,4,6]
+    python3 -m bench.gpu_step_ahead --out DIR --cpu-check     # the same path on CPU, tiny model
+
+Both configurations run in the same process on the same engine (``LLMEngine.overlap_steps`` switched
+between them), rounds alternated, so host and GPU drift hit both alike:
+
+* **decode**: ``B`` sequences of ``C`` tokens of KV each (reserved and committed as a decode worker
+  receives them), then ``--steps`` decode steps; ms per step is wall time over the steps (a step
+  launched ahead returns before its tokens are read, so one ``step()`` alone is not a step's time),
+  tokens/s and the speed-up of launching ahead. Every CUDA graph is captured before timing.
+* **identity**: greedy and seeded runs of a few prompts stopping by length (the same batches either
+  way) must give the same tokens.
+* **serving** (``--serve-rates``): the engine behind its ``AsyncEngine`` thread (a worker's threading),
+  Poisson arrivals of a mixed workload for ``--serve-seconds`` per rate: prompts log-normal (median
+  2048, 256..8192), outputs uniform 64..384; TTFT and ITL percentiles per rate and configuration.
+
+Writes ``step-ahead-<device>-<date>.json`` and a markdown table to ``--out``; timings never fail it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.gpu_tp import checkpoint
+from engine.async_engine import AsyncEngine
+from engine.engine import EngineConfig, LLMEngine
+from pdserve.app.loadgen.dist import parse_dist
+from pdserve.app.loadgen.stats import percentile
+from pdserve.sampling import SamplingParams
+
+MODES = ("sync", "ahead")
+
+
+def decode_ms(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
+    rng = random.Random(batch * 7919 + context)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    ids = [f"d{batch}-{context}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.reserve(rid, [rng.randrange(3, vocab) for _ in range(context)], params)
+        engine.commit_prefilled(rid, 5)
+    for _ in range(3):  # warm-up (a launched-ahead pipeline is full after two)
+        engine.step()
+    sync_device(engine)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    engine.sync()
+    sync_device(engine)
+    elapsed = time.perf_counter() - t0
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed / steps * 1e3
+
+
+def sync_device(engine: LLMEngine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def identity(engine: LLMEngine) -> dict:
+    rng = random.Random(5)
+    vocab = engine.model_config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (17, 130, 600, 41)]
+    params = [SamplingParams(max_tokens=24 + 6 * i, ignore_eos=True) for i in range(2)]
+    params += [SamplingParams(max_tokens=30, temperature=0.8, top_k=50, seed=i, ignore_eos=True)
+               for i in range(2)]
+    outs = {}
+    for mode in MODES:
+        engine.overlap_steps = mode == "ahead"
+        outs[mode] = engine.generate(prompts, params)
+    same = [a == b for a, b in zip(outs["sync"], outs["ahead"], strict=True)]
+    return {"sequences": len(same), "identical": sum(same)}
+
+
+async def _serve(engine: LLMEngine, rate: float, seconds: float, seed: int) -> dict:
+    driver = AsyncEngine(engine)
+    driver.start()
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    inp, out = parse_dist("lognormal:2048:0.8:256:8192"), parse_dist("uniform:64:384")
+    ttft, itl, errors = [], [], 0
+
+    async def one(i: int, prompt: list[int], n_out: int) -> None:
+        nonlocal errors
+        t0 = time.perf_counter()
+        last = None
+        try:
+            async for step in driver.generate(f"s{seed}-{i}", prompt, SamplingParams(max_tokens=n_out,
+                                                                                      ignore_eos=True)):
+                now = time.perf_counter()
+                if step.new_token_ids:
+                    if last is None:
+                        ttft.append((now - t0) * 1e3)
+                    else:
+                        itl.append((now - last) * 1e3)
+                    last = now
+        except Exception:  # noqa: BLE001 - counted, reported
+            errors += 1
+
+    tasks, t_next, i = [], 0.0, 0
+    start = time.perf_counter()
+    while t_next < seconds:
+        await asyncio.sleep(max(0.0, start + t_next - time.perf_counter()))
+        prompt = [rng.randrange(3, vocab) for _ in range(inp.sample(rng))]
+        tasks.append(asyncio.create_task(one(i, prompt, out.sample(rng))))
+        i += 1
+        t_next += rng.expovariate(rate)
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
+    await driver.stop()
+    return {"rate": rate, "requests": i, "errors": errors, "wall_s": round(wall, 2),
+            **{f"ttft_p{q}_ms": round(percentile(ttft, q), 1) for q in (50, 90, 99)},
+            **{f"itl_p{q}_ms": round(percentile(itl, q), 2) for q in (50, 90, 99)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--models", default="/tmp/pdserve-models")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--serve-rates", default="", help="req/s points of the serving comparison, e.g. 2,4,6")
+    ap.add_argument("--serve-seconds", type=float, default=15.0)
+    ap.add_argument("--cpu-check", action="store_true", help="tiny model on CPU, small shapes")
+    args = ap.parse_args()
+    cpu = args.cpu_check or not torch.cuda.is_available()
+    preset = "tiny" if cpu else args.preset
+    batches = [1, 4] if cpu else [int(b) for b in args.batches.split(",")]
+    contexts = [64] if cpu else [int(c) for c in args.contexts.split(",")]
+    steps = 8 if cpu else args.steps
+    path = checkpoint(preset, Path(args.models))
+    blocks = max(batches) * (max(contexts) // 16 + 4) + 512
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu" if cpu else "cuda", num_blocks=blocks,
+                                    max_num_seqs=max(batches), overlap_steps=True))
+    while engine.has_idle_work():  # every decode graph before timing
+        engine.idle_work()
+    result: dict = {"preset": preset, "device": "cpu" if cpu else torch.cuda.get_device_name(0),
+                    "date": dt.date.today().isoformat(),
+                    "command": os.environ.get("PDSERVE_BENCH_COMMAND", ""),
+                    "steps": steps, "rounds": args.rounds,
+                    "identity": identity(engine), "decode": [], "serving": []}
+    print(f"identity (greedy + seeded, stopping by length): {result['identity']}", flush=True)
+    times: dict = {}
+    for r in range(args.rounds):
+        order = MODES if r % 2 == 0 else MODES[::-1]
+        for context in contexts:
+            for batch in batches:
+                for mode in order:
+                    engine.overlap_steps = mode == "ahead"
+                    ms = decode_ms(engine, batch, context, steps)
+                    times.setdefault((batch, context), {}).setdefault(mode, []).append(ms)
+    print("\n| batch x context | sync ms/step | ahead ms/step | speed-up | ahead tok/s |")
+    print("|---|---|---|---|---|")
+    for (batch, context), by in times.items():
+        s, a = statistics.median(by["sync"]), statistics.median(by["ahead"])
+        row = {"batch": batch, "context": context, "sync_ms": round(s, 3), "ahead_ms": round(a, 3),
+               "speedup": round(s / a, 3), "ahead_tok_s": round(batch / a * 1e3), "rounds_ms": by}
+        result["decode"].append(row)
+        print(f"| {batch} x {context} | {s:.2f} | {a:.2f} | {s / a:.3f}x | {row['ahead_tok_s']} |",
+              flush=True)
+    for rate in [float(x) for x in args.serve_rates.split(",") if x]:
+        for mode in MODES:
+            engine.overlap_steps = mode == "ahead"
+            point = asyncio.run(_serve(engine, rate, args.serve_seconds, seed=int(rate * 100)))
+            point["mode"] = mode
+            result["serving"].append(point)
+            print(f"serving {rate:g} req/s {mode}: {point}", flush=True)
+    assert engine.leak_report() is None, engine.leak_report()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"step-ahead-{'cpu' if cpu else 'gpu'}-{result['date']}.json"
+    (out / name).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out / name}")
+
+
+if __name__ == "__main__":
+    main()
