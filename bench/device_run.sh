@@ -30,7 +30,7 @@
 #              threads vs on the event loop (bench.lane_staging_probe; the one-GPU stand-in for kv-concurrency)
 #   staging    the TCP path's staging copies alone and beside a loopback socket blast (bench.staging_probe)
 #   step-ahead decode steps launched ahead vs synchronous, one engine, llama3-8b: decode b1..b64 x 1k/4k,
-#              token identity, and a colocated serving mix at 2/4/6 req/s (bench.gpu_step_ahead)
+#              token identity, and a colocated serving mix at 2/4/6/8 req/s (bench.gpu_step_ahead)
 # With no step named it runs smoke, tests and bench (several minutes).
 # Everything worth keeping goes to $OUT (logs, JSON, the compiled JIT kernels as one .tar.xz).
 set -uo pipefail
@@ -153,7 +153,7 @@ from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve
               rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         lane-staging) python3 -m bench.lane_staging_probe --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/lane-staging.log"
                       rc=$(( rc | ${PIPESTATUS[0]} )) ;;
-        step-ahead) python3 -m bench.gpu_step_ahead --out "$OUT" --serve-rates 2,4,6 "${extra[@]}" 2>&1 \
+        step-ahead) python3 -m bench.gpu_step_ahead --out "$OUT" --serve-rates 2,4,6,8 "${extra[@]}" 2>&1 \
             | tee "$OUT/step-ahead.log"; rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         staging) python3 -m bench.staging_probe --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/staging.log"
                  rc=$(( rc | ${PIPESTATUS[0]} )) ;;

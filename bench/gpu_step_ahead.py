@@ -15,7 +15,8 @@ between them), rounds alternated, so host and GPU drift hit both alike:
   way) must give the same tokens.
 * **serving** (``--serve-rates``): the engine behind its ``AsyncEngine`` thread (a worker's threading),
   Poisson arrivals of a mixed workload for ``--serve-seconds`` per rate: prompts log-normal (median
-  2048, 256..8192), outputs uniform 64..384; TTFT and ITL percentiles per rate and configuration.
+  2048, 256..8192), outputs uniform 64..384, the same arrivals and prompts for both configurations;
+  TTFT and ITL percentiles per rate and configuration. The prefix cache is off throughout.
 
 Writes ``step-ahead-<device>-<date>.json`` and a markdown table to ``--out``; timings never fail it.
 """
@@ -138,7 +139,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--serve-rates", default="", help="req/s points of the serving comparison, e.g. 2,4,6")
+    ap.add_argument("--serve-rates", default="", help="req/s points of the serving comparison, e.g. 2,4,6,8")
     ap.add_argument("--serve-seconds", type=float, default=15.0)
     ap.add_argument("--cpu-check", action="store_true", help="tiny model on CPU, small shapes")
     args = ap.parse_args()
@@ -149,8 +150,11 @@ def main() -> None:
     steps = 8 if cpu else args.steps
     path = checkpoint(preset, Path(args.models))
     blocks = max(batches) * (max(contexts) // 16 + 4) + 512
+    # No prefix cache: both configurations run the same prompts, and the second must not find the first's
+    # KV (its prefill would then compute less, and in other chunks: other bf16 roundings, other tokens).
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu" if cpu else "cuda", num_blocks=blocks,
-                                    max_num_seqs=max(batches), overlap_steps=True))
+                                    max_num_seqs=max(batches), overlap_steps=True,
+                                    enable_prefix_caching=False))
     while engine.has_idle_work():  # every decode graph before timing
         engine.idle_work()
     result: dict = {"preset": preset, "device": "cpu" if cpu else torch.cuda.get_device_name(0),
