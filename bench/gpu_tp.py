@@ -2,6 +2,7 @@
 
     python -m bench.gpu_tp                       # 2 GPUs: llama3-8b at TP 1 and 2, llama3-70b-short at TP 2
     python -m bench.gpu_tp --cpu-check           # the same path on CPU (gloo), tiny model, small shapes
+    python -m bench.gpu_tp --ahead               # each decode row synchronous and launched ahead
     python -m bench.gpu_tp --serving             # 2 GPUs: 1P(TP1) -> 1D(TP1) vs one TP-2 colocated worker
     python -m bench.gpu_tp --serving --cpu-check # the serving comparison on CPU (bench/tp_serving.py)
 
@@ -13,7 +14,11 @@ as ``pdserve serve --tensor-parallel-size N`` runs them) is timed through the en
 * ``prefill``: median ms of one ``--prefill`` token prompt in one step;
 * ``decode_b{B}_profile`` (``--profile``): the step's host phases and GPU kernels (bench/tp_profile.py);
 * ``greedy``: 16 greedy tokens of 4 prompts, compared with TP 1's (bf16 sums in another order may
-  legitimately flip a near tie; the table reports how many sequences match exactly).
+  legitimately flip a near tie; the table reports how many sequences match exactly);
+* ``--ahead``: each decode row twice, with synchronous steps (``decode_b{B}_ms``) and with steps launched
+  ahead (``decode_b{B}_ahead_ms``, engine.step_ahead; under TP every rank then receives rank 0's sampled
+  ids), and ``greedy_ahead_same``: the greedy tokens launched ahead equal the synchronous ones. Without it
+  each run uses the engine's default (launched ahead on CUDA at TP 1 only).
 
 Each time is reported next to its bound on this rank's share of the work (decode: weight + KV bytes
 over the measured copy bandwidth; prefill: linear-layer FLOPs over the measured bf16 matmul rate)
@@ -150,16 +155,26 @@ def run_one(preset: str, size: int, args, ceil: dict, reference: dict) -> dict:
     try:
         rng = random.Random(0)
         prompts = [_prompt(rng, 24 + 8 * i, cfg.vocab_size) for i in range(GREEDY_PROMPTS)]
-        row["greedy"] = engine.generate(prompts, SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True))
+        greedy = SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)
+        modes = (False, True) if args.ahead else (engine.overlap_steps,)
+        engine.overlap_steps = modes[0]
+        row["greedy"] = engine.generate(prompts, greedy)
+        row["overlap_steps"] = list(modes)
+        if args.ahead:  # the same batches either way: the tokens must be the same
+            engine.overlap_steps = True
+            row["greedy_ahead_same"] = engine.generate(prompts, greedy) == row["greedy"]
         for b in batches:
-            prof = {} if args.profile else None
-            trace = Path(args.out) / f"trace-{preset}-tp{size}-b{b}.json.gz" if args.profile else None
-            row[f"decode_b{b}_ms"] = decode_ms(engine, b, args.context, args.steps, prof, trace)
-            if prof:
-                from bench.tp_profile import describe
+            for ahead in modes:  # alternated per batch size, synchronous first
+                engine.overlap_steps = ahead
+                key = f"decode_b{b}" + ("_ahead" if args.ahead and ahead else "")
+                prof = {} if args.profile else None
+                trace = Path(args.out) / f"trace-{preset}-tp{size}-{key}.json.gz" if args.profile else None
+                row[f"{key}_ms"] = decode_ms(engine, b, args.context, args.steps, prof, trace)
+                if prof:
+                    from bench.tp_profile import describe
 
-                row[f"decode_b{b}_profile"] = prof
-                print(f"  decode b{b}: {describe(prof)}", flush=True)
+                    row[f"{key}_profile"] = prof
+                    print(f"  {key}: {describe(prof)}", flush=True)
             row[f"decode_b{b}_bound_ms"] = bounds(cfg, size, ceil, batch=b, context=args.context,
                                                   prefill=args.prefill).get("decode_ms")
         row["prefill_ms"] = prefill_ms(engine, args.prefill)
@@ -202,6 +217,9 @@ def main() -> None:
     ap.add_argument("--cpu-check", action="store_true", help="tiny model on CPU (gloo), small shapes")
     ap.add_argument("--profile", action="store_true",
                     help="profile each decode batch too: host phases, kernels by group (bench/tp_profile.py)")
+    ap.add_argument("--ahead", action="store_true",
+                    help="decode with steps launched ahead (engine.step_ahead) beside synchronous steps, "
+                         "every run: decode_b{B}_ahead_ms next to decode_b{B}_ms, and greedy_ahead_same")
     ap.add_argument("--serving", action="store_true",
                     help="1P(TP1) -> 1D(TP1) vs one TP-2 colocated worker under the log-normal workload")
     args = ap.parse_args()

@@ -27,15 +27,25 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.engine_types import EngineConfig, Reservation, StepOutput
-from engine.errors import DuplicateRequest, KVCacheFull, QueueFull, RequestTooLong, UnknownRequest
+from engine.errors import DuplicateRequest, KVCacheFull, QueueFull, UnknownRequest
 from engine.kv_layout import KVLayout, dtype_name
 from engine.layer_sink import LayerSink
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
+from engine.request_checks import checked_prompt
 from engine.sampler import advance_generator, make_generator
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, Status
-from engine.step_ahead import PLACEHOLDER, InFlight, ahead_batch, continues, goes_ahead, prev_tokens
+from engine.step_ahead import (
+    PLACEHOLDER,
+    InFlight,
+    ahead_batch,
+    continues,
+    goes_ahead,
+    overlap_by_default,
+    prev_tokens,
+)
+from engine.stopping import append_token
 from engine.tp_group import TPGroup
 from engine.tp_plan import send_stop
 from engine.tp_worker import agree_num_blocks, load_model, rank_layout, tp_fingerprint
@@ -45,7 +55,6 @@ from pdserve.sampling import SamplingParams
 __all__ = ["EngineConfig", "LLMEngine", "Reservation", "StepOutput"]
 
 log = logging.getLogger(__name__)
-_DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 @dataclass
@@ -84,7 +93,8 @@ class LLMEngine:
         self.rank_kv_layout = rank_layout(self.kv_layout, model)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
-        num_blocks = self._num_blocks() if tp is None else agree_num_blocks(tp, self._num_blocks())
+        mine = config.kv_blocks(self.rank_kv_layout.cache_bytes(1), self.device, self.max_model_len)
+        num_blocks = mine if tp is None else agree_num_blocks(tp, mine)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
@@ -98,7 +108,7 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # outputs decided outside step() (abort, commit)
         self._inflight: InFlight | None = None  # a decode step launched, tokens not read (step_ahead)
-        self.overlap_steps = _overlap_steps(config, self.device, tp)
+        self.overlap_steps = overlap_by_default(config.overlap_steps, self.device, tp)
         self._arrivals = 0
         self.stats = _Counters()
         self._closed = False
@@ -198,7 +208,7 @@ class LLMEngine:
         self.scheduler.commit_reserved(seq)
         if seq.generator is not None:  # the prefill worker drew the first token from this seed
             advance_generator(seq.generator, self.model_config.vocab_size)
-        self._append_token(seq, int(first_token_id))
+        self._append(seq, int(first_token_id))
         if seq.finish_reason is not None:
             self._pending.append(self._finish(seq, []))
 
@@ -269,7 +279,8 @@ class LLMEngine:
         """Launch a decode step without reading its tokens; KV counts as computed, prefix-cache blocks
         are registered when it is read (its input tokens may still be placeholders)."""
         self._count(batch)
-        launched = self.runner.launch(batch, prev_tokens(prev, batch) if prev is not None else None)
+        launched = self.runner.launch(batch, prev_tokens(prev, batch) if prev is not None else None,
+                                      feeds_next=True)
         for s in batch:
             s.seq.num_computed += 1
         return InFlight(launched=launched, seqs=[s.seq for s in batch],
@@ -317,7 +328,7 @@ class LLMEngine:
                 outputs.append(self._output(seq, [token], lps, block_ids=list(seq.block_table),
                                             first_scheduled_at=seq.first_scheduled_at))
                 continue
-            self._append_token(seq, token)
+            self._append(seq, token)
             if register:
                 writing = self._inflight is not None and self._inflight.holds(seq)
                 self.scheduler.register_computed(seq, seq.num_computed - writing)
@@ -366,27 +377,10 @@ class LLMEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise DuplicateRequest(f"request id {request_id!r} is already in use")
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(prompt) >= self.max_model_len:
-            raise RequestTooLong(f"prompt of {len(prompt)} tokens does not fit the model's context of "
-                                 f"{self.max_model_len} tokens (at least one token must be generated)")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model directory has no tokenizer.json")
-        if params.seed_draws >= self.max_model_len:  # a longer skip is no stream this request resumes
-            raise ValueError(f"seed_draws {params.seed_draws} must be below the context of "
-                             f"{self.max_model_len}")
-        total = min(len(prompt) + (1 if prefill_only else params.max_tokens), self.max_model_len)
-        need = self.scheduler.blocks_for(total)
-        if need > self.num_total_blocks:
-            raise RequestTooLong(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs "
-                                 f"{need} KV blocks of {self.config.block_size} tokens; the cache has only "
-                                 f"{self.num_total_blocks}")
+        prompt = checked_prompt(prompt_ids, params, vocab_size=self.model_config.vocab_size,
+                                max_model_len=self.max_model_len, has_tokenizer=self.tokenizer is not None,
+                                block_size=self.config.block_size, total_blocks=self.num_total_blocks,
+                                prefill_only=prefill_only)
         self._arrivals += 1
         seq = Sequence(request_id, prompt, params, arrival=self._arrivals, prefill_only=prefill_only)
         if params.seed is not None and not params.greedy:
@@ -406,35 +400,8 @@ class LLMEngine:
         self._requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
-        """Add a generated token (into its placeholder when a step launched ahead already holds its place)
-        and decide whether the request is finished (sets finish_reason)."""
-        if seq.pending_slot is None:
-            seq.tokens.append(token)
-            count = seq.num_tokens
-        else:
-            count = seq.pending_slot + 1
-            seq.tokens[seq.pending_slot] = token
-            seq.pending_slot = None
-        p = seq.params
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif seq.decoder is not None and self._hit_stop_string(seq, seq.decoder.push(token)):
-            seq.finish_reason = "stop"
-        elif count - seq.num_prompt_tokens >= p.max_tokens or count >= self.max_model_len:
-            seq.finish_reason = "length"
-
-    @staticmethod
-    def _hit_stop_string(seq: Sequence, delta: str) -> bool:
-        if not delta:
-            return False
-        start = max(0, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)
-        seq.text += delta
-        hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
-        if hits:
-            seq.text = seq.text[:min(hits)]
-            return True
-        return False
+    def _append(self, seq: Sequence, token: int) -> None:
+        append_token(seq, token, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
 
     def _finish(self, seq: Sequence, new_tokens: list[int], lps=None) -> StepOutput:
         self._requests.pop(seq.request_id, None)
@@ -462,24 +429,6 @@ class LLMEngine:
                           num_cached_tokens=seq.num_cached_tokens, error=seq.error, text=text,
                           block_ids=block_ids, first_scheduled_at=first_scheduled_at)
 
-    def _num_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_blocks is not None:
-            return cfg.num_blocks
-        per_block = self.rank_kv_layout.cache_bytes(1)
-        if cfg.kv_cache_bytes is not None:
-            budget = cfg.kv_cache_bytes
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - (1 - cfg.gpu_memory_utilization) * total)
-        else:
-            want = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) * per_block
-            budget = min(want, _DEFAULT_CPU_KV_BYTES)
-        blocks = budget // per_block
-        if blocks < 1:
-            raise KVCacheFull(f"no memory left for the KV cache ({budget} bytes for blocks of {per_block})")
-        return int(blocks)
-
     def request_states(self) -> dict[str, str]:
         """Every request this engine holds, by id: waiting / running / reserved / pinned. A worker
         compares it with what it tracks itself (e.g. the decode lease table) to name lost requests."""
@@ -502,21 +451,6 @@ def _abort_sink(seq: Sequence, reason: str) -> None:
     if seq.layer_sink is not None:
         sink, seq.layer_sink = seq.layer_sink, None
         sink.abort(reason)
-
-
-def _overlap_steps(config: EngineConfig, device: torch.device, tp: TPGroup | None) -> bool:
-    """Decode steps launched ahead (engine.step_ahead): ``EngineConfig.overlap_steps``, else
-    ``PDSERVE_OVERLAP_STEPS``, else on CUDA (on CPU a launch computes the step, so nothing overlaps).
-    Never under tensor parallelism."""
-    from pdserve.settings import overlap_steps
-
-    want = config.overlap_steps if config.overlap_steps is not None else overlap_steps()
-    if want is None:
-        want = device.type == "cuda"
-    if want and tp is not None:
-        log.info("decode steps are not launched ahead under tensor parallelism")
-        return False
-    return want
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

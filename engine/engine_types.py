@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.errors import KVCacheFull
 from engine.kv_layout import dtype_name
 from engine.model_runner import TokenLogprob
+
+DEFAULT_CPU_KV_BYTES = 1 << 30  # a CPU engine's cache without num_blocks / kv_cache_bytes: at most this
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,8 +44,27 @@ class EngineConfig:
     # never runs a decode step, turns them off
     cuda_graphs: bool = True
     # decode steps launched before the previous one's tokens are read (engine.step_ahead). None:
-    # PDSERVE_OVERLAP_STEPS, else on CUDA; never under tensor parallelism
+    # PDSERVE_OVERLAP_STEPS, else on CUDA at tensor parallel size 1
     overlap_steps: bool | None = None
+
+    def kv_blocks(self, per_block: int, device, max_model_len: int) -> int:
+        """How many KV blocks of ``per_block`` bytes this rank's cache holds (see the class docstring)."""
+        import torch
+
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.kv_cache_bytes is not None:
+            budget = self.kv_cache_bytes
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(free - (1 - self.gpu_memory_utilization) * total)
+        else:
+            want = self.max_num_seqs * -(-max_model_len // self.block_size) * per_block
+            budget = min(want, DEFAULT_CPU_KV_BYTES)
+        blocks = budget // per_block
+        if blocks < 1:
+            raise KVCacheFull(f"no memory left for the KV cache ({budget} bytes for blocks of {per_block})")
+        return int(blocks)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue"):

@@ -36,7 +36,7 @@ from engine.model import CausalLM
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
 from engine.staging import to_device
-from engine.tp_plan import FLAG_GRAPH, StepPlan, send_step
+from engine.tp_plan import FLAG_GRAPH, FLAG_TOKENS, StepPlan, send_step
 from pdserve.process_stats import BOOT
 
 
@@ -154,6 +154,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed=seed)
         self.cuda_graphs = None  # engine.cuda_graphs.DecodeGraphRunner once enable_cuda_graphs() captured
         self._staged: torch.cuda.Event | None = None  # the last launch's copies queued (_mark_staged)
+        self._fed: torch.Tensor | None = None  # a follower rank: rank 0's last shared sampled ids
 
     def enable_cuda_graphs(self, *, max_batch: int, max_model_len: int) -> None:
         """Capture decode CUDA graphs when the backend can be captured on CUDA (see engine.cuda_graphs).
@@ -183,19 +184,18 @@ class ModelRunner:
         return self.launch(batch).result()
 
     @torch.inference_mode()
-    def launch(self, batch: list[ScheduledSeq], prev: PrevTokens | None = None) -> LaunchedStep:
+    def launch(self, batch: list[ScheduledSeq], prev: PrevTokens | None = None, *,
+               feeds_next: bool = False) -> LaunchedStep:
         """Queue ``batch``'s forward and sampling on the device and return without waiting for them;
         ``result()`` of the returned step reads its tokens. ``prev``: rows whose input token is a token
         the step launched before this one sampled, still on the device (engine.step_ahead); their host
-        ids are placeholders."""
-        if self._staged is not None:  # the last launch's host->device copies have left its staging
-            self._staged.synchronize()
+        ids are placeholders. ``feeds_next``: the next step may take its input from this one's sampled
+        ids (under tensor parallelism every rank then receives them, ``engine.tp_plan``)."""
+        self._wait_staged()
         input_ids: list[int] = []
         for s in batch:
             input_ids.extend(s.seq.tokens[s.context_len:s.context_len + s.num_tokens])
         if prev is not None:
-            if self.tp is not None:
-                raise RuntimeError("a step launched from device tokens has no plan for the other TP ranks")
             for row in prev.dst:
                 input_ids[row] = 0
         spec = BatchSpec(query_lens=[s.num_tokens for s in batch],
@@ -207,8 +207,9 @@ class ModelRunner:
         replay = after_layer is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(spec)
         sent = None
         if self.tp is not None:  # the other ranks replay their graph exactly when this one does
-            sent = send_step(self.tp, StepPlan(input_ids=input_ids, spec=spec, rows=rows,
-                                               flags=FLAG_GRAPH if replay else 0))
+            flags = (FLAG_GRAPH if replay else 0) | (FLAG_TOKENS if feeds_next else 0)
+            fed = {"fed_dst": prev.dst, "fed_src": prev.src} if prev is not None else {}
+            sent = send_step(self.tp, StepPlan(input_ids=input_ids, spec=spec, rows=rows, flags=flags, **fed))
         t0 = time.monotonic()
         throttle = (launch_throttle(self.launch_ahead_layers)
                     if self.launch_ahead_layers and len(input_ids) >= LAUNCH_THROTTLE_MIN_TOKENS else None)
@@ -235,9 +236,15 @@ class ModelRunner:
             logits = self.model.compute_logits(self._rows(hidden, rows))
             out = self.sampler(logits, [s.seq.params for s in samplers],
                                [s.seq.generator for s in samplers])
+            if feeds_next and self.tp is not None:
+                self.tp.broadcast(out.token_ids)  # the other ranks' input for the next step
             step.take(out)
         step.launched_at = time.monotonic()
         return step
+
+    def _wait_staged(self) -> None:
+        if self._staged is not None:  # the last launch's host->device copies have left its staging
+            self._staged.synchronize()
 
     def _mark_staged(self) -> None:
         """Record that this step's host->device copies are queued. The pinned staging they read (the
@@ -255,17 +262,32 @@ class ModelRunner:
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> None:
         """A non-zero rank's share of rank 0's step: the same forward (a replay of the same bucket's graph
-        when rank 0 replays one: their all-reduces must match in size), then the logits gather."""
+        when rank 0 replays one: their all-reduces must match in size), then the logits gather, then
+        (``FLAG_TOKENS``) rank 0's sampled ids, kept for the next plan's ``fed_dst`` rows."""
+        self._wait_staged()
+        patch = None
+        if plan.fed_dst:
+            if self._fed is None:
+                raise RuntimeError("rank 0 feeds this step from sampled ids this rank never received")
+            patch = PrevTokens(tokens=self._fed, dst=list(plan.fed_dst), src=list(plan.fed_src)).patch
         if plan.flags & FLAG_GRAPH:
             if self.cuda_graphs is None:
                 raise RuntimeError("rank 0 replays a decode CUDA graph but this rank captured none "
                                    "(PDSERVE_TP_CUDA_GRAPHS / PDSERVE_CUDA_GRAPHS differ between ranks?)")
-            hidden = self.cuda_graphs.run(plan.input_ids, plan.spec)
+            graph = self.cuda_graphs.stage(plan.input_ids, plan.spec, patch)
+            self._mark_staged()
+            hidden = self.cuda_graphs.replay(graph, plan.spec.num_seqs)
         else:
             meta = self.backend.plan(plan.spec)
-            hidden = self.model(self._to_device(plan.input_ids), meta.positions, self.kv_cache, meta)
+            ids = self._to_device(plan.input_ids)
+            if patch is not None:
+                patch(ids)
+            self._mark_staged()
+            hidden = self.model(ids, meta.positions, self.kv_cache, meta)
         if plan.rows:
             self.model.compute_logits(self._rows(hidden, plan.rows))
+        if plan.flags & FLAG_TOKENS:
+            self._fed = self.tp.broadcast(torch.empty(len(plan.rows), dtype=torch.int64, device=self.device))
 
 
 def tp_graphs() -> bool:

@@ -27,18 +27,24 @@ What it costs, and the rules that keep it exact:
   could be handed to a transfer while the step still writes it.
 * Placeholders exist only inside ``step()``: between calls every token of every sequence is real.
   Prefix-cache blocks are registered when the step is read, never over a placeholder.
-* Tensor parallelism runs synchronously: the other ranks take their input ids from rank 0's plan,
-  which would need the sampled ids too. Prefill-only requests and steps with a layer sink never go
-  ahead (a prefill worker steps synchronously).
+* Tensor parallelism: every rank receives rank 0's sampled ids of a launched step (a broadcast on the
+  device after the logits gather) and patches the next step's input rows from them as rank 0 does; the
+  plan names those rows (engine.tp_plan ``FLAG_TOKENS``, ``fed_dst``/``fed_src``). Off by default under
+  TP until it has run on NCCL ranks (``overlap_by_default``).
+* Prefill-only requests and steps with a layer sink never go ahead (a prefill worker steps
+  synchronously).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.model_runner import LaunchedStep, PrevTokens
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
+from engine.tp_group import TPGroup
 
 PLACEHOLDER = -1  # a token a launched step has not returned yet (only ever inside LLMEngine.step)
 
@@ -104,3 +110,16 @@ def prev_tokens(flight: InFlight, batch: list[ScheduledSeq]) -> PrevTokens | Non
     if not dst:
         return None
     return PrevTokens(tokens=flight.launched.token_ids, dst=dst, src=src)
+
+
+def overlap_by_default(configured: bool | None, device: torch.device, tp: TPGroup | None) -> bool:
+    """Whether an engine launches decode steps ahead: ``EngineConfig.overlap_steps``, else
+    ``PDSERVE_OVERLAP_STEPS``, else on CUDA at tensor parallel size 1 (on CPU a launch computes the step,
+    so nothing overlaps; under TP it is on only when asked for: it has run on CPU ranks, not yet on NCCL
+    ones)."""
+    from pdserve.settings import overlap_steps
+
+    want = configured if configured is not None else overlap_steps()
+    if want is None:
+        want = device.type == "cuda" and tp is None
+    return want

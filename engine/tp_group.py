@@ -55,6 +55,13 @@ class TPGroup:
         self.data.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``x`` into ``x`` on every rank (the data group: on the device with NCCL)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.data.broadcast([x], opts).wait()
+        return x
+
     # ---- control (CPU, gloo) --------------------------------------------------------------------
     def broadcast_cpu(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s CPU tensor into ``x`` on every rank (same shape and dtype everywhere)."""

@@ -315,7 +315,8 @@ def env_switch(name: str, default: bool = True) -> bool:
 
 def overlap_steps() -> bool | None:
     """``PDSERVE_OVERLAP_STEPS``: ``1`` launches decode steps before the previous one's tokens are read
-    (engine.step_ahead) even on CPU, ``0`` never; unset: None (the engine's default: on CUDA)."""
+    (engine.step_ahead) everywhere (CPU, tensor parallelism), ``0`` never; unset: None (the engine's
+    default: on CUDA at tensor parallel size 1)."""
     raw = os.environ.get("PDSERVE_OVERLAP_STEPS", "")
     return None if raw == "" else raw != "0"
 

@@ -137,9 +137,9 @@ def _drive(eng: LLMEngine, requests: dict, *, late: set[str] = frozenset(), abor
 
 def _counting(launch, fed: list[bool]):
     """``ModelRunner.launch`` noting whether each step took input ids from the step before (PrevTokens)."""
-    def counted(batch, prev=None):
+    def counted(batch, prev=None, **kw):
         fed.append(prev is not None)
-        return launch(batch, prev)
+        return launch(batch, prev, **kw)
     return counted
 
 

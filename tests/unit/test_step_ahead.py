@@ -59,7 +59,7 @@ class Launches:
         self.total = self.ahead = self.identity = 0
         launch = engine.runner.launch
 
-        def counted(batch, prev=None):
+        def counted(batch, prev=None, **kw):
             self.total += 1
             if prev is not None:
                 self.ahead += 1
@@ -69,7 +69,7 @@ class Launches:
                         assert row in prev.dst
             else:
                 assert all(PLACEHOLDER not in s.seq.tokens for s in batch)
-            return launch(batch, prev)
+            return launch(batch, prev, **kw)
 
         engine.runner.launch = counted
 

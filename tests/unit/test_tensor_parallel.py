@@ -152,6 +152,38 @@ def test_tp_engine_greedy_matches_tp1_and_transformers(make_checkpoint, name):
         assert follower_steps == [steps] * (size - 1)
 
 
+def test_tp_engine_steps_launched_ahead_match_tp1(make_checkpoint):
+    """Decode steps launched ahead under TP (engine.step_ahead, engine.tp_plan FLAG_TOKENS): every rank
+    receives rank 0's sampled ids and feeds the next step from them; greedy tokens with stops read one step
+    late and seeded tokens equal a synchronous TP 1 engine's, and every rank ran the same steps."""
+    path = make_checkpoint(**MODELS["llama-gqa"])
+    base = dict(model=str(path), device="cpu", num_blocks=96, block_size=BLOCK, max_num_seqs=4,
+                max_num_batched_tokens=24)
+    prompts = _prompts(5)
+    ref_engine = LLMEngine(EngineConfig(**base, overlap_steps=False))
+    free = ref_engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    params = [SamplingParams(max_tokens=12, stop_token_ids=[out[5]]) for out in free[:3]]
+    params += [SamplingParams(max_tokens=10, temperature=0.9, seed=i, ignore_eos=True) for i in range(2)]
+    ref = ref_engine.generate(prompts, params)
+    assert any(len(r) < 12 for r in ref[:3])
+    fed = []
+
+    def body(engine):
+        launch = engine.runner.launch
+
+        def counted(batch, prev=None, **kw):
+            fed.append(prev is not None)
+            return launch(batch, prev, **kw)
+
+        engine.runner.launch = counted
+        assert engine.overlap_steps
+        return engine.generate(prompts, params)
+
+    got, follower_steps, steps = tp_engine_run(2, EngineConfig(**base, overlap_steps=True), body)
+    assert got == ref
+    assert sum(fed) > 5 and follower_steps == [steps]
+
+
 def test_tp_engine_kv_cache_holds_the_ranks_heads(make_checkpoint):
     config = EngineConfig(model=str(make_checkpoint("llama")), device="cpu", num_blocks=32, block_size=BLOCK)
 
@@ -214,9 +246,10 @@ def test_step_plans_posted_back_to_back_arrive_in_order_on_every_follower() -> N
         tables = [[rng.randrange(10_000) for _ in range(rng.randint(1, 300))] for _ in range(seqs)]
         spec = BatchSpec(query_lens=qlens, context_lens=[rng.randint(0, 4000) for _ in range(seqs)],
                          block_tables=tables)
+        fed = sorted(rng.sample(range(seqs), rng.randint(0, seqs)))
         plans.append(StepPlan(input_ids=[rng.randrange(32_000) for _ in range(sum(qlens))], spec=spec,
                               rows=sorted(rng.sample(range(sum(qlens)), min(seqs, sum(qlens)))),
-                              flags=rng.randint(0, 1)))
+                              flags=rng.randint(0, 3), fed_dst=fed, fed_src=[rng.randrange(64) for _ in fed]))
 
     def rank(group):
         if group.rank == 0:
@@ -234,6 +267,7 @@ def test_step_plans_posted_back_to_back_arrive_in_order_on_every_follower() -> N
         assert len(got) == len(plans)
         for want, plan in zip(plans, got, strict=True):
             assert (plan.input_ids, plan.rows, plan.flags) == (want.input_ids, want.rows, want.flags)
+            assert (plan.fed_dst, plan.fed_src) == (want.fed_dst, want.fed_src)
             assert (plan.spec.query_lens, plan.spec.context_lens) == (want.spec.query_lens,
                                                                         want.spec.context_lens)
             assert [list(t) for t in plan.spec.block_tables] == want.spec.block_tables
