@@ -36,19 +36,11 @@ from engine.request_checks import checked_prompt
 from engine.sampler import advance_generator, make_generator
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, Status
-from engine.step_ahead import (
-    PLACEHOLDER,
-    InFlight,
-    ahead_batch,
-    continues,
-    goes_ahead,
-    overlap_by_default,
-    prev_tokens,
-)
+from engine.step_ahead import InFlight, LaunchAhead, goes_ahead, overlap_by_default
 from engine.stopping import append_token
 from engine.tp_group import TPGroup
 from engine.tp_plan import send_stop
-from engine.tp_worker import agree_num_blocks, load_model, rank_layout, tp_fingerprint
+from engine.tp_worker import agree_num_blocks, load_model, model_fingerprint, rank_layout
 from engine.tp_worker import resolve_device as _resolve_device
 from pdserve.sampling import SamplingParams
 
@@ -66,7 +58,7 @@ class _Counters:
     finish_reasons: dict = field(default_factory=dict)
 
 
-class LLMEngine:
+class LLMEngine(LaunchAhead):
     def __init__(self, config: EngineConfig, *, model: CausalLM | None = None, tokenizer=None,
                  tp: TPGroup | None = None) -> None:
         self.config = config
@@ -89,7 +81,7 @@ class LLMEngine:
         cfg = self.model_config
         self.kv_layout = KVLayout.for_model(cfg, block_size=config.block_size, dtype=dtype,
                                             memory=self.device.type,
-                                            model_fingerprint=_model_fingerprint(cfg, model))
+                                            model_fingerprint=model_fingerprint(model))
         self.rank_kv_layout = rank_layout(self.kv_layout, model)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
@@ -238,12 +230,12 @@ class LLMEngine:
         if self._inflight is not None:
             flight, self._inflight = self._inflight, None
             self._inflight = self._launch_ahead(flight)
-            return outputs + self._read(flight)
+            outputs += self._read(flight)
+            outputs += self._pending
+            self._pending = []
+            return outputs
         sched = self.scheduler.schedule()
-        for seq in sched.rejected:
-            self._requests.pop(seq.request_id, None)
-            _abort_sink(seq, f"rejected: {seq.error}")
-            outputs.append(self._output(seq, [], None))
+        outputs += self._rejected(sched)
         if not sched.scheduled:
             return outputs
         self.stats.preemptions += sched.num_preempted
@@ -261,56 +253,20 @@ class LLMEngine:
                 s.seq.layer_sink = None  # every layer was reported (model_runner): its job is done
         return outputs + self._take_tokens(sampled, tokens, logprobs)
 
-    def sync(self) -> list[StepOutput]:
-        """Wait for a step launched ahead and take its tokens (outputs of requests still held); a no-op
-        without one. ``engine.async_engine`` calls it on shutdown so every deferred block comes back."""
-        if self._inflight is None:
-            return []
-        flight, self._inflight = self._inflight, None
-        return self._read(flight)
+    def _rejected(self, sched) -> list[StepOutput]:
+        """Final outputs of the requests the scheduler rejected (they can never fit)."""
+        outputs = []
+        for seq in sched.rejected:
+            self._requests.pop(seq.request_id, None)
+            _abort_sink(seq, f"rejected: {seq.error}")
+            outputs.append(self._output(seq, [], None))
+        return outputs
 
     def _count(self, batch: list[ScheduledSeq]) -> None:
         self.stats.steps += 1
         for s in batch:
             if s.num_tokens > 1 or s.context_len < s.seq.num_prompt_tokens:
                 self.stats.prompt_tokens += s.num_tokens
-
-    def _launch(self, batch: list[ScheduledSeq], prev: InFlight | None) -> InFlight:
-        """Launch a decode step without reading its tokens; KV counts as computed, prefix-cache blocks
-        are registered when it is read (its input tokens may still be placeholders)."""
-        self._count(batch)
-        launched = self.runner.launch(batch, prev_tokens(prev, batch) if prev is not None else None,
-                                      feeds_next=True)
-        for s in batch:
-            s.seq.num_computed += 1
-        return InFlight(launched=launched, seqs=[s.seq for s in batch],
-                        members={id(s.seq) for s in batch})
-
-    def _launch_ahead(self, flight: InFlight) -> InFlight | None:
-        """Schedule and launch the step after ``flight`` before reading it, or None when it cannot go
-        ahead (engine.step_ahead.ahead_batch): ``flight`` is then read alone."""
-        live = [seq for seq in flight.seqs if seq.status is Status.RUNNING]
-        continuing = [seq for seq in live if continues(seq, self.max_model_len)]
-        if not ahead_batch(self.scheduler, continuing):
-            return None
-        for seq in continuing:
-            seq.pending_slot = seq.num_tokens
-            seq.tokens.append(PLACEHOLDER)
-        sched = self.scheduler.schedule()
-        if sched.rejected or sched.num_preempted or not goes_ahead(sched.scheduled):
-            raise RuntimeError(f"a step scheduled ahead is not a pure decode step: {sched}")
-        return self._launch(sched.scheduled, flight)
-
-    def _read(self, flight: InFlight) -> list[StepOutput]:
-        """Wait for ``flight``'s tokens and take them; then free what finished while it was in flight."""
-        tokens, logprobs = flight.launched.result()
-        live = [(seq, t, lp) for seq, t, lp in zip(flight.seqs, tokens, logprobs, strict=True)
-                if seq.status is Status.RUNNING]  # aborted meanwhile: already answered
-        outputs = self._take_tokens([x[0] for x in live], [x[1] for x in live], [x[2] for x in live],
-                                    register=True)
-        for table in flight.deferred:
-            self.block_manager.release(table)
-        return outputs
 
     def _take_tokens(self, sampled: list[Sequence], tokens: list[int], logprobs, *,
                      register: bool = False) -> list[StepOutput]:
@@ -330,8 +286,7 @@ class LLMEngine:
                 continue
             self._append(seq, token)
             if register:
-                writing = self._inflight is not None and self._inflight.holds(seq)
-                self.scheduler.register_computed(seq, seq.num_computed - writing)
+                self._register(seq)
             if seq.finish_reason is not None:
                 outputs.append(self._finish(seq, [token], lps))
             else:
@@ -455,11 +410,3 @@ def _abort_sink(seq: Sequence, reason: str) -> None:
 
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, dtype_name(name))
-
-
-def _model_fingerprint(cfg: ModelConfig, model: torch.nn.Module) -> str:
-    """Architecture plus sampled weights: KV is only interchangeable between identical models."""
-    from engine.weights import weights_fingerprint
-
-    weights = weights_fingerprint(model) if model.tp is None else tp_fingerprint(model, model.tp)
-    return f"{cfg.fingerprint()[:8]}{weights[:8]}"

@@ -5,15 +5,16 @@ n+1: scheduling, the attention plan, the graph launch and the output handling al
 (2.2-2.8 ms of a 15-17 ms batch-64 step of the 8B shape on an H200, docs/gpu.md). With steps launched
 ahead, ``LLMEngine.step()`` does, while step n is in flight::
 
-    1. decide whether step n+1 can go ahead (``ahead_batch``): every sequence that is in flight and
-       not certain to stop continues, as does every other running decode; nothing waits for admission
-       or a prompt chunk; the blocks it needs are free (no preemption)
+    1. decide whether step n+1 can go ahead (``ahead_batch``): every sequence that sampled in step n
+       and is not certain to stop continues; the decodes' new blocks are free, so nothing is
+       preempted (prompt chunks and admissions go ahead too: they never preempt)
     2. give each continuing sequence a placeholder token, schedule, and launch step n+1 with those
        rows' input ids copied on the device from step n's sampled ids (model_runner.PrevTokens)
     3. read step n's tokens (waits for step n only), fill the placeholders, decide stops, emit outputs
 
 so the host's work for n+1 (and for n's outputs) runs while the GPU computes n. When step n+1 cannot
-go ahead, step n is read alone, and the next ``step()`` schedules as a synchronous engine does.
+go ahead (it would preempt), step n is read alone, and the next ``step()`` schedules as a synchronous
+engine does.
 
 What it costs, and the rules that keep it exact:
 
@@ -26,7 +27,8 @@ What it costs, and the rules that keep it exact:
   (``InFlight.deferred``). KV transfers write other blocks on other streams, so a block freed early
   could be handed to a transfer while the step still writes it.
 * Placeholders exist only inside ``step()``: between calls every token of every sequence is real.
-  Prefix-cache blocks are registered when the step is read, never over a placeholder.
+  Prefix-cache blocks are registered when the step is read, never over a placeholder, and never over KV
+  the next step in flight is still writing.
 * Tensor parallelism: every rank receives rank 0's sampled ids of a launched step (a broadcast on the
   device after the logits gather) and patches the next step's input rows from them as rank 0 does; the
   plan names those rows (engine.tp_plan ``FLAG_TOKENS``, ``fed_dst``/``fed_src``). Off by default under
@@ -41,9 +43,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.engine_types import StepOutput
 from engine.model_runner import LaunchedStep, PrevTokens
 from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, Status
 from engine.tp_group import TPGroup
 
 PLACEHOLDER = -1  # a token a launched step has not returned yet (only ever inside LLMEngine.step)
@@ -55,61 +58,128 @@ class InFlight:
 
     launched: LaunchedStep
     seqs: list[Sequence]  # its sampling rows, in order
-    members: set[int] = field(default_factory=set)  # id() of every sequence the step writes KV for
+    computing: dict[int, int] = field(default_factory=dict)  # id() of each sequence -> tokens it computes
+    chunks: list[Sequence] = field(default_factory=list)  # its rows that sample nothing (prompt chunks)
     deferred: list[list[int]] = field(default_factory=list)  # block tables freed once it is read
 
     def holds(self, seq: Sequence) -> bool:
-        return id(seq) in self.members
+        return id(seq) in self.computing
 
 
 def goes_ahead(batch: list[ScheduledSeq]) -> bool:
-    """A step that may be launched without reading its tokens at once: decode rows only (one token each,
-    sampling), none a prefill-only request or carrying a layer sink."""
-    return bool(batch) and all(s.num_tokens == 1 and s.samples and not s.seq.prefill_only
-                               and s.seq.layer_sink is None for s in batch)
+    """A step that may be launched without reading its tokens at once: none of its rows a prefill-only
+    request or carrying a layer sink (a prefill worker steps synchronously)."""
+    return bool(batch) and all(not s.seq.prefill_only and s.seq.layer_sink is None for s in batch)
 
 
 def continues(seq: Sequence, max_model_len: int) -> bool:
-    """Whether ``seq``, in the step in flight, may need the step after it: not stopping by length with
-    the token in flight (EOS, stop tokens and stop strings are only known once it is read)."""
+    """Whether ``seq``, sampling in the step in flight, may need the step after it: not stopping by length
+    with the token in flight (EOS, stop tokens and stop strings are only known once it is read)."""
     after = seq.num_tokens + 1  # with the token in flight
     return after - seq.num_prompt_tokens < seq.params.max_tokens and after < max_model_len
 
 
 def ahead_batch(scheduler: Scheduler, continuing: list[Sequence]) -> bool:
-    """Whether the next step can be scheduled now, with a placeholder appended to each of
-    ``continuing`` (in-flight sequences): a pure decode step of every running sequence that has a token
-    to compute, whose new blocks are free (no preemption), with no request waiting that could be
-    admitted (admission and prompt chunks run in synchronous steps)."""
-    if scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs:
-        return False
+    """Whether the next step can be scheduled now, with a placeholder appended to each of ``continuing``
+    (in-flight sequences that sampled): there is work (a token to compute, or a request waiting), no
+    running or waiting request is prefill-only, and the decodes' new blocks are free, so scheduling
+    preempts nothing (prompt chunks hold their blocks since admission, and admission takes only free
+    blocks)."""
+    if any(seq.prefill_only for seq in scheduler.waiting):
+        return False  # admitting it would make a step that cannot go ahead
     ahead = {id(s) for s in continuing}
     need = 0
-    decodes = 0
+    work = bool(scheduler.waiting)
     for seq in scheduler.running:
+        if seq.prefill_only or seq.layer_sink is not None:
+            return False
         tokens = seq.num_tokens + (id(seq) in ahead)
         remaining = tokens - seq.num_computed
-        if remaining == 0:
-            continue
-        if remaining > 1 or seq.prefill_only or seq.layer_sink is not None:
-            return False
-        decodes += 1
-        need += max(0, scheduler.blocks_for(tokens) - len(seq.block_table))
-    return decodes > 0 and need <= scheduler.bm.num_free_blocks
+        work = work or remaining > 0
+        if remaining == 1:
+            need += max(0, scheduler.blocks_for(tokens) - len(seq.block_table))
+    return work and need <= scheduler.bm.num_free_blocks
 
 
 def prev_tokens(flight: InFlight, batch: list[ScheduledSeq]) -> PrevTokens | None:
-    """Which rows of ``batch`` take their input id from ``flight``'s sampled ids on the device."""
+    """Which input ids of ``batch`` (flat token positions) are ``flight``'s sampled ids, still on the
+    device: the placeholder of each sequence that sampled in ``flight``."""
     row_of = {id(seq): i for i, seq in enumerate(flight.seqs)}
     dst, src = [], []
-    for i, s in enumerate(batch):
+    offset = 0
+    for s in batch:
         j = row_of.get(id(s.seq))
         if j is not None and s.seq.pending_slot == s.context_len:
-            dst.append(i)
+            dst.append(offset)
             src.append(j)
+        offset += s.num_tokens
     if not dst:
         return None
     return PrevTokens(tokens=flight.launched.token_ids, dst=dst, src=src)
+
+
+class LaunchAhead:
+    """``LLMEngine``'s half that launches steps ahead: the step in flight (``_inflight``), its launch, the
+    launch of the step after it, and its read. Uses the engine's scheduler, runner and output handling."""
+
+    _inflight: InFlight | None
+
+    def sync(self) -> list[StepOutput]:
+        """Wait for a step launched ahead and take its tokens (outputs of requests still held); a no-op
+        without one. ``engine.async_engine`` calls it on shutdown so every deferred block comes back."""
+        if self._inflight is None:
+            return []
+        flight, self._inflight = self._inflight, None
+        return self._read(flight)
+
+    def _launch(self, batch: list[ScheduledSeq], prev: InFlight | None) -> InFlight:
+        """Launch a step without reading its tokens; KV counts as computed, prefix-cache blocks are
+        registered when it is read (its input tokens may still be placeholders)."""
+        self._count(batch)
+        launched = self.runner.launch(batch, prev_tokens(prev, batch) if prev is not None else None,
+                                      feeds_next=True)
+        for s in batch:
+            s.seq.num_computed += s.num_tokens
+        return InFlight(launched=launched, seqs=[s.seq for s in batch if s.samples],
+                        computing={id(s.seq): s.num_tokens for s in batch},
+                        chunks=[s.seq for s in batch if not s.samples])
+
+    def _launch_ahead(self, flight: InFlight) -> InFlight | None:
+        """Schedule and launch the step after ``flight`` before reading it, or None when it cannot go
+        ahead (engine.step_ahead.ahead_batch): ``flight`` is then read alone."""
+        live = [seq for seq in flight.seqs if seq.status is Status.RUNNING]
+        continuing = [seq for seq in live if continues(seq, self.max_model_len)]
+        if not ahead_batch(self.scheduler, continuing):
+            return None
+        for seq in continuing:
+            seq.pending_slot = seq.num_tokens
+            seq.tokens.append(PLACEHOLDER)
+        sched = self.scheduler.schedule()
+        self._pending += self._rejected(sched)
+        if not sched.scheduled and not continuing:
+            return None  # only a queued request, and it did not fit: nothing to launch
+        if sched.num_preempted or not goes_ahead(sched.scheduled):  # ahead_batch rules both out
+            raise RuntimeError(f"a step scheduled ahead preempted or cannot go ahead: {sched}")
+        return self._launch(sched.scheduled, flight)
+
+    def _read(self, flight: InFlight) -> list[StepOutput]:
+        """Wait for ``flight``'s tokens and take them; then free what finished while it was in flight."""
+        tokens, logprobs = flight.launched.result()
+        live = [(seq, t, lp) for seq, t, lp in zip(flight.seqs, tokens, logprobs, strict=True)
+                if seq.status is Status.RUNNING]  # aborted meanwhile: already answered
+        outputs = self._take_tokens([x[0] for x in live], [x[1] for x in live], [x[2] for x in live],
+                                    register=True)
+        for seq in flight.chunks:
+            if seq.status is Status.RUNNING:
+                self._register(seq)
+        for table in flight.deferred:
+            self.block_manager.release(table)
+        return outputs
+
+    def _register(self, seq: Sequence) -> None:
+        """Publish ``seq``'s completed full blocks, short of the KV the step in flight still writes."""
+        writing = self._inflight.computing.get(id(seq), 0) if self._inflight is not None else 0
+        self.scheduler.register_computed(seq, seq.num_computed - writing)
 
 
 def overlap_by_default(configured: bool | None, device: torch.device, tp: TPGroup | None) -> bool:

@@ -77,6 +77,14 @@ def agree_num_blocks(tp: TPGroup, num_blocks: int) -> int:
     return int(tp.broadcast_cpu(torch.tensor([num_blocks], dtype=torch.int64)).item())
 
 
+def model_fingerprint(model: CausalLM) -> str:
+    """Architecture plus sampled weights: KV is only interchangeable between identical models."""
+    from engine.weights import weights_fingerprint
+
+    weights = weights_fingerprint(model) if model.tp is None else tp_fingerprint(model, model.tp)
+    return f"{model.config.fingerprint()[:8]}{weights[:8]}"
+
+
 def tp_fingerprint(model: CausalLM, tp: TPGroup, samples_per_tensor: int = 16) -> str:
     """``engine.weights.weights_fingerprint`` of the whole model, computed from the ranks' slices:
     every rank contributes the sampled entries it owns (zeros elsewhere, replicas and replicated

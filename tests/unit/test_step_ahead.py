@@ -3,8 +3,8 @@
 On CPU a launch computes the step at once, so nothing overlaps here, but every rule the GPU relies on
 runs: placeholders filled from the previous step's sampled ids on the device, stops read one step late
 (the extra token dropped), blocks of a finished or aborted request held until the step that writes them
-is read, prefix-cache blocks registered only over real tokens, and the fall-back to synchronous steps
-for admissions, prompt chunks and preemption. Every test ends with a leak check; tests/unit/test_engine.py
+is read, prefix-cache blocks registered only over real tokens, prompt chunks and admissions going ahead
+beside the decodes, and the fall-back to synchronous steps where a step would preempt. Every test ends with a leak check; tests/unit/test_engine.py
 also runs its whole module with steps launched ahead. tests/gpu/test_engine_gpu.py checks the same on
 CUDA, where the steps do overlap.
 """
@@ -281,3 +281,43 @@ def test_prev_tokens_patch_rows():
     ids = torch.tensor([7, 0, 8, 0])
     PrevTokens(tokens=prev, dst=[1, 3], src=[3, 0]).patch(ids)
     assert ids.tolist() == [7, 14, 8, 11]
+
+
+def test_prompt_chunks_and_admissions_go_ahead_and_match(make):
+    """Long prompts in chunks, admissions while steps are in flight and a prefill-only request arriving
+    among them (no step that holds it goes ahead), under a small step budget: the same outputs as
+    synchronous steps, and mixed prefill/decode steps really went ahead."""
+    lengths = [40, 9, 70, 5, 33, 12]
+    requests = {f"m{i}": (p, SamplingParams(max_tokens=10 + i, ignore_eos=True))
+                for i, p in enumerate(prompts(lengths, seed=6))}
+    late = {3: ["m3", "m4"], 7: ["m5"]}
+    results, mixed = [], []
+    for ahead in (False, True):
+        engine = make(ahead, max_num_batched_tokens=24)
+        launch = engine.runner.launch
+
+        def counted(batch, prev=None, _launch=launch, _ahead=ahead, **kwargs):
+            if _ahead and kwargs.get("feeds_next"):
+                mixed.append(any(s.num_tokens > 1 for s in batch) and any(s.samples for s in batch))
+            assert not (kwargs.get("feeds_next") and any(s.seq.prefill_only for s in batch))
+            return _launch(batch, prev, **kwargs)
+
+        engine.runner.launch = counted
+        outs: dict[str, list] = {rid: [] for rid in [*requests, "pre"]}
+        for rid, (p, params) in requests.items():
+            if rid not in {r for ids in late.values() for r in ids}:
+                engine.add_request(rid, p, params)
+        n = 0
+        while engine.has_unfinished() or n <= 7:
+            for rid in late.get(n, []):
+                engine.add_request(rid, *requests[rid])
+            if n == 5:
+                engine.add_prefill_request("pre", prompts([20], seed=9)[0], SamplingParams(max_tokens=1))
+            for out in engine.step():
+                outs[out.request_id].append(out)
+            n += 1
+        engine.release("pre")
+        results.append(summary(outs))
+    assert results[0] == results[1]
+    assert results[0]["pre"][1] == "prefilled"
+    assert sum(mixed) >= 3
