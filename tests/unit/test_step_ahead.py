@@ -4,9 +4,9 @@ On CPU a launch computes the step at once, so nothing overlaps here, but every r
 runs: placeholders filled from the previous step's sampled ids on the device, stops read one step late
 (the extra token dropped), blocks of a finished or aborted request held until the step that writes them
 is read, prefix-cache blocks registered only over real tokens, prompt chunks and admissions going ahead
-beside the decodes, and the fall-back to synchronous steps where a step would preempt. Every test ends with a leak check; tests/unit/test_engine.py
-also runs its whole module with steps launched ahead. tests/gpu/test_engine_gpu.py checks the same on
-CUDA, where the steps do overlap.
+beside the decodes, and the fall-back to synchronous steps where a step would preempt. Every test ends
+with a leak check; tests/unit/test_engine.py also runs its whole module with steps launched ahead.
+tests/gpu/test_engine_gpu.py checks the same on CUDA, where the steps do overlap.
 """
 
 from __future__ import annotations
