@@ -15,3 +15,24 @@ def torch_single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def engine_factory():
+    """``make(model, **config)``: an ``LLMEngine`` of ``EngineConfig(**config)`` on an in-memory model. Every
+    engine made ends with the leak check: no request held, no step in flight, every block's reference
+    count zero (free or in the evictable prefix cache)."""
+    from engine.engine import EngineConfig, LLMEngine
+
+    engines = []
+
+    def make(model, **config):
+        engine = LLMEngine(EngineConfig(**config), model=model)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        assert engine.leak_report() is None, engine.leak_report()
+        bm = engine.block_manager
+        assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))

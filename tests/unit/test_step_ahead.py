@@ -34,22 +34,13 @@ def model():
 
 
 @pytest.fixture
-def make(model):
-    engines = []
-
+def make(model, engine_factory):
     def make_engine(ahead: bool, **overrides) -> LLMEngine:
         cfg = dict(device="cpu", num_blocks=256, block_size=4, max_num_seqs=16, max_num_batched_tokens=64,
                    attention_backend="torch", overlap_steps=ahead)
-        cfg.update(overrides)
-        engine = LLMEngine(EngineConfig(**cfg), model=model)
-        engines.append(engine)
-        return engine
+        return engine_factory(model, **{**cfg, **overrides})
 
-    yield make_engine
-    for engine in engines:
-        assert engine.leak_report() is None, engine.leak_report()
-        bm = engine.block_manager
-        assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
+    return make_engine
 
 
 class Launches:
