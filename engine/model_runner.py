@@ -207,7 +207,7 @@ class ModelRunner:
         replay = after_layer is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(spec)
         sent = None
         if self.tp is not None:  # the other ranks replay their graph exactly when this one does
-            flags = (FLAG_GRAPH if replay else 0) | (FLAG_TOKENS if feeds_next else 0)
+            flags = (FLAG_GRAPH if replay else 0) | (FLAG_TOKENS if feeds_next and rows else 0)
             fed = {"fed_dst": prev.dst, "fed_src": prev.src} if prev is not None else {}
             sent = send_step(self.tp, StepPlan(input_ids=input_ids, spec=spec, rows=rows, flags=flags, **fed))
         t0 = time.monotonic()

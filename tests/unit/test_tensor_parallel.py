@@ -160,6 +160,7 @@ def test_tp_engine_steps_launched_ahead_match_tp1(make_checkpoint):
     base = dict(model=str(path), device="cpu", num_blocks=96, block_size=BLOCK, max_num_seqs=4,
                 max_num_batched_tokens=24)
     prompts = _prompts(5)
+    prompts[3] = prompts[3] + list(range(40, 100))  # chunks of 24 tokens, some steps sample nothing
     ref_engine = LLMEngine(EngineConfig(**base, overlap_steps=False))
     free = ref_engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     params = [SamplingParams(max_tokens=12, stop_token_ids=[out[5]]) for out in free[:3]]
@@ -177,9 +178,13 @@ def test_tp_engine_steps_launched_ahead_match_tp1(make_checkpoint):
 
         engine.runner.launch = counted
         assert engine.overlap_steps
-        return engine.generate(prompts, params)
+        out = engine.generate(prompts, params)
+        # one long prompt alone: its first chunks are launched ahead and sample nothing
+        alone = engine.generate([prompts[3]], SamplingParams(max_tokens=4, ignore_eos=True))
+        return out, alone
 
-    got, follower_steps, steps = tp_engine_run(2, EngineConfig(**base, overlap_steps=True), body)
+    (got, alone), follower_steps, steps = tp_engine_run(2, EngineConfig(**base, overlap_steps=True), body)
+    assert alone == ref_engine.generate([prompts[3]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert got == ref
     assert sum(fed) > 5 and follower_steps == [steps]
 
