@@ -104,8 +104,9 @@ class LLMEngine(LaunchAhead):
         self._arrivals = 0
         self.stats = _Counters()
         self._closed = False
-        log.info("engine ready: %s on %s, %d KV blocks (%s), backend %s", cfg.architecture, self.device,
-                 num_blocks, self.kv_layout.describe(), self.runner.backend.name)
+        log.info("engine ready: %s on %s, %d KV blocks (%s), backend %s, steps %s", cfg.architecture,
+                 self.device, num_blocks, self.kv_layout.describe(), self.runner.backend.name,
+                 "launched ahead" if self.overlap_steps else "synchronous")
 
     # ---- properties ---------------------------------------------------------------------------
     @property

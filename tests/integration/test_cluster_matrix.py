@@ -1,4 +1,6 @@
-"""The remaining transport x shape combinations: 1P1D over NIXL and 2P2D over TCP (greedy parity).
+"""The remaining transport x shape combinations: 1P1D over NIXL and 2P2D over TCP (greedy parity), and
+workers launching steps ahead (engine.step_ahead, the GPU default) on CPU: 1P1D over TCP and two
+colocated workers behind the router.
 
 (1P1D over TCP and 2P2D over NIXL are covered, with much more, in test_cluster_1p1d / _2p2d.)
 """
@@ -31,6 +33,27 @@ def test_greedy_parity(make_checkpoint, tmp_path, n, transport, policy) -> None:
             check_session_turns(c.router)
         stats = c.wait_idle(start)
         assert {w: s.free_blocks for w, s in stats.items()} == start
+
+
+@pytest.mark.parametrize("shape", ["1p1d-tcp", "colocated-2"])
+def test_greedy_parity_with_steps_launched_ahead(make_checkpoint, tmp_path, shape) -> None:
+    """Decode and colocated workers launching each step before reading the last one's tokens (forced on
+    CPU with PDSERVE_OVERLAP_STEPS=1; prompt chunks, admissions and stops all go through it): the
+    cluster's greedy tokens equal a single engine's, and every block comes back."""
+    model = make_checkpoint("llama")
+    ps, mt = prompts(), MAX_TOKENS
+    want = reference(model, ps, mt)
+    kw = dict(prefill=0, decode=2, colocated=True) if shape == "colocated-2" else dict(prefill=1, decode=1)
+    with LocalCluster(model, transport="tcp", env={"PDSERVE_OVERLAP_STEPS": "1"}, run_dir=tmp_path,
+                      **kw) as c:
+        start = c.free_blocks()
+        got = run_concurrently(c.router, ps, mt)
+        assert [r.token_ids for r in got] == want
+        stats = c.wait_idle(start)
+        assert {w: s.free_blocks for w, s in stats.items()} == start
+    ready = [line for log in tmp_path.rglob("*.log") for line in log.read_text().splitlines()
+             if "engine ready" in line]
+    assert len(ready) == 2 and all("steps launched ahead" in line for line in ready), ready
 
 
 def check_session_turns(router: str) -> None:
