@@ -211,8 +211,7 @@ class ModelRunner:
             fed = {"fed_dst": prev.dst, "fed_src": prev.src} if prev is not None else {}
             sent = send_step(self.tp, StepPlan(input_ids=input_ids, spec=spec, rows=rows, flags=flags, **fed))
         t0 = time.monotonic()
-        throttle = (launch_throttle(self.launch_ahead_layers)
-                    if self.launch_ahead_layers and len(input_ids) >= LAUNCH_THROTTLE_MIN_TOKENS else None)
+        throttle = launch_throttle(self.launch_ahead_layers) if self.throttles(len(input_ids)) else None
         hook = chain(after_layer, throttle)
         patch = prev.patch if prev is not None else None
         if replay:
@@ -241,6 +240,12 @@ class ModelRunner:
             step.take(out)
         step.launched_at = time.monotonic()
         return step
+
+    def throttles(self, num_tokens: int) -> bool:
+        """Whether an eager step of ``num_tokens`` tokens is launched at most ``launch_ahead_layers``
+        layers ahead of the GPU (engine.layer_sink.launch_throttle): its launch returns only when the
+        GPU is nearly through it."""
+        return bool(self.launch_ahead_layers) and num_tokens >= LAUNCH_THROTTLE_MIN_TOKENS
 
     def _wait_staged(self) -> None:
         if self._staged is not None:  # the last launch's host->device copies have left its staging

@@ -79,16 +79,24 @@ def continues(seq: Sequence, max_model_len: int) -> bool:
     return after - seq.num_prompt_tokens < seq.params.max_tokens and after < max_model_len
 
 
-def ahead_batch(scheduler: Scheduler, continuing: list[Sequence]) -> bool:
+def ahead_batch(scheduler: Scheduler, continuing: list[Sequence], throttles=None) -> bool:
     """Whether the next step can be scheduled now, with a placeholder appended to each of ``continuing``
     (in-flight sequences that sampled): there is work (a token to compute, or a request waiting), no
     running or waiting request is prefill-only, and the decodes' new blocks are free, so scheduling
     preempts nothing (prompt chunks hold their blocks since admission, and admission takes only free
-    blocks)."""
+    blocks).
+
+    ``throttles(n)``: whether the runner launches a step of ``n`` tokens throttled to the GPU's pace
+    (``ModelRunner.throttles``). Such a launch returns only near the end of that step, so launching it
+    before reading the step in flight would hold that step's tokens back by the whole of it (a first
+    token, or every decode's token, a prompt chunk's step late). When the next step may be that large
+    -- every prompt token left to compute and every waiting prompt counted, up to the step budget --
+    it is not launched ahead."""
     if any(seq.prefill_only for seq in scheduler.waiting):
         return False  # admitting it would make a step that cannot go ahead
     ahead = {id(s) for s in continuing}
     need = 0
+    tokens_next = sum(seq.num_tokens for seq in scheduler.waiting) if throttles is not None else 0
     work = bool(scheduler.waiting)
     for seq in scheduler.running:
         if seq.prefill_only or seq.layer_sink is not None:
@@ -96,8 +104,11 @@ def ahead_batch(scheduler: Scheduler, continuing: list[Sequence]) -> bool:
         tokens = seq.num_tokens + (id(seq) in ahead)
         remaining = tokens - seq.num_computed
         work = work or remaining > 0
+        tokens_next += remaining
         if remaining == 1:
             need += max(0, scheduler.blocks_for(tokens) - len(seq.block_table))
+    if throttles is not None and throttles(min(tokens_next, scheduler.max_num_batched_tokens)):
+        return False
     return work and need <= scheduler.bm.num_free_blocks
 
 
@@ -149,7 +160,7 @@ class LaunchAhead:
         ahead (engine.step_ahead.ahead_batch): ``flight`` is then read alone."""
         live = [seq for seq in flight.seqs if seq.status is Status.RUNNING]
         continuing = [seq for seq in live if continues(seq, self.max_model_len)]
-        if not ahead_batch(self.scheduler, continuing):
+        if not ahead_batch(self.scheduler, continuing, self.runner.throttles):
             return None
         for seq in continuing:
             seq.pending_slot = seq.num_tokens

@@ -17,6 +17,7 @@ import random
 import pytest
 import torch
 
+from engine import step_ahead
 from engine.async_engine import AsyncEngine
 from engine.checkpoint import preset_config
 from engine.engine import EngineConfig, LLMEngine
@@ -312,3 +313,38 @@ def test_prompt_chunks_and_admissions_go_ahead_and_match(make):
     assert results[0] == results[1]
     assert results[0]["pre"][1] == "prefilled"
     assert sum(mixed) >= 3
+
+
+def test_a_throttled_step_is_not_launched_before_the_one_in_flight_is_read(make, monkeypatch):
+    """A step the runner launches at the GPU's pace (CUDA, >= 512 tokens: ModelRunner.throttles) would hold
+    the tokens of the step in flight back until it is nearly done; such a step is launched only after the
+    step in flight is read. Here the runner throttles from 16 tokens; outputs still equal synchronous ones."""
+    requests = {f"t{i}": (p, SamplingParams(max_tokens=12, ignore_eos=True))
+                for i, p in enumerate(prompts([30, 4, 25, 6], seed=8))}
+    late = {2: ["t2"], 5: ["t3"]}
+    sync = summary(drive(make(False), requests, arrivals=late))
+    engine = make(True)
+    ahead_batch = step_ahead.ahead_batch
+    monkeypatch.setattr(step_ahead, "ahead_batch",
+                        lambda scheduler, continuing, throttles: ahead_batch(scheduler, continuing,
+                                                                             lambda n: n >= 16))
+    big_ahead, small_ahead = [], []
+    launch_ahead = engine._launch_ahead
+
+    def watched(flight):
+        launch = engine.runner.launch
+
+        def counted(batch, prev=None, **kw):
+            size = sum(s.num_tokens for s in batch)
+            (big_ahead if size >= 16 else small_ahead).append(size)
+            return launch(batch, prev, **kw)
+
+        engine.runner.launch = counted
+        try:
+            return launch_ahead(flight)
+        finally:
+            engine.runner.launch = launch
+
+    engine._launch_ahead = watched
+    assert summary(drive(engine, requests, arrivals=late)) == sync
+    assert not big_ahead and len(small_ahead) > 10
