@@ -30,7 +30,8 @@
 #              threads vs on the event loop (bench.lane_staging_probe; the one-GPU stand-in for kv-concurrency)
 #   staging    the TCP path's staging copies alone and beside a loopback socket blast (bench.staging_probe)
 #   step-ahead decode steps launched ahead vs synchronous, one engine, llama3-8b: decode b1..b64 x 1k/4k,
-#              token identity, and a colocated serving mix at 2/4/6/8 req/s (bench.gpu_step_ahead)
+#              token identity, and a colocated serving mix at 2/4/6/8 req/s, 2 rounds in alternating order
+#              (bench.gpu_step_ahead; ~7 minutes)
 # With no step named it runs smoke, tests and bench (several minutes).
 # Everything worth keeping goes to $OUT (logs, JSON, the compiled JIT kernels as one .tar.xz).
 set -uo pipefail

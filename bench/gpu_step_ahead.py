@@ -15,8 +15,9 @@ between them), rounds alternated, so host and GPU drift hit both alike:
   way) must give the same tokens.
 * **serving** (``--serve-rates``): the engine behind its ``AsyncEngine`` thread (a worker's threading),
   Poisson arrivals of a mixed workload for ``--serve-seconds`` per rate: prompts log-normal (median
-  2048, 256..8192), outputs uniform 64..384, the same arrivals and prompts for both configurations;
-  TTFT and ITL percentiles per rate and configuration. The prefix cache is off throughout.
+  2048, 256..8192), outputs uniform 64..384, the same arrivals and prompts for both configurations,
+  ``--serve-rounds`` rounds whose order alternates (and starts the other way at the next rate); TTFT
+  and ITL percentiles per rate, configuration and round. The prefix cache is off throughout.
 
 Writes ``step-ahead-<device>-<date>.json`` and a markdown table to ``--out``; timings never fail it.
 """
@@ -118,8 +119,10 @@ async def _serve(engine: LLMEngine, rate: float, seconds: float, seed: int) -> d
     start = time.perf_counter()
     while t_next < seconds:
         await asyncio.sleep(max(0.0, start + t_next - time.perf_counter()))
-        prompt = [rng.randrange(3, vocab) for _ in range(inp.sample(rng))]
-        tasks.append(asyncio.create_task(one(i, prompt, out.sample(rng))))
+        n_in, n_out = inp.sample(rng), out.sample(rng)
+        n_in = min(n_in, engine.max_model_len - n_out - 1)  # the tiny CPU model's context is short
+        prompt = [rng.randrange(3, vocab) for _ in range(n_in)]
+        tasks.append(asyncio.create_task(one(i, prompt, n_out)))
         i += 1
         t_next += rng.expovariate(rate)
     await asyncio.gather(*tasks)
@@ -141,6 +144,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--serve-rates", default="", help="req/s points of the serving comparison, e.g. 2,4,6,8")
     ap.add_argument("--serve-seconds", type=float, default=15.0)
+    ap.add_argument("--serve-rounds", type=int, default=2,
+                    help="serving rounds per rate, the configurations' order alternating between rounds")
     ap.add_argument("--cpu-check", action="store_true", help="tiny model on CPU, small shapes")
     args = ap.parse_args()
     cpu = args.cpu_check or not torch.cuda.is_available()
@@ -181,13 +186,14 @@ def main() -> None:
         result["decode"].append(row)
         print(f"| {batch} x {context} | {s:.2f} | {a:.2f} | {s / a:.3f}x | {row['ahead_tok_s']} |",
               flush=True)
-    for rate in [float(x) for x in args.serve_rates.split(",") if x]:
-        for mode in MODES:
-            engine.overlap_steps = mode == "ahead"
-            point = asyncio.run(_serve(engine, rate, args.serve_seconds, seed=int(rate * 100)))
-            point["mode"] = mode
-            result["serving"].append(point)
-            print(f"serving {rate:g} req/s {mode}: {point}", flush=True)
+    for k, rate in enumerate(float(x) for x in args.serve_rates.split(",") if x):
+        for r in range(args.serve_rounds):  # the order alternates between rounds and between rates
+            for mode in (MODES if (r + k) % 2 == 0 else MODES[::-1]):
+                engine.overlap_steps = mode == "ahead"
+                point = asyncio.run(_serve(engine, rate, args.serve_seconds, seed=int(rate * 100)))
+                point.update(mode=mode, round=r)
+                result["serving"].append(point)
+                print(f"serving {rate:g} req/s {mode} (round {r}): {point}", flush=True)
     assert engine.leak_report() is None, engine.leak_report()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
