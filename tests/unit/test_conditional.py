@@ -11,9 +11,11 @@ CFG = ConditionalConfig(min_uncached_tokens=256)
 def paths(prompt: int, cached: int = 0, *, link_Bps: float | None = None, running: int = 0, capacity: int = 1,
           prefill_wait_s: float = 0.0, decode_wait_s: float = 0.0, local_rate: float = 30000.0,
           remote_rate: float = 30000.0, others: int = 0) -> Paths:
-    """The estimates a router with llama3-8b's KV size (128 KiB/token) would make."""
+    """The estimates a router with llama3-8b's KV size (128 KiB/token) would make. The clock stands
+    still: a learned rate decays with the time since it was observed, and two calls on a busy machine
+    must estimate the same."""
     costs = CostModel(CostConfig(prefill_tokens_per_s=remote_rate, bandwidth_ewma_alpha=1.0,
-                                 min_bandwidth_sample_bytes=1))
+                                 min_bandwidth_sample_bytes=1), clock=lambda: 0.0)
     costs.observe_prefill("d", tokens=local_rate, compute_s=1.0)
     if link_Bps is not None:
         costs.observe_transfer("p", "d", bytes_sent=int(link_Bps), seconds=1.0, blocks_sent=0)
