@@ -31,8 +31,6 @@ import argparse
 import datetime as dt
 import json
 import math
-import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -54,6 +52,7 @@ from engine.cuda_graphs import CudaGraphConfig, DecodeGraphRunner  # noqa: E402
 from engine.gemv import LONG_ROW  # noqa: E402
 from engine.kv_layout import KVLayout  # noqa: E402
 from engine.model import CausalLM  # noqa: E402
+from pdserve.settings import bench_command  # noqa: E402
 
 BLOCK = 16
 
@@ -369,7 +368,7 @@ def main() -> None:
     args = ap.parse_args()
     items = set(args.items.split(","))
     info = machine()
-    command = os.environ.get("PDSERVE_BENCH_COMMAND") or shlex.join([sys.executable, *sys.argv])
+    command = bench_command()
     result = {
         "device": info,
         "command": command,

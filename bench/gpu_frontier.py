@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.app.loadgen.dist import parse_dist
     from pdserve.app.loadgen.plot import plot_frontier
     from pdserve.app.loadgen.runner import RunConfig
+    from pdserve.settings import bench_command
 
     t0 = time.monotonic()
     info = machine()
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"gpu-frontier-{info['slug']}-{dt.date.today().isoformat()}" + (f"-{args.tag}" if args.tag else "")
-    res = {"device": info, "command": os.environ.get("PDSERVE_BENCH_COMMAND") or shlex.join(sys.argv),
+    res = {"device": info, "command": bench_command(),
            "date": dt.datetime.now(dt.timezone.utc).isoformat(), "size": args.size, "slo": SLO,
            "workload": {"input_len": INPUT_LEN, "output_len": OUTPUT_LEN},
            "router_args": list(opts.router_args), "checkpoint_s": time.monotonic() - t0, "results": {}}

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import datetime as dt
 import json
-import os
 import random
 import statistics
 import time
@@ -36,24 +35,19 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_tp import checkpoint
+from bench.gpu_tp import checkpoint, start_decodes, stop_decodes
 from engine.async_engine import AsyncEngine
 from engine.engine import EngineConfig, LLMEngine
 from pdserve.app.loadgen.dist import parse_dist
 from pdserve.app.loadgen.stats import percentile
 from pdserve.sampling import SamplingParams
+from pdserve.settings import bench_command
 
 MODES = ("sync", "ahead")
 
 
 def decode_ms(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
-    rng = random.Random(batch * 7919 + context)
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
-    ids = [f"d{batch}-{context}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.reserve(rid, [rng.randrange(3, vocab) for _ in range(context)], params)
-        engine.commit_prefilled(rid, 5)
+    ids = start_decodes(engine, batch, context, max_tokens=steps + 8)
     for _ in range(3):  # warm-up (a launched-ahead pipeline is full after two)
         engine.step()
     sync_device(engine)
@@ -63,10 +57,7 @@ def decode_ms(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
     engine.sync()
     sync_device(engine)
     elapsed = time.perf_counter() - t0
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
+    stop_decodes(engine, ids)
     return elapsed / steps * 1e3
 
 
@@ -164,7 +155,7 @@ def main() -> None:
         engine.idle_work()
     result: dict = {"preset": preset, "device": "cpu" if cpu else torch.cuda.get_device_name(0),
                     "date": dt.date.today().isoformat(),
-                    "command": os.environ.get("PDSERVE_BENCH_COMMAND", ""),
+                    "command": bench_command(),
                     "steps": steps, "rounds": args.rounds,
                     "identity": identity(engine), "decode": [], "serving": []}
     print(f"identity (greedy + seeded, stopping by length): {result['identity']}", flush=True)

@@ -84,13 +84,7 @@ def decode_ms(engine: LLMEngine, batch: int, context: int, steps: int,
               profile: dict | None = None, trace: Path | None = None) -> float:
     """Median ms of a decode step of ``batch`` sequences of ``context`` tokens; with ``profile`` (a
     dict), also where the step's time goes (bench/tp_profile.py), stored in it."""
-    rng = random.Random(batch)
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=steps + 24, ignore_eos=True)  # the profile's steps run after
-    ids = [f"d{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.reserve(rid, _prompt(rng, context, vocab), params)
-        engine.commit_prefilled(rid, 5)
+    ids = start_decodes(engine, batch, context, max_tokens=steps + 24)  # the profile's steps run after
     engine.step()  # warm-up
     times = []
     for _ in range(steps):
@@ -101,11 +95,29 @@ def decode_ms(engine: LLMEngine, batch: int, context: int, steps: int,
         from bench.tp_profile import profile_steps
 
         profile.update(profile_steps(engine, 8, trace))
+    stop_decodes(engine, ids)
+    return statistics.median(times)
+
+
+def start_decodes(engine: LLMEngine, batch: int, context: int, *, max_tokens: int) -> list[str]:
+    """``batch`` running decodes of ``context`` tokens of KV each, reserved and committed as a decode
+    worker receives them (no prefill computes their KV); their request ids."""
+    rng = random.Random(batch)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"d{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.reserve(rid, _prompt(rng, context, vocab), params)
+        engine.commit_prefilled(rid, 5)
+    return ids
+
+
+def stop_decodes(engine: LLMEngine, ids: list[str]) -> None:
+    """Abort ``ids`` and step until the engine holds nothing (a step in flight is read too)."""
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    return statistics.median(times)
 
 
 def prefill_ms(engine: LLMEngine, tokens: int, repeats: int = 3) -> float:

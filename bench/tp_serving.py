@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -86,6 +84,7 @@ def run(modes: list[str], *, name: str, cpu_check: bool, out: Path, models: Path
     from pdserve.app.loadgen.dist import parse_dist
     from pdserve.app.loadgen.runner import RunConfig
     from pdserve.app.loadgen.sweep import SweepConfig
+    from pdserve.settings import bench_command
 
     t0 = time.monotonic()
     import torch
@@ -107,7 +106,7 @@ def run(modes: list[str], *, name: str, cpu_check: bool, out: Path, models: Path
     device = "cpu-check" if cpu_check else torch.cuda.get_device_name(0).replace(" ", "-").lower()
     path = out / f"{name}-{device}-{dt.date.today().isoformat()}{'-' + tag if tag else ''}.json"
     res = {"benchmark": name, "device": device, "gpus": n_gpus, "modes": modes,
-           "command": os.environ.get("PDSERVE_BENCH_COMMAND") or shlex.join(sys.argv),
+           "command": bench_command(),
            "date": dt.datetime.now(dt.timezone.utc).isoformat(), "model": model,
            "workload": {"input_len": input_len, "output_len": output_len}, "rates": list(rates),
            "seconds_per_rate": seconds, "slo": {"ttft_ms": cfg.ttft_slo_ms, "tpot_ms": cfg.tpot_slo_ms},

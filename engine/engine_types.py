@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.errors import KVCacheFull
 from engine.kv_layout import dtype_name
 from engine.model_runner import TokenLogprob
@@ -49,8 +51,6 @@ class EngineConfig:
 
     def kv_blocks(self, per_block: int, device, max_model_len: int) -> int:
         """How many KV blocks of ``per_block`` bytes this rank's cache holds (see the class docstring)."""
-        import torch
-
         if self.num_blocks is not None:
             return self.num_blocks
         if self.kv_cache_bytes is not None:

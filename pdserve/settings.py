@@ -313,6 +313,15 @@ def env_switch(name: str, default: bool = True) -> bool:
     return raw != "0"
 
 
+def bench_command() -> str:
+    """The command a benchmark result records: ``PDSERVE_BENCH_COMMAND`` (``bench/device_run.sh`` sets
+    it to its own command line), else this process's command line."""
+    import shlex
+    import sys
+
+    return os.environ.get("PDSERVE_BENCH_COMMAND") or shlex.join([sys.executable, *sys.argv])
+
+
 def overlap_steps() -> bool | None:
     """``PDSERVE_OVERLAP_STEPS``: ``1`` launches decode steps before the previous one's tokens are read
     (engine.step_ahead) everywhere (CPU, tensor parallelism), ``0`` never; unset: None (the engine's

@@ -64,6 +64,33 @@ def test_invalid_settings_name_the_problem(argv, env, needle) -> None:
         parse(argv, env)
 
 
+def test_overlap_steps_and_bench_command(monkeypatch) -> None:
+    """PDSERVE_OVERLAP_STEPS is three-way (unset: the engine decides), and a benchmark records the
+    command device_run.sh names, else its own command line."""
+    import shlex
+    import sys
+
+    import torch
+
+    from engine.step_ahead import overlap_by_default
+    from pdserve.settings import bench_command, overlap_steps
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("PDSERVE_OVERLAP_STEPS", raising=False)
+    assert overlap_steps() is None
+    assert overlap_by_default(None, cuda, None) and not overlap_by_default(None, cpu, None)
+    assert not overlap_by_default(None, cuda, tp=object()) and overlap_by_default(True, cpu, tp=object())
+    monkeypatch.setenv("PDSERVE_OVERLAP_STEPS", "1")
+    assert overlap_steps() is True and overlap_by_default(None, cpu, None)
+    assert not overlap_by_default(False, cpu, None)  # the config wins over the environment
+    monkeypatch.setenv("PDSERVE_OVERLAP_STEPS", "0")
+    assert overlap_steps() is False and not overlap_by_default(None, cuda, None)
+    monkeypatch.setenv("PDSERVE_BENCH_COMMAND", "bash bench/device_run.sh step-ahead")
+    assert bench_command() == "bash bench/device_run.sh step-ahead"
+    monkeypatch.delenv("PDSERVE_BENCH_COMMAND")
+    assert shlex.split(bench_command()) == [sys.executable, *sys.argv]
+
+
 def test_cuda_graphs_at_start(monkeypatch) -> None:
     from pdserve.settings import cuda_graphs_at_start
 

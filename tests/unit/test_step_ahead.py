@@ -45,14 +45,19 @@ def make(model, engine_factory):
 
 
 class Launches:
-    """Counts the runner's launches, and those fed by the step before (PrevTokens), on one engine."""
+    """Counts the runner's launches, and those fed by the step before (PrevTokens), on one engine;
+    ``mixed`` counts launched steps that feed the next (``feeds_next``) with prompt tokens and samples
+    in one batch. No launched step may hold a prefill-only request."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.total = self.ahead = self.identity = 0
+        self.total = self.ahead = self.identity = self.mixed = 0
         launch = engine.runner.launch
 
         def counted(batch, prev=None, **kw):
             self.total += 1
+            if kw.get("feeds_next"):
+                assert not any(s.seq.prefill_only for s in batch)
+                self.mixed += any(s.num_tokens > 1 for s in batch) and any(s.samples for s in batch)
             if prev is not None:
                 self.ahead += 1
                 self.identity += prev.dst == prev.src == list(range(len(prev.dst)))
@@ -72,22 +77,27 @@ def prompts(lengths, seed=0, vocab=1024):
 
 
 def drive(engine: LLMEngine, requests, *, arrivals: dict[int, list[str]] | None = None,
-          aborts: dict[int, list[str]] | None = None) -> dict[str, list]:
+          aborts: dict[int, list[str]] | None = None, calls: dict[int, object] | None = None,
+          ) -> dict[str, list]:
     """Add ``requests`` (id -> (prompt, params)), those in ``arrivals`` only at that step number, abort
-    those in ``aborts`` at theirs; step to the end. id -> its StepOutputs."""
-    later = {rid for ids in (arrivals or {}).values() for rid in ids}
+    those in ``aborts`` at theirs, call ``calls[n](engine)`` before step n; step to the end. id -> its
+    StepOutputs (requests added by a call included)."""
+    arrivals, aborts, calls = arrivals or {}, aborts or {}, calls or {}
+    later = {rid for ids in arrivals.values() for rid in ids}
     for rid, (prompt, params) in requests.items():
         if rid not in later:
             engine.add_request(rid, prompt, params)
-    outs = {rid: [] for rid in requests}
+    outs: dict[str, list] = {rid: [] for rid in requests}
     n = 0
-    while engine.has_unfinished() or n <= max([*(arrivals or {}), *(aborts or {}), 0]):
-        for rid in (arrivals or {}).get(n, []):
+    while engine.has_unfinished() or n <= max([*arrivals, *aborts, *calls, 0]):
+        for rid in arrivals.get(n, []):
             engine.add_request(rid, *requests[rid])
-        for rid in (aborts or {}).get(n, []):
+        for rid in aborts.get(n, []):
             engine.abort(rid)
+        if n in calls:
+            calls[n](engine)
         for out in engine.step():
-            outs[out.request_id].append(out)
+            outs.setdefault(out.request_id, []).append(out)
         n += 1
     return outs
 
@@ -282,37 +292,18 @@ def test_prompt_chunks_and_admissions_go_ahead_and_match(make):
     lengths = [40, 9, 70, 5, 33, 12]
     requests = {f"m{i}": (p, SamplingParams(max_tokens=10 + i, ignore_eos=True))
                 for i, p in enumerate(prompts(lengths, seed=6))}
-    late = {3: ["m3", "m4"], 7: ["m5"]}
-    results, mixed = [], []
+    pre = prompts([20], seed=9)[0]
+    kw = dict(arrivals={3: ["m3", "m4"], 7: ["m5"]},
+              calls={5: lambda e: e.add_prefill_request("pre", pre, SamplingParams(max_tokens=1))})
+    results = []
     for ahead in (False, True):
         engine = make(ahead, max_num_batched_tokens=24)
-        launch = engine.runner.launch
-
-        def counted(batch, prev=None, _launch=launch, _ahead=ahead, **kwargs):
-            if _ahead and kwargs.get("feeds_next"):
-                mixed.append(any(s.num_tokens > 1 for s in batch) and any(s.samples for s in batch))
-            assert not (kwargs.get("feeds_next") and any(s.seq.prefill_only for s in batch))
-            return _launch(batch, prev, **kwargs)
-
-        engine.runner.launch = counted
-        outs: dict[str, list] = {rid: [] for rid in [*requests, "pre"]}
-        for rid, (p, params) in requests.items():
-            if rid not in {r for ids in late.values() for r in ids}:
-                engine.add_request(rid, p, params)
-        n = 0
-        while engine.has_unfinished() or n <= 7:
-            for rid in late.get(n, []):
-                engine.add_request(rid, *requests[rid])
-            if n == 5:
-                engine.add_prefill_request("pre", prompts([20], seed=9)[0], SamplingParams(max_tokens=1))
-            for out in engine.step():
-                outs[out.request_id].append(out)
-            n += 1
+        launches = Launches(engine)
+        results.append(summary(drive(engine, requests, **kw)))
         engine.release("pre")
-        results.append(summary(outs))
     assert results[0] == results[1]
     assert results[0]["pre"][1] == "prefilled"
-    assert sum(mixed) >= 3
+    assert launches.mixed >= 3
 
 
 def test_a_throttled_step_is_not_launched_before_the_one_in_flight_is_read(make, monkeypatch):
