@@ -62,7 +62,8 @@ def checkpoint(preset: str, root: Path) -> Path:
 def open_engine(path: Path, size: int, device: str, *, num_blocks: int, max_tokens: int,
                 dtype: str | None = None):
     config = EngineConfig(model=str(path), device=rank_device(device, 0), num_blocks=num_blocks,
-                          max_num_seqs=128, max_num_batched_tokens=max_tokens, block_size=16, dtype=dtype)
+                          max_num_seqs=128, max_num_batched_tokens=max_tokens, block_size=16, dtype=dtype,
+                          enable_prefix_caching=False)  # each run repeats its prompts: none may hit
     if size == 1:
         return LLMEngine(config), None
     ranks = start_ranks(config, size)

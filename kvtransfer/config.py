@@ -40,8 +40,11 @@ class TransportConfig:
     # One H200, both sides in one process, 2k-token transfers of the 8B layout (docs/kvtransfer.md
     # "Larger frames behind other transfers"): 32 MiB frames for every transfer moved 1.07-1.40x the
     # bytes of 16 MiB ones at 4 and 16 in flight but a lone transfer 0.60-0.71x; this factor 1.07x at 4
-    # and 16 (8 rounds), a lone transfer unchanged.
-    tcp_busy_frame_factor: int = 2
+    # and 16 (8 rounds), a lone transfer unchanged. Between two GPUs (prefill and decode processes each
+    # on its own H200) the same 2x frames collapsed the bytes moved at 4 and 16 in flight to 2.0-2.4
+    # GB/s against 10.9-14.5 with 1 (kvtransfer-concurrency-2xh200-2026-11-29-*.json), so it is 1 by
+    # default and 2 stays an option for the case it was measured on.
+    tcp_busy_frame_factor: int = 1
     # TCP: SO_SNDBUF/SO_RCVBUF; 0 keeps kernel autotuning (usually best on Linux).
     socket_buffer_bytes: int = 0
     # TCP: a write of at most this many bytes is tried at once on the event-loop thread (small frames:

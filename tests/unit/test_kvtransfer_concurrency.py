@@ -363,7 +363,7 @@ def test_a_transfer_starting_behind_others_sends_larger_frames():
         frame = LAYOUT.block_bytes * 8
         src, dst = LAYOUT.allocate(512), LAYOUT.allocate(512)  # 32 MiB
         fill_random(src, 31)
-        cfg = {"max_frame_bytes": frame, "tcp_connections": 2}
+        cfg = {"max_frame_bytes": frame, "tcp_connections": 2, "tcp_busy_frame_factor": 2}
         a = await make_transport("tcp", LAYOUT, src, **cfg).start()
         b = await make_transport("tcp", LAYOUT, dst, **cfg).start()
         sizes: dict[str, list[int]] = {}
