@@ -15,6 +15,9 @@ as ``pdserve serve --tensor-parallel-size N`` runs them) is timed through the en
 * ``decode_b{B}_profile`` (``--profile``): the step's host phases and GPU kernels (bench/tp_profile.py);
 * ``greedy``: 16 greedy tokens of 4 prompts, compared with TP 1's (bf16 sums in another order may
   legitimately flip a near tie; the table reports how many sequences match exactly);
+* ``--runs llama3-8b:2,llama3-8b:2:symm``: the same TP size again with another all-reduce
+  (``PDSERVE_TP_ALLREDUCE``, engine.tp_allreduce): ``decode_*_vs_first`` (speed-up over the first run of
+  that preset and size) and ``greedy_same_as_first``;
 * ``--ahead``: each decode row twice, with synchronous steps (``decode_b{B}_ms``) and with steps launched
   ahead (``decode_b{B}_ahead_ms``, engine.step_ahead; under TP every rank then receives rank 0's sampled
   ids), and ``greedy_ahead_same``: the greedy tokens launched ahead equal the synchronous ones. Without it
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import random
 import statistics
 import time
@@ -164,6 +168,7 @@ def run_one(preset: str, size: int, args, ceil: dict, reference: dict) -> dict:
                                 max_tokens=max(args.prefill, 128), dtype=args.dtype or None)
     dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
     row = {"preset": preset, "tp": size, "dtype": dtype,
+           "allreduce": ranks.group.allreduce_mode if ranks is not None else "-",
            "load_s": round(time.perf_counter() - t0, 1)}
     try:
         rng = random.Random(0)
@@ -216,7 +221,9 @@ def run_one(preset: str, size: int, args, ceil: dict, reference: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="llama3-8b:1,llama3-8b:2,llama3-70b-short:2",
-                    help="preset:tp pairs, in order; a preset's first run is its reference")
+                    help="preset:tp[:allreduce] in order; a preset's first run is its reference; allreduce "
+                         "is a PDSERVE_TP_ALLREDUCE value for that run (e.g. llama3-8b:2:symm beside "
+                         "llama3-8b:2: *_vs_first and greedy_same_as_first compare the two)")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--prefill", type=int, default=4096)
@@ -249,11 +256,26 @@ def main() -> None:
     ceil = ceilings(args.device)
     reference: dict = {}
     rows = []
+    first: dict = {}  # (preset, TP size) -> that pair's first row: runs of it with another all-reduce
     for item in args.runs.split(","):
-        preset, size = item.split(":")
-        print(f"# {preset} TP {size}", flush=True)
-        rows.append(run_one(preset, int(size), args, ceil, reference))
+        preset, size, allreduce = (item.split(":", 2) + [""])[:3]
+        print(f"# {preset} TP {size}" + (f" PDSERVE_TP_ALLREDUCE={allreduce}" if allreduce else ""),
+              flush=True)
+        before = os.environ.get("PDSERVE_TP_ALLREDUCE")
+        if allreduce:  # read by every rank's TPGroup (the ranks inherit this environment)
+            os.environ["PDSERVE_TP_ALLREDUCE"] = allreduce
+        try:
+            rows.append(run_one(preset, int(size), args, ceil, reference))
+        finally:
+            os.environ.pop("PDSERVE_TP_ALLREDUCE", None)
+            if before is not None:
+                os.environ["PDSERVE_TP_ALLREDUCE"] = before
         r = rows[-1]
+        same = first.setdefault((preset, size), r)
+        if same is not r:  # the same model and ranks summing another way: tokens and time side by side
+            r["greedy_same_as_first"] = r["greedy"] == same["greedy"]
+            for key in [k for k in r if k.startswith("decode_") and k.endswith("_ms") and "bound" not in k]:
+                r[key.replace("_ms", "_vs_first")] = same[key] / r[key]
         cells = [f"{k}={v:.2f}" for k, v in r.items() if isinstance(v, float)]
         match = f"  greedy {r['greedy_match']}/{GREEDY_PROMPTS} same" if "greedy_match" in r else ""
         print(f"  load {r['load_s']} s  " + "  ".join(cells) + match, flush=True)

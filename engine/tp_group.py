@@ -16,6 +16,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from engine.tp_allreduce import SymmAllReduce
+
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -35,6 +37,14 @@ class TPGroup:
             self.data = dist.ProcessGroupNCCL(dist.PrefixStore("tp-nccl", store), rank, size, opts)
         else:
             self.data = self.ctrl
+        self.symm: SymmAllReduce | None = None
+        if self.device.type == "cuda" and size > 1:
+            from pdserve.settings import tp_allreduce
+
+            mode, max_bytes = tp_allreduce()
+            if mode == "symm":
+                self.symm = SymmAllReduce.setup(rank=rank, size=size, store=store, ctrl=self.ctrl,
+                                                device=self.device, max_bytes=max_bytes)
 
     @staticmethod
     def tcp_store(*, host: str, port: int, rank: int, size: int,
@@ -45,9 +55,18 @@ class TPGroup:
 
     # ---- model tensors (data group) -------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place; returns ``x``."""
+        """The sum of ``x`` over the ranks: ``x`` itself, summed in place (NCCL, gloo), or a new tensor
+        (the one-shot path of ``PDSERVE_TP_ALLREDUCE=symm``, engine.tp_allreduce). Use what it returns."""
+        if self.symm is not None and self.symm.takes(x):
+            return self.symm(x)
         self.data.allreduce([x]).wait()
         return x
+
+    @property
+    def allreduce_mode(self) -> str:
+        if self.symm is not None:
+            return f"symm<={self.symm.max_bytes // 1024}KiB"
+        return "nccl" if self.device.type == "cuda" else "gloo"
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., n]`` from every rank -> ``[..., size * n]`` in rank order, on every rank."""

@@ -330,6 +330,22 @@ def overlap_steps() -> bool | None:
     return None if raw == "" else raw != "0"
 
 
+TP_SYMM_DEFAULT_KIB = 2048  # batch x hidden in bf16 up to here: decode at batch 256 of a 4096-wide model
+
+
+def tp_allreduce() -> tuple[str, int]:
+    """``PDSERVE_TP_ALLREDUCE``: how a tensor-parallel worker sums activations over its ranks on CUDA.
+    ``nccl`` (or unset) for all of them; ``symm`` for a one-shot kernel over symmetric memory up to
+    2 MiB, NCCL above (engine.tp_allreduce); ``symm:<KiB>`` sets that size. Returns (mode, max bytes)."""
+    raw = os.environ.get("PDSERVE_TP_ALLREDUCE", "").strip()
+    if raw in ("", "nccl"):
+        return "nccl", 0
+    mode, _, kib = raw.partition(":")
+    if mode != "symm" or (kib and not (kib.isdigit() and 0 < int(kib) <= 1 << 20)):
+        raise ValueError(f"PDSERVE_TP_ALLREDUCE must be nccl, symm or symm:<KiB> (1..1048576), got {raw!r}")
+    return "symm", (int(kib) if kib else TP_SYMM_DEFAULT_KIB) * 1024
+
+
 def cuda_graphs_at_start(default: int) -> int:
     """``PDSERVE_CUDA_GRAPHS_AT_START``: decode CUDA graphs for batch sizes up to this are captured
     before a worker turns SERVING (the others while it is idle, engine.cuda_graphs); unset keeps

@@ -9,6 +9,7 @@ _.pre_tokenizer  # tokenizers.Tokenizer reads it (engine/checkpoint.py builds th
 _.post_processor  # same
 _._timeout  # torch.distributed options structs (engine/tp_group.py)
 _.rootRank  # same
+_.reduceOp  # same: read by the c10d collective it is handed to
 _.num_prefill_tokens  # FlashInferMetadata field, kept for repr/debugging of a step's plan
 _.generated_tokens  # engine counters, exported whole (dataclasses.asdict) in stats
 _.decode_cached  # scoring record field, shown in the placement's path report

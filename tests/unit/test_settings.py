@@ -102,3 +102,18 @@ def test_cuda_graphs_at_start(monkeypatch) -> None:
         monkeypatch.setenv("PDSERVE_CUDA_GRAPHS_AT_START", bad)
         with pytest.raises(ValueError, match="PDSERVE_CUDA_GRAPHS_AT_START must be a positive integer"):
             cuda_graphs_at_start(1)
+
+
+def test_tp_allreduce(monkeypatch) -> None:
+    from pdserve.settings import tp_allreduce
+
+    monkeypatch.delenv("PDSERVE_TP_ALLREDUCE", raising=False)
+    assert tp_allreduce() == ("nccl", 0)
+    cases = (("nccl", ("nccl", 0)), ("symm", ("symm", 2048 * 1024)), ("symm:512", ("symm", 512 * 1024)))
+    for raw, want in cases:
+        monkeypatch.setenv("PDSERVE_TP_ALLREDUCE", raw)
+        assert tp_allreduce() == want
+    for bad in ("gloo", "symm:0", "symm:x", "symm:-4"):
+        monkeypatch.setenv("PDSERVE_TP_ALLREDUCE", bad)
+        with pytest.raises(ValueError, match="PDSERVE_TP_ALLREDUCE"):
+            tp_allreduce()

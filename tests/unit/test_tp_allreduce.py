@@ -1,0 +1,100 @@
+"""engine.tp_allreduce: setting up the one-shot all-reduce is collective, and a rank that cannot makes
+every rank fall back to NCCL instead of leaving the others waiting in a rendezvous (CPU ranks as
+threads; the kernel itself needs GPUs with peer access: bench/gpu_tp.py ``--runs llama3-8b:2:symm``)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+from torch._C._distributed_c10d import _SymmetricMemory
+
+from engine.tp_allreduce import SymmAllReduce
+from engine.tp_group import TPGroup
+
+TIMEOUT_S = 30.0
+
+
+def _setup_on_ranks(size: int, monkeypatch, *, empty_fails_on=(), rendezvous_fails_on=()):
+    """SymmAllReduce.setup on ``size`` CPU ranks; allocation / rendezvous raise on the ranks named.
+    Returns (each rank's result, the ranks that entered the rendezvous, the (name, rank, size) each rank
+    registered)."""
+    store = dist.HashStore()
+    results, errors, entered = [None] * size, [], []
+    rank_of = {}
+
+    def fake_empty(nbytes, dtype, device):
+        if rank_of[threading.get_ident()] in empty_fails_on:
+            raise RuntimeError("no symmetric memory allocator for this device")
+        return torch.empty(nbytes, dtype=dtype)
+
+    def fake_rendezvous(buffer, name):
+        rank = rank_of[threading.get_ident()]
+        entered.append(rank)
+        if rank in rendezvous_fails_on:
+            raise RuntimeError("peer access refused")
+
+    def fake_group_info(name, rank, size, store):  # process-wide in torch: these ranks share a process
+        registered.append((name, rank, size))
+
+    registered: list = []
+    monkeypatch.setattr(_SymmetricMemory, "set_group_info", staticmethod(fake_group_info))
+    monkeypatch.setattr(symm_mem, "empty", fake_empty)
+    monkeypatch.setattr(symm_mem, "rendezvous", fake_rendezvous)
+
+    def body(rank: int) -> None:
+        rank_of[threading.get_ident()] = rank
+        try:
+            group = TPGroup(rank=rank, size=size, store=store, device="cpu", timeout_s=TIMEOUT_S)
+            results[rank] = SymmAllReduce.setup(rank=rank, size=size, store=store, ctrl=group.ctrl,
+                                                device=torch.device("cpu"), max_bytes=4096)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S * 2)
+    assert not any(t.is_alive() for t in threads), "a rank hung in the all-reduce setup"
+    if errors:
+        raise errors[0]
+    return results, sorted(entered), sorted(registered, key=lambda r: r[1])
+
+
+def test_every_rank_sets_up_the_one_shot_path_together(monkeypatch):
+    results, entered, registered = _setup_on_ranks(2, monkeypatch)
+    assert entered == [0, 1] and all(isinstance(r, SymmAllReduce) for r in results)
+    assert results[0].name == results[1].name  # one group name, agreed through the store
+    assert registered == [(results[0].name, 0, 2), (results[0].name, 1, 2)]
+    assert results[0].max_bytes == 4096
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_rank_that_cannot_allocate_sends_every_rank_to_nccl_without_a_rendezvous(monkeypatch, size):
+    results, entered, _ = _setup_on_ranks(size, monkeypatch, empty_fails_on={size - 1})
+    assert results == [None] * size and entered == []
+
+
+def test_a_failed_rendezvous_on_one_rank_sends_every_rank_to_nccl(monkeypatch):
+    results, entered, _ = _setup_on_ranks(2, monkeypatch, rendezvous_fails_on={0})
+    assert results == [None, None] and entered == [0, 1]
+
+
+def test_what_takes_the_one_shot_path():
+    ar = SymmAllReduce("g", torch.empty(4096, dtype=torch.uint8))
+    cpu = torch.empty(8, 64, dtype=torch.bfloat16)
+    assert not ar.takes(cpu)  # CPU tensors never (gloo sums them)
+    meta = torch.empty(8, 64, dtype=torch.bfloat16, device="meta")
+    assert not ar.takes(meta)
+
+
+def test_cpu_groups_sum_with_gloo_whatever_the_setting(monkeypatch):
+    from tp_testkit import run_ranks
+
+    monkeypatch.setenv("PDSERVE_TP_ALLREDUCE", "symm")
+    out = run_ranks(2, lambda g: (g.allreduce_mode, g.all_reduce(torch.full((4,), g.rank + 1.0)).tolist()))
+    assert out == [("gloo", [3.0] * 4)] * 2
