@@ -55,6 +55,7 @@ class _Counters:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    steps_ahead: int = 0  # of ``steps``, those launched before the previous step's tokens were read
     finish_reasons: dict = field(default_factory=dict)
 
 

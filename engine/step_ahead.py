@@ -171,6 +171,7 @@ class LaunchAhead:
             return None  # only a queued request, and it did not fit: nothing to launch
         if sched.num_preempted or not goes_ahead(sched.scheduled):  # ahead_batch rules both out
             raise RuntimeError(f"a step scheduled ahead preempted or cannot go ahead: {sched}")
+        self.stats.steps_ahead += 1
         return self._launch(sched.scheduled, flight)
 
     def _read(self, flight: InFlight) -> list[StepOutput]:

@@ -304,17 +304,9 @@ async def _worker_extras(settings: ServeSettings, server: GrpcServer, engine, ae
     start_from_env((lambda: dict(runner.last_phases)) if runner is not None else None,
                    loop_thread=threading.get_ident())  # this coroutine runs on the event loop's thread
     if settings.metrics_port:
-        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+        from pdserve.app.worker_metrics import serve_worker_metrics
 
-        registry = CollectorRegistry()
-        labels = {"role": settings.role, "worker": settings.worker_id}
-        for name, help_, attr in (("pdserve_worker_free_blocks", "Free KV blocks", "free_blocks"),
-                                  ("pdserve_worker_total_blocks", "KV blocks", "total_blocks"),
-                                  ("pdserve_worker_running", "Requests in the batch", "num_running"),
-                                  ("pdserve_worker_queue_depth", "Requests waiting", "queue_depth")):
-            g = Gauge(name, help_, list(labels), registry=registry)
-            g.labels(**labels).set_function(lambda a=attr: getattr(aengine.snapshot, a))
-        start_http_server(settings.metrics_port, addr=settings.host, registry=registry)
+        serve_worker_metrics(settings, engine, aengine)
     if settings.redis:
         from pdserve.app.registration import WorkerRegistration
         from router.placement import WorkerLoad
