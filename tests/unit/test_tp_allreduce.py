@@ -11,11 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 from torch._C._distributed_c10d import _SymmetricMemory
+from tp_testkit import TIMEOUT_S, run_ranks, run_threads
 
 from engine.tp_allreduce import SymmAllReduce
 from engine.tp_group import TPGroup
-
-TIMEOUT_S = 30.0
 
 
 def _setup_on_ranks(size: int, monkeypatch, *, empty_fails_on=(), rendezvous_fails_on=()):
@@ -23,7 +22,7 @@ def _setup_on_ranks(size: int, monkeypatch, *, empty_fails_on=(), rendezvous_fai
     Returns (each rank's result, the ranks that entered the rendezvous, the (name, rank, size) each rank
     registered)."""
     store = dist.HashStore()
-    results, errors, entered = [None] * size, [], []
+    entered = []
     rank_of = {}
 
     def fake_empty(nbytes, dtype, device):
@@ -45,23 +44,13 @@ def _setup_on_ranks(size: int, monkeypatch, *, empty_fails_on=(), rendezvous_fai
     monkeypatch.setattr(symm_mem, "empty", fake_empty)
     monkeypatch.setattr(symm_mem, "rendezvous", fake_rendezvous)
 
-    def body(rank: int) -> None:
+    def body(rank: int):
         rank_of[threading.get_ident()] = rank
-        try:
-            group = TPGroup(rank=rank, size=size, store=store, device="cpu", timeout_s=TIMEOUT_S)
-            results[rank] = SymmAllReduce.setup(rank=rank, size=size, store=store, ctrl=group.ctrl,
-                                                device=torch.device("cpu"), max_bytes=4096)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        group = TPGroup(rank=rank, size=size, store=store, device="cpu", timeout_s=TIMEOUT_S)
+        return SymmAllReduce.setup(rank=rank, size=size, store=store, ctrl=group.ctrl,
+                                   device=torch.device("cpu"), max_bytes=4096)
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT_S * 2)
-    assert not any(t.is_alive() for t in threads), "a rank hung in the all-reduce setup"
-    if errors:
-        raise errors[0]
+    results = run_threads(size, body)
     return results, sorted(entered), sorted(registered, key=lambda r: r[1])
 
 
@@ -93,8 +82,6 @@ def test_what_takes_the_one_shot_path():
 
 
 def test_cpu_groups_sum_with_gloo_whatever_the_setting(monkeypatch):
-    from tp_testkit import run_ranks
-
     monkeypatch.setenv("PDSERVE_TP_ALLREDUCE", "symm")
     out = run_ranks(2, lambda g: (g.allreduce_mode, g.all_reduce(torch.full((4,), g.rank + 1.0)).tolist()))
     assert out == [("gloo", [3.0] * 4)] * 2

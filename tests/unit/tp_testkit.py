@@ -1,7 +1,7 @@
 """Tensor-parallel groups as threads of the test process (gloo over a ``HashStore``).
 
 ``run_ranks(size, fn)`` calls ``fn(group)`` on ``size`` threads, one ``TPGroup`` each, and returns
-the results in rank order (re-raising the first failure). ``tp_generate`` runs an ``LLMEngine`` on
+the results in rank order (re-raising the first failure); ``run_threads(size, fn)`` calls ``fn(rank)``. ``tp_generate`` runs an ``LLMEngine`` on
 rank 0 and ``TPFollower``s on the others, exactly as a worker's processes do.
 """
 
@@ -18,15 +18,15 @@ from engine.tp_worker import TPFollower
 TIMEOUT_S = 60.0
 
 
-def run_ranks(size: int, fn) -> list:
-    store = dist.HashStore()
+def run_threads(size: int, fn) -> list:
+    """``fn(rank)`` on ``size`` threads; the results in rank order (re-raising the first failure). A
+    thread still running after twice ``TIMEOUT_S`` fails the test as a hung rank."""
     results: list = [None] * size
     errors: list[BaseException] = []
 
     def body(rank: int) -> None:
         try:
-            group = TPGroup(rank=rank, size=size, store=store, device="cpu", timeout_s=TIMEOUT_S)
-            results[rank] = fn(group)
+            results[rank] = fn(rank)
         except BaseException as exc:  # noqa: BLE001 - reported to the test below
             errors.append(exc)
 
@@ -39,6 +39,12 @@ def run_ranks(size: int, fn) -> list:
         raise errors[0]
     assert not any(t.is_alive() for t in threads), "a tensor parallel rank hung"
     return results
+
+
+def run_ranks(size: int, fn) -> list:
+    store = dist.HashStore()
+    return run_threads(size, lambda rank: fn(TPGroup(rank=rank, size=size, store=store, device="cpu",
+                                                     timeout_s=TIMEOUT_S)))
 
 
 def tp_engine_run(size: int, config: EngineConfig, body, **engine_kwargs):
