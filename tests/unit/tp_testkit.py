@@ -1,8 +1,9 @@
 """Tensor-parallel groups as threads of the test process (gloo over a ``HashStore``).
 
 ``run_ranks(size, fn)`` calls ``fn(group)`` on ``size`` threads, one ``TPGroup`` each, and returns
-the results in rank order (re-raising the first failure); ``run_threads(size, fn)`` calls ``fn(rank)``. ``tp_generate`` runs an ``LLMEngine`` on
-rank 0 and ``TPFollower``s on the others, exactly as a worker's processes do.
+the results in rank order (re-raising the first failure); ``run_threads(size, fn)`` calls ``fn(rank)``.
+``tp_generate`` runs an ``LLMEngine`` on rank 0 and ``TPFollower``s on the others, exactly as a worker's
+processes do.
 """
 
 from __future__ import annotations
