@@ -29,14 +29,17 @@ def markdown(r: dict) -> str:
         out += [
             "## Roofline: decode step (CUDA graph) vs HBM bound",
             "",
-            "| batch | context | step ms | HBM bound ms | fraction | wall ms | eager ms | tok/s |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| batch | context | step ms | HBM bound ms | fraction | graph replayed alone ms (fraction) "
+            "| wall ms | eager ms | tok/s |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for x in rf["decode"]:
+            replay = (f"{x['replay_ms']:.2f} ({x['replay_fraction_of_bound']:.1%})" if "replay_ms" in x
+                      else "-")
             out.append(
                 f"| {x['batch']} | {x['context']} | {x['step_ms']:.2f} | {x['hbm_bound_ms']:.2f} | "
-                f"{x['fraction_of_bound']:.1%} | {x['step_wall_ms']:.2f} | {_f(x.get('eager_step_ms'))} | "
-                f"{x['tokens_per_s']:.0f} |"
+                f"{x['fraction_of_bound']:.1%} | {replay} | {x['step_wall_ms']:.2f} | "
+                f"{_f(x.get('eager_step_ms'))} | {x['tokens_per_s']:.0f} |"
             )
         p = rf["prefill"]
         out += [
