@@ -13,8 +13,9 @@ No multicast (NVLS) is used: one-shot reads the peers' buffers with ordinary loa
 multicast off). The kernel runs on the current stream and is captured in CUDA graphs like NCCL's.
 
 Setting up is collective: every rank allocates its buffer, the ranks agree on the group's name and that
-all of them succeeded (the ``ctrl`` gloo group), and only then rendezvous. A rank that cannot (no peer
-access, an older torch) makes every rank fall back to NCCL, with a warning, rather than hang.
+all of them succeeded (the ``ctrl`` gloo group), and only then rendezvous; then one small all-reduce of
+a known sum is checked on every rank. A rank that cannot (no peer access, a torch without the op, a
+wrong sum) makes every rank fall back to NCCL, with a warning, rather than hang or compute wrongly.
 """
 
 from __future__ import annotations
@@ -66,9 +67,25 @@ class SymmAllReduce:
             log.warning("tensor parallel all-reduce: symmetric memory rendezvous failed (%s); using NCCL",
                         why or "on another rank")
             return None
+        made = cls(name, buffer)
+        why = made.check(rank, size, device)
+        if not _all_ok(ctrl, not why):
+            log.warning("tensor parallel all-reduce: the one-shot kernel failed its check (%s); using NCCL",
+                        why or "on another rank")
+            return None
         log.info("tensor parallel all-reduce: one-shot over symmetric memory up to %d KiB, NCCL above",
                  max_bytes // 1024)
-        return cls(name, buffer)
+        return made
+
+    def check(self, rank: int, size: int, device: torch.device) -> str:
+        """One small all-reduce whose sum is known (every rank adds rank + 1): "" when it came out right,
+        else why not (the op missing from this torch, a peer not reachable, a wrong sum)."""
+        try:
+            got = self(torch.full((256,), float(rank + 1), device=device))
+            want = size * (size + 1) / 2
+            return "" if bool((got == want).all().item()) else f"sum {got[0].item()} != {want}"
+        except Exception as exc:  # noqa: BLE001
+            return f"{type(exc).__name__}: {exc}"
 
     def takes(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()

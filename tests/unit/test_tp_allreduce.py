@@ -17,8 +17,10 @@ from engine.tp_allreduce import SymmAllReduce
 from engine.tp_group import TPGroup
 
 
-def _setup_on_ranks(size: int, monkeypatch, *, empty_fails_on=(), rendezvous_fails_on=()):
-    """SymmAllReduce.setup on ``size`` CPU ranks; allocation / rendezvous raise on the ranks named.
+def _setup_on_ranks(size: int, monkeypatch, *, empty_fails_on=(), rendezvous_fails_on=(),
+                    check_fails_on=()):
+    """SymmAllReduce.setup on ``size`` CPU ranks; allocation / rendezvous raise, and the check of a known
+    sum fails, on the ranks named (``check_fails_on=None``: the real check, which cannot run on CPU).
     Returns (each rank's result, the ranks that entered the rendezvous, the (name, rank, size) each rank
     registered)."""
     store = dist.HashStore()
@@ -43,6 +45,9 @@ def _setup_on_ranks(size: int, monkeypatch, *, empty_fails_on=(), rendezvous_fai
     monkeypatch.setattr(_SymmetricMemory, "set_group_info", staticmethod(fake_group_info))
     monkeypatch.setattr(symm_mem, "empty", fake_empty)
     monkeypatch.setattr(symm_mem, "rendezvous", fake_rendezvous)
+    if check_fails_on is not None:  # the kernel cannot run on CPU: its check is what the test says
+        monkeypatch.setattr(SymmAllReduce, "check", lambda self, rank, size, device:
+                            "sum 1.0 != 3.0" if rank in check_fails_on else "")
 
     def body(rank: int):
         rank_of[threading.get_ident()] = rank
@@ -85,3 +90,13 @@ def test_cpu_groups_sum_with_gloo_whatever_the_setting(monkeypatch):
     monkeypatch.setenv("PDSERVE_TP_ALLREDUCE", "symm")
     out = run_ranks(2, lambda g: (g.allreduce_mode, g.all_reduce(torch.full((4,), g.rank + 1.0)).tolist()))
     assert out == [("gloo", [3.0] * 4)] * 2
+
+
+def test_a_wrong_sum_on_one_rank_sends_every_rank_to_nccl(monkeypatch):
+    results, entered, _ = _setup_on_ranks(2, monkeypatch, check_fails_on={1})
+    assert results == [None, None] and entered == [0, 1]
+
+
+def test_the_check_itself_fails_on_cpu_where_the_kernel_cannot_run(monkeypatch):
+    results, _, _ = _setup_on_ranks(2, monkeypatch, check_fails_on=None)  # the real check
+    assert results == [None, None]
