@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                 reason="tensor parallelism on GPUs needs two of them (NCCL ranks)")
 
 
-DEVICE = "cuda"
+DEVICE = "cuda"  # the ranks' device setting ("cpu" runs the same path over gloo, to check the test itself)
 
 
 def _generate(path, *, overlap_steps: bool) -> tuple[dict, str]:
