@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 ENV = "PDSERVE_READAHEAD"
 CHUNK = 16 << 20
 _PROBE = 4096
+_thread: threading.Thread | None = None  # this process's read-ahead (start)
 
 
 def start(model_dir: str | os.PathLike | None) -> threading.Thread | None:
@@ -47,10 +48,20 @@ def start(model_dir: str | os.PathLike | None) -> threading.Thread | None:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         return None
+    global _thread
     budget = memory_budget()
     thread = threading.Thread(target=_read_ahead, args=(files, budget), name="readahead", daemon=True)
     thread.start()
+    _thread = thread
     return thread
+
+
+def reading() -> bool:
+    """Whether this process's read-ahead is still reading its checkpoint from disk: the load that
+    follows will wait on the disk (engine.attention.prefetch overlaps an import with it). False on a
+    warm page cache (every chunk's probe hits at once, so the thread is done within milliseconds), on
+    tmpfs, and where nothing was started."""
+    return _thread is not None and _thread.is_alive()
 
 
 def memory_budget(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:

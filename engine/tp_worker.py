@@ -49,6 +49,8 @@ def resolve_device(device: str) -> torch.device:
 
 def load_model(config: EngineConfig, device: torch.device, tp: TPGroup | None):
     """(model, tokenizer) from ``config.model``: this rank's slice only when ``tp`` is given."""
+    from engine import readahead
+    from engine.attention import prefetch
     from engine.tokenizer import Tokenizer
     from engine.weights import load_weights
 
@@ -59,7 +61,10 @@ def load_model(config: EngineConfig, device: torch.device, tp: TPGroup | None):
     model.allocate_fused(device, dtype)  # q/k/v and gate/up load straight into their fused weights
     kernels = fused_kernels_for(device, dtype)
     warming = kernels.warm_compile_cache() if kernels is not None else None  # overlaps the load
-    load_weights(model, path, dtype=dtype, device=device, slices=model.tp_slices())
+    overlap = prefetch.wanted(config.attention_backend, device=device, dtype=dtype,
+                              head_dim=model_config.head_dim, cold=readahead.reading())
+    with prefetch.overlapping(overlap):  # from a cold disk, flashinfer's import overlaps the load
+        load_weights(model, path, dtype=dtype, device=device, slices=model.tp_slices())
     if warming is not None:
         warming.join()
     return model, Tokenizer.from_dir(path)

@@ -304,6 +304,7 @@ def env_switch(name: str, default: bool = True) -> bool:
     """An on/off debugging switch: ``0`` turns it off, ``1`` on; unset keeps ``default``.
 
     Used for ``PDSERVE_CUDA_GRAPHS``, ``PDSERVE_FUSED_OPS``, ``PDSERVE_GEMV``, ``PDSERVE_FLASHINFER_LEAN``,
+    ``PDSERVE_BOOT_PREFETCH``,
     ``PDSERVE_READAHEAD``, ``PDSERVE_KV_TRACE`` and ``PDSERVE_UCX_PROTO_INFO`` (docs/gpu.md lists what
     each does).
     """

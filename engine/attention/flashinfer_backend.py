@@ -50,6 +50,15 @@ LEAN_IMPORT_ENV = "PDSERVE_FLASHINFER_LEAN"
 
 
 def load_flashinfer() -> SimpleNamespace:
+    """flashinfer's two paged-attention wrappers (once an import on engine.attention.prefetch's thread,
+    if one is running, is done)."""
+    from engine.attention import prefetch
+
+    prefetch.wait()
+    return import_flashinfer()
+
+
+def import_flashinfer() -> SimpleNamespace:
     """flashinfer's two paged-attention wrappers, importing only the modules they live in.
 
     ``import flashinfer`` runs the package's ``__init__``, which imports nearly every subpackage (MoE,

@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from engine.attention import flashinfer_backend as fib
 
@@ -80,3 +81,50 @@ def test_a_failed_lean_import_leaves_nothing_half_imported(fake_flashinfer, tmp_
         fib.load_flashinfer()
     assert not [m for m in sys.modules if m == "flashinfer" or m.startswith("flashinfer.")]
     assert fib.flashinfer_available() is False
+
+
+def test_prefetch_is_wanted_only_while_the_disk_is_read_and_flashinfer_would_be_used(monkeypatch):
+    from engine.attention import prefetch
+
+    bf16, cuda = torch.bfloat16, torch.device("cuda")
+    monkeypatch.delenv(prefetch.ENV, raising=False)
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    assert prefetch.wanted("auto", device=cuda, dtype=bf16, head_dim=128, cold=True)
+    assert prefetch.wanted("flashinfer", device="cpu", dtype=None, head_dim=0, cold=True)
+    assert not prefetch.wanted("auto", device=cuda, dtype=bf16, head_dim=128, cold=False)  # a warm load
+    assert not prefetch.wanted("auto", device="cpu", dtype=bf16, head_dim=128, cold=True)
+    assert not prefetch.wanted("auto", device=cuda, dtype=torch.float32, head_dim=128, cold=True)
+    assert not prefetch.wanted("torch", device=cuda, dtype=bf16, head_dim=128, cold=True)
+    monkeypatch.setenv(prefetch.ENV, "0")
+    assert not prefetch.wanted("auto", device=cuda, dtype=bf16, head_dim=128, cold=True)
+
+
+def test_prefetch_imports_during_the_body_and_load_flashinfer_waits_for_it(fake_flashinfer, monkeypatch):
+    """The import runs on its own thread while the body (the weight load) runs, with a short switch
+    interval restored afterwards; load_flashinfer waits for that thread instead of importing twice."""
+    import threading
+
+    from engine.attention import prefetch
+
+    started, finish, calls = threading.Event(), threading.Event(), []
+    real = fib.import_flashinfer
+
+    def slow_import():
+        calls.append(threading.current_thread().name)
+        started.set()
+        finish.wait(10)
+        return real()
+
+    monkeypatch.setattr(fib, "import_flashinfer", slow_import)
+    interval = sys.getswitchinterval()
+    with prefetch.overlapping(True):
+        assert started.wait(10) and calls == ["flashinfer-prefetch"]
+        assert sys.getswitchinterval() < interval
+        finish.set()  # the load's body ends; the import may still be running
+    assert sys.getswitchinterval() == interval
+    fi = fib.load_flashinfer()  # waits for the prefetch thread, then finds the modules imported
+    assert fi.BatchDecodeWithPagedKVCacheWrapper.__module__ == "flashinfer.decode"
+    assert calls == ["flashinfer-prefetch", "MainThread"] and fake_flashinfer.FLASHINFER_INIT_RUNS == 0
+    with prefetch.overlapping(False):  # off: no thread
+        pass
+    assert calls == ["flashinfer-prefetch", "MainThread"]

@@ -109,3 +109,20 @@ def test_memory_budget_takes_the_smaller_of_host_and_cgroup(tmp_path):
 def test_imports_no_torch():
     code = "import sys, engine.readahead; assert 'torch' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_reading_while_the_thread_reads_from_disk(monkeypatch, tmp_path):
+    """``reading()`` tells the weight load whether the disk is still being read (engine.attention.prefetch
+    then overlaps flashinfer's import with it): true while the read-ahead thread runs, false once it is
+    done, and false where none was started."""
+    import threading
+
+    monkeypatch.setattr(readahead, "_thread", None)
+    assert not readahead.reading()
+    release = threading.Event()
+    monkeypatch.setattr(readahead, "_read_ahead", lambda files, budget: release.wait(10))
+    thread = readahead.start(_model(tmp_path, [300]))
+    assert thread is not None and readahead.reading()
+    release.set()
+    thread.join(10)
+    assert not readahead.reading()
