@@ -33,8 +33,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class SymmAllReduce:
-    def __init__(self, name: str, buffer: torch.Tensor) -> None:
+    def __init__(self, name: str, buffer: torch.Tensor, group=None) -> None:
         self.name, self.buffer = name, buffer
+        self.group = group  # the registry holds it weakly: it lives as long as this object
         self.max_bytes = buffer.numel()
 
     @classmethod
@@ -45,12 +46,14 @@ class SymmAllReduce:
         if rank == 0:
             keys.set("name", f"pdserve-tp-{uuid.uuid4().hex[:12]}")
         name = keys.get("name").decode()
-        buffer, why = None, ""
+        buffer, group, why = None, None, ""
         try:
             import torch.distributed._symmetric_memory as symm_mem
             from torch._C._distributed_c10d import _SymmetricMemory
 
-            _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore(f"tp-symm-{name}", store))
+            group_store = dist.PrefixStore(f"tp-symm-{name}", store)
+            _SymmetricMemory.set_group_info(name, rank, size, group_store)
+            group = _register_group(name, rank, size, group_store, ctrl)
             buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         except Exception as exc:  # noqa: BLE001 -- any failure means NCCL, decided by all ranks together
             why = f"{type(exc).__name__}: {exc}"
@@ -67,7 +70,7 @@ class SymmAllReduce:
             log.warning("tensor parallel all-reduce: symmetric memory rendezvous failed (%s); using NCCL",
                         why or "on another rank")
             return None
-        made = cls(name, buffer)
+        made = cls(name, buffer, group)
         why = made.check(rank, size, device)
         if not _all_ok(ctrl, not why):
             log.warning("tensor parallel all-reduce: the one-shot kernel failed its check (%s); using NCCL",
@@ -98,6 +101,24 @@ class SymmAllReduce:
         mine = self.buffer[:nbytes].view(x.dtype).view(x.shape)
         out = torch.empty_like(x)
         return torch.ops.symm_mem.one_shot_all_reduce_copy_out(mine, x, "sum", self.name, out)
+
+
+def _register_group(name: str, rank: int, size: int, store: dist.Store, ctrl):
+    """Register a c10d process group under ``name``: torch's rendezvous of symmetric memory looks the
+    group up by name and takes its store, rank and size from it (torch 2.11 on an H200 host:
+    "Could not resolve the process group registered under the name ..."; older versions read what
+    ``set_group_info`` recorded instead, which is set too). The worker's groups are built directly,
+    not through ``init_process_group`` (engine.tp_group), so none is registered until this; its
+    collectives, if torch's rendezvous calls any, go to the ranks' gloo group. The registry holds the
+    group weakly: the caller keeps the returned group alive."""
+    from torch._C._distributed_c10d import ProcessGroup, _register_process_group
+
+    group = ProcessGroup(store, rank, size)
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, ctrl)
+    group._set_default_backend(ProcessGroup.BackendType.GLOO)
+    group._set_group_name(name)
+    _register_process_group(name, group)
+    return group
 
 
 def _all_ok(ctrl: dist.ProcessGroup, ok: bool) -> bool:

@@ -13,6 +13,7 @@ import torch.distributed._symmetric_memory as symm_mem
 from torch._C._distributed_c10d import _SymmetricMemory
 from tp_testkit import TIMEOUT_S, run_ranks, run_threads
 
+from engine import tp_allreduce
 from engine.tp_allreduce import SymmAllReduce
 from engine.tp_group import TPGroup
 
@@ -43,6 +44,7 @@ def _setup_on_ranks(size: int, monkeypatch, *, empty_fails_on=(), rendezvous_fai
 
     registered: list = []
     monkeypatch.setattr(_SymmetricMemory, "set_group_info", staticmethod(fake_group_info))
+    monkeypatch.setattr(tp_allreduce, "_register_group", lambda name, rank, size, store, ctrl: object())
     monkeypatch.setattr(symm_mem, "empty", fake_empty)
     monkeypatch.setattr(symm_mem, "rendezvous", fake_rendezvous)
     if check_fails_on is not None:  # the kernel cannot run on CPU: its check is what the test says
@@ -100,3 +102,23 @@ def test_a_wrong_sum_on_one_rank_sends_every_rank_to_nccl(monkeypatch):
 def test_the_check_itself_fails_on_cpu_where_the_kernel_cannot_run(monkeypatch):
     results, _, _ = _setup_on_ranks(2, monkeypatch, check_fails_on=None)  # the real check
     assert results == [None, None]
+
+
+def test_the_group_torch_looks_up_by_name_is_registered():
+    """torch's rendezvous resolves the group by name (its store, rank and size); the worker's groups are
+    not made by init_process_group, so setup registers one (real registry, one rank, a unique name)."""
+    import datetime
+    import uuid
+
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    store = dist.HashStore()
+    ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), 0, 1, datetime.timedelta(seconds=10))
+    name = f"pdserve-tp-test-{uuid.uuid4().hex[:8]}"
+    kept = tp_allreduce._register_group(name, 0, 1, dist.PrefixStore("symm", store), ctrl)
+    group = _resolve_process_group(name)  # alive while ``kept`` is (the registry holds it weakly)
+    assert group is kept
+    assert (group.rank(), group.size(), group.group_name) == (0, 1, name)
+    flag = torch.ones(2)
+    group.allreduce([flag]).wait()  # its collectives go to the ranks' gloo group
+    assert flag.tolist() == [1.0, 1.0]
