@@ -133,7 +133,8 @@ def main() -> None:
         print(f"{row['batch']:>6} {row['bytes'] // 1024:>7} {row.get('symm_us', '-'):>8} "
               f"{str(row.get('symm_exact', '-')):>6} {row.get('nccl_us', '-'):>8} "
               f"{str(row.get('nccl_exact', '-')):>6}")
-    checks = [v for res in results.values() for row in res["rows"] for k, v in row.items() if k.endswith("_exact")]
+    checks = [v for res in results.values() for row in res["rows"]
+              for k, v in row.items() if k.endswith("_exact")]
     exact = bool(checks) and all(checks)  # nothing measured is a failure, not a pass
     name = torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "-").lower()
     out = Path(args.out)
