@@ -117,6 +117,8 @@ def main() -> None:
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    if len(set(args.gpus.split(","))) < size:  # ranks sharing a GPU: torch refuses that unless told
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args, port, queue)) for r in range(size)]
