@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -49,12 +50,35 @@ WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended split-k scratch size
 LEAN_IMPORT_ENV = "PDSERVE_FLASHINFER_LEAN"
 
 
-def load_flashinfer() -> SimpleNamespace:
-    """flashinfer's two paged-attention wrappers (once an import on engine.attention.prefetch's thread,
-    if one is running, is done)."""
-    from engine.attention import prefetch
+_background_lock = threading.Lock()
+_background: threading.Thread | None = None  # import_in_background's thread, until load_flashinfer joins it
 
-    prefetch.wait()
+
+def import_in_background() -> None:
+    """Start ``import_flashinfer`` on a daemon thread (engine.attention.prefetch decides when); the next
+    ``load_flashinfer`` waits for it. An import that failed there is tried again, and raises, on the
+    caller's thread."""
+    global _background
+    with _background_lock:
+        if _background is None:
+            _background = threading.Thread(target=_import_quietly, name="flashinfer-prefetch", daemon=True)
+            _background.start()
+
+
+def _import_quietly() -> None:
+    try:
+        import_flashinfer()
+    except Exception:  # noqa: BLE001 -- absent or broken: load_flashinfer raises it on its caller's thread
+        pass
+
+
+def load_flashinfer() -> SimpleNamespace:
+    """flashinfer's two paged-attention wrappers (once a background import, if one runs, is done)."""
+    global _background
+    with _background_lock:
+        thread, _background = _background, None
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
     return import_flashinfer()
 
 

@@ -11,15 +11,15 @@ knows which case it is in: its read-ahead (``engine.readahead.reading()``) is st
 checkpoint from disk when the load starts, or it finished long ago because every chunk was cached.
 
 While the body runs the interpreter's switch interval is 0.1 ms instead of 5 ms, so a stretch of the
-load's Python waits at most that long behind the import. ``load_flashinfer`` waits for the thread
-(``wait``); an import that failed there is tried again, and raises, on the caller's thread.
+load's Python waits at most that long behind the import. The thread is flashinfer_backend's
+(``import_in_background``): ``load_flashinfer`` waits for it; an import that failed there is tried
+again, and raises, on the caller's thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from collections.abc import Iterator
 
 import torch
@@ -28,8 +28,6 @@ from pdserve.settings import env_switch
 
 ENV = "PDSERVE_BOOT_PREFETCH"
 _SWITCH_INTERVAL_S = 1e-4
-_lock = threading.Lock()
-_thread: threading.Thread | None = None
 
 
 def wanted(name: str, *, device: torch.device | str, dtype: torch.dtype | None, head_dim: int,
@@ -50,35 +48,15 @@ def wanted(name: str, *, device: torch.device | str, dtype: torch.dtype | None, 
 @contextlib.contextmanager
 def overlapping(on: bool) -> Iterator[None]:
     """With ``on``, import flashinfer on a background thread while the body runs (``wanted`` decides)."""
-    global _thread
     if not on:
         yield
         return
-    with _lock:
-        if _thread is None:
-            _thread = threading.Thread(target=_import, name="flashinfer-prefetch", daemon=True)
-            _thread.start()
+    from engine.attention import flashinfer_backend as fib
+
+    fib.import_in_background()
     interval = sys.getswitchinterval()
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     try:
         yield
     finally:
         sys.setswitchinterval(interval)
-
-
-def wait() -> None:
-    """Wait for a prefetch in flight (called by ``load_flashinfer`` before it imports)."""
-    global _thread
-    with _lock:
-        thread, _thread = _thread, None
-    if thread is not None and thread is not threading.current_thread():
-        thread.join()
-
-
-def _import() -> None:
-    from engine.attention import flashinfer_backend as fib
-
-    try:
-        fib.import_flashinfer()
-    except Exception:  # noqa: BLE001 -- absent or broken: load_flashinfer raises it on its caller's thread
-        pass
