@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.app.launcher.local import LocalCluster
 from pdserve.client import Client, build_request
+from pdserve.probe import free_port, scrape_metrics
 
 pytestmark = pytest.mark.slow
 PROMPT_LENS = [1, 5, 16, 17, 40, 100]
@@ -53,9 +54,11 @@ def run_concurrently(router: str, prompt_list, max_tokens, **kw) -> list:
 @pytest.fixture(scope="module")
 def cluster(make_checkpoint, tmp_path_factory):
     model = make_checkpoint("llama")
+    metrics_port = free_port()
     with LocalCluster(model, prefill=1, decode=1, transport="tcp",
+                      decode_args=("--metrics-port", str(metrics_port)),
                       run_dir=tmp_path_factory.mktemp("c1p1d")) as c:
-        c.model = model
+        c.model, c.decode_metrics_port = model, metrics_port
         c.start_free = c.free_blocks()
         yield c
         # Leak check for the whole module: every block back, nothing running or leased.
@@ -90,6 +93,29 @@ def test_greedy_matches_engine_concurrent(cluster) -> None:
     assert f100["kv_bytes_sent"] > 0
     stats = cluster.wait_idle(cluster.start_free)
     assert {w: s.free_blocks for w, s in stats.items()} == cluster.start_free
+
+
+def test_decode_worker_exports_the_engine_counters(cluster) -> None:
+    """--metrics-port on a decode worker: the engine's counters as Prometheus counters, moving with the
+    requests it decodes (pdserve/app/worker_metrics.py)."""
+    def counters() -> dict[str, float]:  # each name summed over its labels (finished: every reason)
+        out: dict[str, float] = {}
+        for key, value in scrape_metrics(cluster.decode_metrics_port).items():
+            if key.startswith("pdserve_worker_"):
+                name = key.split("{")[0]
+                out[name] = out.get(name, 0.0) + value
+        return out
+
+    before = counters()
+    got = run_concurrently(cluster.router, prompts()[:3], [6, 6, 6])
+    after = counters()
+    assert all(len(r.token_ids) == 6 for r in got)
+    # the first token of each comes from the prefill worker; the decode worker samples the other five
+    gained = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert gained["pdserve_worker_generated_tokens_total"] >= 15
+    assert gained["pdserve_worker_steps_total"] > 0
+    assert gained["pdserve_worker_finished_requests_total"] >= 3
+    assert after["pdserve_worker_total_blocks"] > 0
 
 
 def test_text_prompt_and_session_reuse(cluster) -> None:
