@@ -38,18 +38,18 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+
+from gpu_kernel_variants import DEFAULT_KERNEL_CONFIGS, KERNEL_CONFIGS, fused_ops_variant  # noqa: E402
 
 from engine.attention import backend_geometry  # noqa: E402
 from engine.attention.base import BatchSpec  # noqa: E402
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend  # noqa: E402
 from engine.checkpoint import preset_config  # noqa: E402
 from engine.cuda_graphs import CudaGraphConfig, DecodeGraphRunner  # noqa: E402
-from engine.gemv import LONG_ROW  # noqa: E402
 from engine.kv_layout import KVLayout  # noqa: E402
 from engine.model import CausalLM  # noqa: E402
 from pdserve.settings import bench_command  # noqa: E402
@@ -252,76 +252,6 @@ def roofline(model: CausalLM, cfg, ceil: dict, quick: bool, *, tensor_cores: boo
     }
 
 
-# The decode kernel configurations the variant compares: CausalLM.set_fused_ops arguments, and
-# "long_rows": False for engine.gemv without its long-row configuration (the down product).
-KERNEL_CONFIGS = {
-    "torch": {"enabled": False},  # torch element-wise ops, cuBLAS products
-    "fused": {"enabled": True, "gemv": False},  # engine.fused_ops, cuBLAS products
-    "fused+gemv": {"enabled": True, "gemv": True},  # engine.fused_ops, engine.gemv at batch 1 (default)
-    "fused+gemv-short-rows": {"enabled": True, "gemv": True, "long_rows": False},
-}
-DEFAULT_KERNEL_CONFIGS = ("torch", "fused", "fused+gemv")
-
-
-def _kernel_config(model: CausalLM, spec: dict) -> None:
-    """Put ``model`` in one of ``KERNEL_CONFIGS`` (``_kernel_config_reset`` undoes it)."""
-    from engine import gemv
-
-    gemv.LONG_ROW = LONG_ROW  # the previous configuration's tweak, if any, undone
-
-    kw = {k: spec[k] for k in ("enabled", "gemv") if k in spec}
-    if model.set_fused_ops(**kw) is not spec["enabled"]:
-        raise RuntimeError(f"set_fused_ops({kw}) did not take")
-    if (model.linear is not F.linear) is not spec.get("gemv", False):
-        raise RuntimeError(f"set_fused_ops({kw}): the batch-1 product did not follow")
-    if not spec.get("long_rows", True):
-        gemv.LONG_ROW = 1 << 62
-
-
-def _kernel_config_reset(model: CausalLM) -> None:
-    from engine import gemv
-
-    gemv.LONG_ROW = LONG_ROW
-    model.set_fused_ops()  # back to the engine's own choice
-
-
-def fused_ops_variant(model: CausalLM, cfg, ceil: dict, quick: bool, rounds: int = 2,
-                      configs: tuple[str, ...] = DEFAULT_KERNEL_CONFIGS) -> dict:
-    """Decode steps under each of ``configs`` (``KERNEL_CONFIGS``: torch ops; ``engine.fused_ops``' Triton
-    kernels; the kernels plus ``engine.gemv``'s batch-1 products, with or without its long-row
-    configuration), each through freshly captured graphs, alternated over ``rounds`` in one run; each
-    cell is the median of its rounds."""
-    batches, contexts = ([1, 64], [1024]) if quick else ([1, 16, 64], [1024, 4096])
-    runs: dict[str, list[dict]] = {name: [] for name in configs}
-    try:
-        for turn in range(rounds):
-            for name in configs:
-                _kernel_config(model, KERNEL_CONFIGS[name])
-                print(f"  decode, {name} (round {turn + 1}/{rounds}):", flush=True)
-                runs[name].append(roofline(model, cfg, ceil, quick, with_prefill=False, batches=batches,
-                                           contexts=contexts))
-    except Exception as exc:  # a variant must not cost the rest of the run
-        return {"status": "not run", "reason": f"{type(exc).__name__}: {exc}"}
-    finally:
-        _kernel_config_reset(model)
-    rows = []
-    for i, cell in enumerate(runs[configs[0]][0]["decode"]):
-        row = {"batch": cell["batch"], "context": cell["context"], "hbm_bound_ms": cell["hbm_bound_ms"]}
-        for name in configs:
-            step = statistics.median(run["decode"][i]["step_ms"] for run in runs[name])
-            row[f"{name}_step_ms"] = step
-            row[f"{name}_fraction_of_bound"] = cell["hbm_bound_ms"] / step
-            row[f"{name}_rounds_ms"] = [run["decode"][i]["step_ms"] for run in runs[name]]
-            row[f"{name}_replay_ms"] = statistics.median(run["decode"][i]["replay_ms"]
-                                                         for run in runs[name])
-        rows.append(row)
-        print(f"  b={row['batch']:3d} ctx={row['context']:5d}: "
-              + ", ".join(f"{name} {row[f'{name}_step_ms']:.2f} ms ({row[f'{name}_fraction_of_bound']:.1%})"
-                          for name in configs), flush=True)
-    return {"decode": rows, "configs": {name: KERNEL_CONFIGS[name] for name in configs}, "rounds": rounds,
-            "runs": runs}
-
-
 @torch.inference_mode()
 def prefill_4k(model: CausalLM, cfg, ceil: dict, kw: dict, tokens: int = 4096) -> dict:
     layout = KVLayout.for_model(cfg, block_size=BLOCK, dtype="bfloat16", memory="cuda")
@@ -420,7 +350,7 @@ def main() -> None:
                                                             contexts=[1024, 4096])
             save()
         if args.variants or args.kernel_variants:
-            result["decode_fused_ops_variant"] = fused_ops_variant(model, cfg, ceil, args.quick,
+            result["decode_fused_ops_variant"] = fused_ops_variant(roofline, model, cfg, ceil, args.quick,
                                                                    rounds=args.kernel_rounds,
                                                                    configs=tuple(args.kernel_configs.split(",")))
             save()
