@@ -106,9 +106,16 @@ def test_docker_stop_drains_a_decode_container_under_load(target) -> None:
     at_sigterm: dict[str, object] = {}
 
     def streams_in_flight_on_victim() -> None:
-        # What the kubelet would do after preStop; first make sure the victim is really mid-stream.
-        e2e.wait_until(lambda: worker_stats(target, victim).num_running > 0, 60, f"streams on {victim}")
-        at_sigterm["running"] = worker_stats(target, victim).num_running
+        # What the kubelet would do after preStop; first make sure the victim is really mid-stream. The
+        # count kept is the one that ended the wait: a second read could already see those streams done.
+        seen: list[int] = []
+
+        def running() -> bool:
+            seen.append(worker_stats(target, victim).num_running)
+            return seen[-1] > 0
+
+        e2e.wait_until(running, 60, f"streams on {victim}")
+        at_sigterm["running"] = seen[-1]
         at_sigterm["results"] = len(load.results)
 
     with e2e.Load(target.router, clients=4, max_tokens=64) as load:
