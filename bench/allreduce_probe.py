@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -33,6 +31,10 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from bench.gpu import events_ms  # noqa: E402
+from pdserve.probe import free_port  # noqa: E402
+from pdserve.settings import bench_command, environment  # noqa: E402
 
 HIDDEN = 4096
 
@@ -91,15 +93,7 @@ def _graph_us(fn, x: torch.Tensor, calls: int, rounds: int) -> float:
         y = x
         for _ in range(calls):
             y = fn(y).mul_(0.5)
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return round(statistics.median(times), 2)
+    return round(events_ms(graph.replay, rounds, warmup=1) * 1e3 / calls, 2)
 
 
 def main() -> None:
@@ -114,16 +108,18 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     size = len(args.gpus.split(","))
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    if len(set(args.gpus.split(","))) < size:  # ranks sharing a GPU: torch refuses that unless told
-        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    port = free_port()
+    # The ranks inherit this: NVLink multicast stays off (shared hosts), and ranks sharing a GPU are
+    # refused by torch unless told.
+    env = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    if len(set(args.gpus.split(","))) < size:
+        env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args, port, queue)) for r in range(size)]
-    for p in procs:
-        p.start()
+    with environment(env):
+        for p in procs:
+            p.start()
     results = dict(queue.get(timeout=600) for _ in range(size))
     for p in procs:
         p.join(60)
@@ -142,8 +138,6 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"allreduce-probe-{name}-{dt.date.today().isoformat()}.json"
-    from pdserve.settings import bench_command
-
     path.write_text(json.dumps({"benchmark": "allreduce-probe", "command": bench_command(), "gpus": args.gpus,
                                 "torch": torch.__version__, "settings": vars(args), "all_exact": exact,
                                 "ranks": results}, indent=1) + "\n")
@@ -152,5 +146,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     main()

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import random
 import statistics
 import time
@@ -51,6 +50,7 @@ from engine.checkpoint import preset_config, write_random_checkpoint
 from engine.engine import EngineConfig, LLMEngine
 from pdserve.app.tp_ranks import rank_device, start_ranks
 from pdserve.sampling import SamplingParams
+from pdserve.settings import environment
 
 GREEDY_PROMPTS, GREEDY_TOKENS = 4, 16
 
@@ -261,15 +261,9 @@ def main() -> None:
         preset, size, allreduce = (item.split(":", 2) + [""])[:3]
         print(f"# {preset} TP {size}" + (f" PDSERVE_TP_ALLREDUCE={allreduce}" if allreduce else ""),
               flush=True)
-        before = os.environ.get("PDSERVE_TP_ALLREDUCE")
-        if allreduce:  # read by every rank's TPGroup (the ranks inherit this environment)
-            os.environ["PDSERVE_TP_ALLREDUCE"] = allreduce
-        try:
+        # read by every rank's TPGroup (the ranks inherit this environment)
+        with environment({"PDSERVE_TP_ALLREDUCE": allreduce} if allreduce else {}):
             rows.append(run_one(preset, int(size), args, ceil, reference))
-        finally:
-            os.environ.pop("PDSERVE_TP_ALLREDUCE", None)
-            if before is not None:
-                os.environ["PDSERVE_TP_ALLREDUCE"] = before
         r = rows[-1]
         same = first.setdefault((preset, size), r)
         if same is not r:  # the same model and ranks summing another way: tokens and time side by side

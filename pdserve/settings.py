@@ -11,10 +11,11 @@ Nothing else in the project reads PDSERVE_* variables.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 
 ROLES = ("prefill", "decode", "router", "colocated")
@@ -321,6 +322,22 @@ def bench_command() -> str:
     import sys
 
     return os.environ.get("PDSERVE_BENCH_COMMAND") or shlex.join([sys.executable, *sys.argv])
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` set in this process's environment, and so in every child it starts, while the body
+    runs; what was there before is put back after (benchmarks comparing worker settings side by side)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def overlap_steps() -> bool | None:

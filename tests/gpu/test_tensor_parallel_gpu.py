@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from test_engine_gpu import _drive
 
 from engine.engine import EngineConfig, LLMEngine
 from pdserve.app.tp_ranks import rank_device, start_ranks
@@ -24,7 +25,7 @@ DEVICE = "cuda"  # the ranks' device setting ("cpu" runs the same path over gloo
 
 def _generate(path, *, overlap_steps: bool) -> tuple[dict, str]:
     """Greedy and seeded requests that stop by length (the same batches either way) through a TP-2
-    engine; returns (request id -> (tokens, logprobs)), the group's all-reduce mode)."""
+    engine; returns (request id -> (tokens, finish reason, logprobs)), the group's all-reduce mode)."""
     config = EngineConfig(model=str(path), device=rank_device(DEVICE, 0), num_blocks=256, max_num_seqs=8,
                           max_num_batched_tokens=512, enable_prefix_caching=False,
                           overlap_steps=overlap_steps)
@@ -35,19 +36,11 @@ def _generate(path, *, overlap_steps: bool) -> tuple[dict, str]:
             g = random.Random(5)
             vocab = engine.model_config.vocab_size
             prompts = [[g.randrange(3, vocab) for _ in range(n)] for n in (5, 33, 80, 17)]
-            for i, p in enumerate(prompts):
-                engine.add_request(f"g{i}", p, SamplingParams(max_tokens=10 + 4 * i, logprobs=1,
-                                                              ignore_eos=True))
-            engine.add_request("s", prompts[1], SamplingParams(max_tokens=16, temperature=0.8, top_k=40,
-                                                               seed=3, logprobs=1, ignore_eos=True))
-            out: dict = {}
-            while engine.has_unfinished():
-                for o in engine.step():
-                    toks, lps = out.setdefault(o.request_id, ([], []))
-                    toks += o.new_token_ids
-                    lps += [(lp.token_id, lp.logprob) for lp in (o.new_logprobs or [])]
-            engine.sync()
-            assert engine.leak_report() is None, engine.leak_report()
+            requests = {f"g{i}": (p, SamplingParams(max_tokens=10 + 4 * i, logprobs=1, ignore_eos=True))
+                        for i, p in enumerate(prompts)}
+            requests["s"] = (prompts[1], SamplingParams(max_tokens=16, temperature=0.8, top_k=40, seed=3,
+                                                        logprobs=1, ignore_eos=True))
+            out = _drive(engine, requests)  # id -> (tokens, finish reason, logprobs); leak-checked
             return out, ranks.group.allreduce_mode
         finally:
             engine.close()

@@ -117,3 +117,15 @@ def test_tp_allreduce(monkeypatch) -> None:
         monkeypatch.setenv("PDSERVE_TP_ALLREDUCE", bad)
         with pytest.raises(ValueError, match="PDSERVE_TP_ALLREDUCE"):
             tp_allreduce()
+
+
+def test_environment_sets_for_the_body_and_puts_back(monkeypatch) -> None:
+    import os
+
+    from pdserve.settings import environment
+
+    monkeypatch.setenv("PDSERVE_TEST_KEPT", "before")
+    monkeypatch.delenv("PDSERVE_TEST_NEW", raising=False)
+    with environment({"PDSERVE_TEST_KEPT": "inside", "PDSERVE_TEST_NEW": "1"}):
+        assert (os.environ["PDSERVE_TEST_KEPT"], os.environ["PDSERVE_TEST_NEW"]) == ("inside", "1")
+    assert os.environ["PDSERVE_TEST_KEPT"] == "before" and "PDSERVE_TEST_NEW" not in os.environ
