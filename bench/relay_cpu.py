@@ -3,11 +3,13 @@
     python -m bench.relay_cpu --model DIR --trees /tmp/old,/work/main --rounds 3 \
         --rate 20 --num-requests 120 --output-len 128 --json out.json
     python -m bench.relay_cpu --model DIR --variant 1= --variant 4="--stream-interval 4"
+    python -m bench.relay_cpu --model DIR --router-variant mux= --router-variant calls="--decode-mux off"
     python -m bench.relay_cpu --model DIR --rounds 1 --output-len 2 --num-requests 300 --rate 40 \
         --py-spy .venv/bin/py-spy   # the per-request part, and where the router's main thread goes
 
 Each round runs every (tree, variant) pair once, alternating: a variant is a name and extra ``pdserve
-serve`` flags for the workers (default: one variant, no extra flags).
+serve`` flags for the workers (default: one variant, no extra flags), or with ``--router-variant`` for
+the router.
 
 Each round starts one cluster per tree (alternating, so both see the same box), runs the same
 ``pdserve bench`` load against it (same seed: same prompts, greedy), and reads each process's own
@@ -98,7 +100,8 @@ def one(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="relaycpu-") as run_dir, \
             LocalCluster(args.model, prefill=1, decode=1, transport="tcp", run_dir=run_dir,
                          worker_args=("--num-blocks", "1024", "--max-num-seqs", "64",
-                                      *shlex.split(args.worker_args))) as c:
+                                      *shlex.split(args.worker_args)),
+                         router_args=tuple(shlex.split(args.router_args))) as c:
         pids = {"router": c.cluster.router.pid}
         for h in c.workers:
             pids[h.role] = h.pid
@@ -154,28 +157,34 @@ def main() -> None:
     ap.add_argument("--json", help="write every run and the medians here")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="extra worker flags under a name, e.g. 4='--stream-interval 4' (repeatable)")
+    ap.add_argument("--router-variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="extra router flags under a name, e.g. calls='--decode-mux off' (repeatable)")
     ap.add_argument("--py-spy-raw", default="", metavar="FILE",
                     help="with --py-spy: keep the router's raw samples here (read by bench/pyspy_threads.py)")
     ap.add_argument("--py-spy", default="", metavar="BIN",
                     help="also sample the router under the load with this py-spy (--native; needs ptrace) "
                          "and report where its main thread was busy (router_main_thread in the JSON)")
     ap.add_argument("--worker-args", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--router-args", default="", help=argparse.SUPPRESS)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(args)))
         return
-    variants = dict(v.split("=", 1) for v in args.variant) or {"": ""}
+    variants = {name: ("", flags) for name, flags in (v.split("=", 1) for v in args.variant)}
+    variants.update({name: (flags, "") for name, flags in (v.split("=", 1) for v in args.router_variant)})
+    variants = variants or {"": ("", "")}
     runs: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
         for tree in [str(Path(t).resolve()) for t in args.trees.split(",")]:
-            for name, flags in variants.items():
+            for name, (router_flags, flags) in variants.items():
                 key = f"{tree} {name}".strip()
                 env = {**os.environ, "PYTHONPATH": tree}
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--model", args.model,
                        "--rate", str(args.rate), "--num-requests", str(args.num_requests),
                        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                       "--worker-args", flags, *(["--py-spy", args.py_spy] if args.py_spy else []),
+                       f"--worker-args={flags}", f"--router-args={router_flags}",
+                       *(["--py-spy", args.py_spy] if args.py_spy else []),
                        *(["--py-spy-raw", args.py_spy_raw] if args.py_spy_raw else [])]
                 out = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True)
                 runs.setdefault(key, []).append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
 import grpc
 
+from decode_service.mux import DecodeManySession
 from decode_service.worker import DecodeWorker
 from pdserve.server import abort_from
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
@@ -14,7 +18,8 @@ DEFAULT_KV_WAIT_MS = 30_000
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, worker: DecodeWorker, *, address: str, transports: list[str],
-                 role: str = "decode", stream_interval: int = 1) -> None:
+                 role: str = "decode", stream_interval: int = 1,
+                 draining: asyncio.Event | None = None) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.worker = worker
@@ -24,6 +29,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # A message goes out once it holds this many tokens (a stream's first message and its last go at
         # once): fewer messages for the router to relay, burstier delivery (--stream-interval).
         self.stream_interval = stream_interval
+        # set when the server starts draining: DecodeMany refuses new streams and ends its call once
+        # the streams it carries are done (the role hands in GrpcServer.draining)
+        self.draining = draining if draining is not None else asyncio.Event()
 
     async def Allocate(self, request: decode_pb2.AllocateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -40,33 +48,41 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             transports=self.transports, incarnation=self.worker.incarnation)
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        try:
+            async for msg in self.responses(request):
+                yield msg
+        except Exception as exc:
+            await abort_from(context, exc)
+
+    async def DecodeMany(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        await DecodeManySession(self.responses, self.draining).serve(request_iterator, context)
+
+    async def responses(self, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        """One request's Decode stream messages; a failure raises (the caller turns it into a status)."""
         wait_s = (request.kv_wait_ms or DEFAULT_KV_WAIT_MS) / 1000.0
         # The first token counts: it came from the prefill worker, or (local) it is in this stream.
         completion = 0 if request.prefill_locally else 1
         msg, first = decode_pb2.DecodeResponse(), True
-        try:
-            async for outs in self.worker.decode(request.request_id, request.first_token_id, wait_s,
-                                                 prefill_locally=request.prefill_locally):
-                # Every output that was ready goes out as one message: under load the stream catches
-                # up in one write instead of one per token (the proto carries several tokens).
-                for out in outs:
-                    if out.finish_reason == "error":
-                        raise RuntimeError(out.error or "decode failed")
-                    msg.token_ids.extend(out.new_token_ids)
-                    if out.new_logprobs:
-                        msg.logprobs.extend(_logprob_list(out.new_logprobs))
-                        # alternatives ride one entry per token, beside token_ids (logprobs > 0)
-                        msg.top_logprobs.extend(t for t in map(top_logprobs, out.new_logprobs) if t)
-                    if out.finished:
-                        msg.finish_reason = out.finish_reason or "stop"
-                if not (first or msg.finish_reason or len(msg.token_ids) >= self.stream_interval):
-                    continue
-                completion += len(msg.token_ids)
-                msg.completion_tokens = completion
-                yield msg
-                msg, first = decode_pb2.DecodeResponse(), False
-        except Exception as exc:
-            await abort_from(context, exc)
+        async for outs in self.worker.decode(request.request_id, request.first_token_id, wait_s,
+                                             prefill_locally=request.prefill_locally):
+            # Every output that was ready goes out as one message: under load the stream catches
+            # up in one write instead of one per token (the proto carries several tokens).
+            for out in outs:
+                if out.finish_reason == "error":
+                    raise RuntimeError(out.error or "decode failed")
+                msg.token_ids.extend(out.new_token_ids)
+                if out.new_logprobs:
+                    msg.logprobs.extend(_logprob_list(out.new_logprobs))
+                    # alternatives ride one entry per token, beside token_ids (logprobs > 0)
+                    msg.top_logprobs.extend(t for t in map(top_logprobs, out.new_logprobs) if t)
+                if out.finished:
+                    msg.finish_reason = out.finish_reason or "stop"
+            if not (first or msg.finish_reason or len(msg.token_ids) >= self.stream_interval):
+                continue
+            completion += len(msg.token_ids)
+            msg.completion_tokens = completion
+            yield msg
+            msg, first = decode_pb2.DecodeResponse(), False
 
     async def Release(self, request: decode_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
         found = await self.worker.release(request.request_id)

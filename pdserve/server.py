@@ -74,6 +74,9 @@ class GrpcServer:
         self.drain_timeout = drain_timeout
         self._stop_callbacks: list[Callable[[], Awaitable[None]]] = []
         self._stopping = asyncio.Event()
+        # set as the drain begins: servicers with long-lived calls (DecodeMany) refuse new work on
+        # them and end them once idle, so the grace period is not waited out
+        self.draining = asyncio.Event()
         self.serving = False  # what health says; the router's HTTP door reports the same
 
     async def start(self) -> int:
@@ -114,6 +117,7 @@ class GrpcServer:
 
     async def shutdown(self) -> None:
         log.info("draining (up to %.1fs)", self.drain_timeout)
+        self.draining.set()
         await self.set_serving(False)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace=self.drain_timeout)

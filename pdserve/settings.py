@@ -155,6 +155,8 @@ class ServeSettings:
     # or that in place of the push wait (replace), or neither (off): router/shedding.py
     admission_drain: str = "on"
     allocate_queue_size: int = 64
+    # router: a decode worker's Decode streams share one DecodeMany call (router/decode_mux.py)
+    decode_mux: str = "on"
     allocate_queue_wait_s: float = 10.0
     # router / colocated: the largest GenerateRequest accepted on the public port, in bytes; gRPC
     # refuses a larger one (RESOURCE_EXHAUSTED) before it is read into memory or tokenized
@@ -205,6 +207,7 @@ class ServeSettings:
             raise ValueError(f"--kv-memory-gb must be > 0, got {self.kv_memory_gb}")
         _one_of("migration", self.migration, ON_OFF)
         _one_of("admission_drain", self.admission_drain, ADMISSION_DRAIN)
+        _one_of("decode_mux", self.decode_mux, ON_OFF)
         if self.max_request_retries < 0 or self.retry_wait_s < 0:
             raise ValueError("--max-request-retries and --retry-wait-s must be >= 0")
         if not 1024 <= self.max_request_bytes <= 1 << 30:

@@ -52,7 +52,8 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
     metrics.inflight.set_function(lambda: placer.inflight_total)
     await placer.start()
     directory = WorkerDirectory(placer, interval=settings.stats_interval,
-                                drain_timeout_s=max(settings.drain_timeout, 1.0) * 4)
+                                drain_timeout_s=max(settings.drain_timeout, 1.0) * 4,
+                                decode_mux=settings.decode_mux == "on")
     directory.lifecycle = WorkerLifecycle(metrics.registry)
     if settings.tls_dir:  # mutual TLS to every worker: present router.crt, check the worker's role
         from pdserve.server import CHANNEL_OPTIONS

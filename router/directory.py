@@ -31,6 +31,7 @@ import grpc
 
 from pdserve.server import CHANNEL_OPTIONS
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from router.decode_mux import DecodeStreams
 from router.lifecycle import WorkerLifecycle
 from router.placement import Placer, WorkerInfo, WorkerLoad
 
@@ -46,6 +47,7 @@ class WorkerHandle:
     channel: grpc.aio.Channel
     stub: object
     stats: common_pb2.WorkerStats | None = None
+    decode: DecodeStreams | None = None  # a decode worker's Decode streams (router/decode_mux.py)
     answering: bool = False  # answered its last poll: a member of the placer's view
     inflight: int = 0      # requests bound to this handle (acquire .. release)
     removed: bool = False  # gone from discovery: never placed on again, closed once drained
@@ -66,8 +68,9 @@ class WorkerHandle:
 
 class WorkerDirectory:
     def __init__(self, placer: Placer, *, interval: float = 0.5,
-                 drain_timeout_s: float = REMOVED_GRACE_S) -> None:
+                 drain_timeout_s: float = REMOVED_GRACE_S, decode_mux: bool = True) -> None:
         self.placer = placer
+        self.decode_mux = decode_mux
         self.interval = interval
         self.drain_timeout_s = drain_timeout_s
         self._by_addr: dict[str, WorkerHandle] = {}
@@ -91,7 +94,9 @@ class WorkerDirectory:
                 channel = self.open_channel(addr, role)
                 stub = (prefill_pb2_grpc.PrefillStub(channel) if role == "prefill"
                         else decode_pb2_grpc.DecodeStub(channel))
-                self._by_addr[addr] = WorkerHandle(address=addr, role=role, channel=channel, stub=stub)
+                decode = None if role == "prefill" else DecodeStreams(stub, addr, enabled=self.decode_mux)
+                self._by_addr[addr] = WorkerHandle(address=addr, role=role, channel=channel, stub=stub,
+                                                   decode=decode)
         await self.poll_once()
 
     def open_channel(self, address: str, role: str) -> grpc.aio.Channel:
@@ -120,6 +125,8 @@ class WorkerDirectory:
             return
         h.closed = True
         self._draining.discard(h)
+        if h.decode is not None:
+            h.decode.close()
         self._spawn(h.channel.close(grace=grace))
 
     def _spawn(self, coro) -> None:
@@ -217,6 +224,8 @@ class WorkerDirectory:
     async def close(self) -> None:
         for h in [*self._by_addr.values(), *self._draining]:
             h.closed = True
+            if h.decode is not None:
+                h.decode.close()
             await h.channel.close()
         self._by_addr.clear()
         self._draining.clear()

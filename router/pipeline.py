@@ -290,20 +290,19 @@ class Pipeline:
 
     async def _decode_phase(self, req: Admitted, d, first_token_id: int, timeout: float | None,
                             local: bool = False) -> AsyncIterator[object]:
-        call = d.stub.Decode(decode_pb2.DecodeRequest(
-            request_id=req.request_id, first_token_id=first_token_id, kv_wait_ms=self.lease_ms,
-            prefill_locally=local), timeout=timeout)
+        request = decode_pb2.DecodeRequest(request_id=req.request_id, first_token_id=first_token_id,
+                                           kv_wait_ms=self.lease_ms, prefill_locally=local)
         try:
-            async for msg in call:
-                if msg.token_ids:
-                    yield Tokens(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs))
-                if msg.finish_reason:
-                    yield (msg.finish_reason, msg.completion_tokens)
-                    return
+            # one Decode call, or a share of the worker's DecodeMany call: the same messages either way
+            async with contextlib.aclosing(d.decode.stream(request, timeout)) as stream:
+                async for msg in stream:
+                    if msg.token_ids:
+                        yield Tokens(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs))
+                    if msg.finish_reason:
+                        yield (msg.finish_reason, msg.completion_tokens)
+                        return
         except grpc.aio.AioRpcError as exc:
             raise _failed(exc, d.worker_id, "decode") from None
-        finally:
-            call.cancel()
 
     def _feedback(self, preq: PlacementRequest, placement: Placement, meta: ServingMeta, *, success: bool,
                   error: str = "", failed: str = "", decode_hashes: list[int] | None = None) -> None:

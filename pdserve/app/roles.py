@@ -210,7 +210,7 @@ async def _decode(settings: ServeSettings, server: GrpcServer):
                               block_size=engine.kv_layout.block_size, default_lease_ms=settings.lease_ms)
         worker.start()
         holder.target = DecodeServicer(worker, address=settings.advertise_address, transports=kv.transports,
-                                       stream_interval=settings.stream_interval)
+                                       stream_interval=settings.stream_interval, draining=server.draining)
         server.on_stop(aengine.stop)
         server.on_stop(kv.close)
         server.on_stop(worker.stop)
@@ -247,7 +247,8 @@ async def _colocated(settings: ServeSettings, server: GrpcServer):
                               block_size=engine.kv_layout.block_size, default_lease_ms=settings.lease_ms)
         worker.start()
         decode_holder.target = DecodeServicer(worker, address=settings.advertise_address, transports=[],
-                                              role="colocated", stream_interval=settings.stream_interval)
+                                              role="colocated", stream_interval=settings.stream_interval,
+                                              draining=server.draining)
         server.on_stop(aengine.stop)
         server.on_stop(worker.stop)
 

@@ -62,6 +62,40 @@ class DecodeResponse(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., completion_tokens: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
+class DecodeStart(_message.Message):
+    __slots__ = ("request", "timeout_ms")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request: DecodeRequest
+    timeout_ms: int
+    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class DecodeManyRequest(_message.Message):
+    __slots__ = ("starts", "cancels")
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
+    starts: _containers.RepeatedCompositeFieldContainer[DecodeStart]
+    cancels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, starts: _Optional[_Iterable[_Union[DecodeStart, _Mapping]]] = ..., cancels: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DecodeUpdate(_message.Message):
+    __slots__ = ("request_id", "response", "code", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: DecodeResponse
+    code: int
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[DecodeResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DecodeManyResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[DecodeUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DecodeUpdate, _Mapping]]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -46,6 +46,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeMany = channel.stream_stream(
+                '/pdserve.v1.Decode/DecodeMany',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeManyRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeManyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.Decode/Release',
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.ReleaseRequest.SerializeToString,
@@ -75,6 +80,15 @@ class DecodeServicer:
 
     def Decode(self, request, context):
         """Wait for the KV-complete signal, join the decode batch with the first token, stream the rest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeMany(self, request_iterator, context):
+        """The Decode streams of many requests on one long-lived call (one per router and decode worker):
+        the router starts and cancels streams by request id; each response carries every update that
+        was ready, for all of them. Saves a call per request and a message per token per stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,6 +125,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMany,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeManyRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeManyResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -182,6 +201,33 @@ class Decode:
             '/pdserve.v1.Decode/Decode',
             pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Decode/DecodeMany',
+            pdserve_dot_v1_dot_decode__pb2.DecodeManyRequest.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.DecodeManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,188 @@
+"""The router's end of DecodeMany: every Decode stream to one decode worker on one long-lived call.
+
+Why: a Decode call per request costs the router a call set-up and, per token, one message to read
+for each stream; gRPC's per-call and per-message costs are most of the router's CPU
+(docs/cluster.md, "The gRPC floor"). On one DecodeMany call a request is a ``DecodeStart`` in a
+message that may carry others, and one response carries every stream's update of an engine step
+(``decode_service/mux.py`` is the worker's end).
+
+``DecodeStreams.stream(request, timeout)`` yields the same ``DecodeResponse`` messages a Decode call
+would, and raises ``grpc.aio.AioRpcError`` with the status that call would have ended with, so the
+pipeline cannot tell the two apart.
+
+Lifecycle of a call (``_Call``)::
+
+    opened      by the first stream when none is open (or the last one broke)
+    writer      sends every queued start and cancel as one message when woken
+    reader      hands each update to its request's queue; an update for a request no longer read
+                (cancelled, timed out) is dropped
+    request     registered -> start queued -> updates until finish_reason or a status ->
+                unregistered; leaving early (client gone, deadline, error) queues a cancel, which
+                frees the request on the worker as a cancelled Decode call would
+    broken      the worker died, was restarted or finished draining: every request on the call gets
+                its status (UNAVAILABLE when the call ended cleanly under it), so the router migrates
+                them; the next stream opens a new call, to whatever incarnation answers now
+
+A worker without DecodeMany (UNIMPLEMENTED: an older build) is remembered and served by one Decode
+call per request from then on; ``enabled=False`` (``--decode-mux off``) does the same for all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.v1 import decode_pb2
+
+log = logging.getLogger(__name__)
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a Decode call would have raised with this status."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class _Call:
+    """One DecodeMany call and the requests streaming on it."""
+
+    def __init__(self, stub, name: str) -> None:
+        self.name = name
+        self.call = stub.DecodeMany()
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.starts: list[decode_pb2.DecodeStart] = []
+        self.cancels: list[str] = []
+        self.broken: grpc.aio.AioRpcError | None = None
+        self.messages_received = 0
+        self.updates_received = 0
+        self._wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self._writer = loop.create_task(self._write())
+        self._reader = loop.create_task(self._read())
+
+    def start(self, request: decode_pb2.DecodeRequest, timeout: float | None) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request.request_id] = queue
+        timeout_ms = max(1, int(timeout * 1000)) if timeout is not None else 0
+        self.starts.append(decode_pb2.DecodeStart(request=request, timeout_ms=timeout_ms))
+        self._wake.set()
+        return queue
+
+    def leave(self, request_id: str, *, cancel: bool) -> None:
+        self.queues.pop(request_id, None)
+        if cancel and self.broken is None:
+            self.cancels.append(request_id)
+            self._wake.set()
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if not (self.starts or self.cancels):
+                    continue
+                msg = decode_pb2.DecodeManyRequest(starts=self.starts, cancels=self.cancels)
+                self.starts, self.cancels = [], []
+                await self.call.write(msg)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass  # the call is over: the reader reports why
+        except Exception:  # never leave the starts unsent with the call open: end it, the reader reports
+            log.exception("DecodeMany writer to %s failed", self.name)
+            self.call.cancel()
+
+    async def _read(self) -> None:
+        err: grpc.aio.AioRpcError
+        try:
+            async for msg in self.call:
+                queues = self.queues
+                self.messages_received += 1
+                self.updates_received += len(msg.updates)
+                for update in msg.updates:
+                    queue = queues.get(update.request_id)
+                    if queue is not None:
+                        queue.put_nowait(update)
+            err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.name} ended its stream")
+        except grpc.aio.AioRpcError as exc:
+            err = exc
+        except asyncio.CancelledError:
+            err = rpc_error(grpc.StatusCode.CANCELLED, f"decode stream to {self.name} closed")
+        self.broken = err
+        self._writer.cancel()
+        for queue in self.queues.values():
+            queue.put_nowait(err)
+
+    def close(self) -> None:
+        self.call.cancel()
+        self._reader.cancel()
+
+
+class DecodeStreams:
+    """Decode streams to one decode worker, multiplexed on DecodeMany unless off or unsupported."""
+
+    def __init__(self, stub, name: str, *, enabled: bool = True) -> None:
+        self.stub = stub
+        self.name = name
+        self.enabled = enabled
+        self._call: _Call | None = None
+
+    async def stream(self, request: decode_pb2.DecodeRequest,
+                     timeout: float | None) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        if not self.enabled:
+            async for msg in self._one_call(request, timeout):
+                yield msg
+            return
+        call = self._call
+        if call is None or call.broken is not None:
+            call = self._call = _Call(self.stub, self.name)
+        rid = request.request_id
+        if rid in call.queues:
+            raise rpc_error(grpc.StatusCode.ALREADY_EXISTS,
+                            f"request {rid!r} already streams from {self.name}")
+        queue = call.start(request, timeout)
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        finished = False
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        update = await queue.get()
+                except TimeoutError:
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                if isinstance(update, grpc.aio.AioRpcError):
+                    finished = True
+                    if update.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        break  # an older worker: one Decode call per request from now on
+                    raise update
+                if update.code:
+                    finished = True
+                    raise rpc_error(_CODES.get(update.code, grpc.StatusCode.UNKNOWN), update.message)
+                msg = update.response
+                finished = bool(msg.finish_reason)  # the worker's stream is over: nothing to cancel
+                yield msg
+                if finished:
+                    return
+        finally:
+            call.leave(rid, cancel=not finished)
+        log.warning("decode worker %s has no DecodeMany: one Decode call per request", self.name)
+        self.enabled = False
+        async for msg in self._one_call(request, timeout):
+            yield msg
+
+    async def _one_call(self, request: decode_pb2.DecodeRequest,
+                        timeout: float | None) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        call = self.stub.Decode(request, timeout=timeout)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.close()
+            self._call = None
