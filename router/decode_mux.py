@@ -121,6 +121,19 @@ class _Call:
         self._reader.cancel()
 
 
+def _merged(msgs: list[decode_pb2.DecodeResponse]) -> decode_pb2.DecodeResponse:
+    """Consecutive messages of one stream as the one message a Decode call would have sent had they
+    been ready together: tokens, logprobs and alternatives in order, the last count and finish."""
+    out = decode_pb2.DecodeResponse()
+    for m in msgs:
+        out.token_ids.extend(m.token_ids)
+        out.logprobs.extend(m.logprobs)
+        out.top_logprobs.extend(m.top_logprobs)
+    out.completion_tokens = msgs[-1].completion_tokens
+    out.finish_reason = msgs[-1].finish_reason
+    return out
+
+
 class DecodeStreams:
     """Decode streams to one decode worker, multiplexed on DecodeMany unless off or unsupported."""
 
@@ -150,22 +163,31 @@ class DecodeStreams:
             while True:
                 try:
                     async with asyncio.timeout_at(deadline):
-                        update = await queue.get()
+                        ready = [await queue.get()]
                 except TimeoutError:
                     raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-                if isinstance(update, grpc.aio.AioRpcError):
-                    finished = True
-                    if update.code() == grpc.StatusCode.UNIMPLEMENTED:
+                while not queue.empty():  # the router fell behind: what is ready goes on as one message
+                    ready.append(queue.get_nowait())
+                tokens, end = [], None  # the messages up to the first status; a status ends the stream
+                for u in ready:
+                    if isinstance(u, grpc.aio.AioRpcError) or u.code:
+                        end = u
+                        break
+                    tokens.append(u.response)
+                if tokens:
+                    msg = tokens[0] if len(tokens) == 1 else _merged(tokens)
+                    finished = bool(msg.finish_reason)  # the worker's stream is over: nothing to cancel
+                    yield msg
+                    if finished:
+                        return
+                if end is None:
+                    continue
+                finished = True
+                if isinstance(end, grpc.aio.AioRpcError):
+                    if end.code() == grpc.StatusCode.UNIMPLEMENTED:
                         break  # an older worker: one Decode call per request from now on
-                    raise update
-                if update.code:
-                    finished = True
-                    raise rpc_error(_CODES.get(update.code, grpc.StatusCode.UNKNOWN), update.message)
-                msg = update.response
-                finished = bool(msg.finish_reason)  # the worker's stream is over: nothing to cancel
-                yield msg
-                if finished:
-                    return
+                    raise end
+                raise rpc_error(_CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message)
         finally:
             call.leave(rid, cancel=not finished)
         log.warning("decode worker %s has no DecodeMany: one Decode call per request", self.name)

@@ -286,3 +286,18 @@ def test_decode_many_on_a_real_decode_worker_is_token_exact_and_gives_every_bloc
             await ae.stop()
 
     asyncio.run(main())
+
+
+def test_updates_that_queued_up_behind_a_slow_reader_arrive_as_one_message():
+    async def main():
+        fake = FakeDecode({"r": list(range(12))})
+        async with serving(fake) as (_, streams):
+            gen = streams.stream(decode_pb2.DecodeRequest(request_id="r"), 10.0)
+            first = await anext(gen)
+            await asyncio.sleep(0.3)  # a busy router: the worker's next messages wait in the queue
+            rest = [msg async for msg in gen]
+            assert list(first.token_ids) + [t for m in rest for t in m.token_ids] == list(range(12))
+            assert len(rest) < 11 and rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 12
+            await settled(fake, streams)
+
+    asyncio.run(main())
