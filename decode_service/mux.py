@@ -46,7 +46,8 @@ class DecodeManySession:
         self._responses = responses
         self._draining = draining
         self._tasks: dict[str, asyncio.Task] = {}
-        self._outbox: list[decode_pb2.DecodeUpdate] = []
+        # (request id, message or None, status code, status message): built into one response per write
+        self._outbox: list[_Update] = []
         self._wake = asyncio.Event()
         self._reading = True
 
@@ -60,7 +61,7 @@ class DecodeManySession:
                 while self._outbox:
                     batch = self._outbox[:MAX_UPDATES_PER_MESSAGE]
                     del self._outbox[:MAX_UPDATES_PER_MESSAGE]
-                    await context.write(decode_pb2.DecodeManyResponse(updates=batch))
+                    await context.write(_response(batch))
                 if not self._tasks and (not self._reading or self._draining.is_set()):
                     return
         finally:
@@ -104,7 +105,7 @@ class DecodeManySession:
         try:
             async with asyncio.timeout(timeout):
                 async for msg in self._responses(request):
-                    self._outbox.append(decode_pb2.DecodeUpdate(request_id=rid, response=msg))
+                    self._outbox.append((rid, msg, 0, ""))
                     self._wake.set()
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # cancelled by the router (or the call ending)
@@ -122,10 +123,24 @@ class DecodeManySession:
             self._wake.set()
 
     def _fail(self, rid: str, code: grpc.StatusCode, message: str) -> None:
-        self._outbox.append(decode_pb2.DecodeUpdate(request_id=rid, code=code.value[0], message=message))
+        self._outbox.append((rid, None, code.value[0], message))
         self._wake.set()
 
     async def _on_drain(self) -> None:
         await self._draining.wait()
         self._wake.set()
 
+
+
+_Update = tuple[str, decode_pb2.DecodeResponse | None, int, str]
+
+
+def _response(batch: list[_Update]) -> decode_pb2.DecodeManyResponse:
+    out = decode_pb2.DecodeManyResponse()
+    add = out.updates.add
+    for rid, msg, code, message in batch:
+        if msg is not None:
+            add(request_id=rid).response.CopyFrom(msg)  # the one copy of the message
+        else:
+            add(request_id=rid, code=code, message=message)
+    return out
