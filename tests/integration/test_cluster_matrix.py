@@ -68,3 +68,18 @@ def check_session_turns(router: str) -> None:
             assert second.final["decode_worker"] == first.final["decode_worker"]
             assert second.final["kv_blocks_reused"] >= 70 // 16
             assert second.final["kv_blocks_sent"] == -(-len(history) // 16) - second.final["kv_blocks_reused"]
+
+
+def test_greedy_parity_with_one_decode_call_per_request(make_checkpoint, tmp_path) -> None:
+    """``--decode-mux off``: every request's tokens on a Decode call of its own instead of a share of the
+    decode worker's DecodeMany call (the default, which the other cluster tests run): the same tokens,
+    every block back."""
+    model = make_checkpoint("llama")
+    ps, mt = prompts(), MAX_TOKENS
+    want = reference(model, ps, mt)
+    with LocalCluster(model, transport="tcp", run_dir=tmp_path, router_args=("--decode-mux", "off")) as c:
+        start = c.free_blocks()
+        got = run_concurrently(c.router, ps, mt)
+        assert [r.token_ids for r in got] == want
+        stats = c.wait_idle(start)
+        assert {w: s.free_blocks for w, s in stats.items()} == start

@@ -27,6 +27,9 @@ def test_defaults_env_and_flag_precedence() -> None:
                    "PDSERVE_POLICY": "least_loaded", "PDSERVE_DRAIN_TIMEOUT": "2.5"})
     assert r.prefill == ("a:1", "b:2") and r.decode == ("c:3",)
     assert r.policy == "least_loaded" and r.drain_timeout == 2.5
+    assert r.decode_mux == "on"  # a decode worker's streams share one DecodeMany call by default
+    off = parse(["--role", "router", "--prefill", "a:1", "--decode", "b:2", "--decode-mux", "off"])
+    assert off.decode_mux == "off"
     p = parse(["--role", "prefill", "--model", "/m"])
     assert p.kv_stream_layers == "on"  # layer-wise KV push by default
     p = parse(["--role", "prefill", "--model", "/m"], {"PDSERVE_KV_STREAM_LAYERS": "off"})
@@ -58,6 +61,8 @@ def test_kv_staging_flag_reaches_the_transport() -> None:
     (["--role", "decode", "--model", "m"], {"PDSERVE_TRANSPORT": "rdma"}, "--transport"),
     (["--role", "prefill", "--model", "m"], {"PDSERVE_KV_STREAM_LAYERS": "maybe"}, "--kv-stream-layers"),
     (["--role", "decode", "--model", "m", "--port", "70000"], {}, "--port"),
+    (["--role", "router", "--prefill", "a:1", "--decode", "b:2"], {"PDSERVE_DECODE_MUX": "maybe"},
+     "--decode-mux"),
 ])
 def test_invalid_settings_name_the_problem(argv, env, needle) -> None:
     with pytest.raises(ValueError, match=needle):
