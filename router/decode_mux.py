@@ -113,6 +113,11 @@ class _Call:
             err = rpc_error(grpc.StatusCode.CANCELLED, f"decode stream to {self.name} closed")
         self.broken = err
         self._writer.cancel()
+        if self.queues:  # they migrate (router/migration.py) or fail with the call's status
+            log.warning("DecodeMany call to %s ended under %d stream(s): %s %s", self.name, len(self.queues),
+                        err.code().name, err.details())
+        else:
+            log.info("DecodeMany call to %s ended: %s %s", self.name, err.code().name, err.details())
         for queue in self.queues.values():
             queue.put_nowait(err)
 

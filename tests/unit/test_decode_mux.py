@@ -89,7 +89,7 @@ async def serving(servicer):
     finally:
         streams.close()
         await channel.close()
-        await server.stop(0)
+        await server.stop(0.5)  # the sessions end as the cancelled calls reach them
 
 
 async def collect(streams: DecodeStreams, rid: str, timeout: float | None = 10.0, **kw) -> list[int]:
