@@ -1,34 +1,38 @@
-"""One DecodeMany call: the Decode streams of many requests multiplexed on one long-lived gRPC call.
+"""One DecodeMany call: the Allocates and Decode streams of many requests on one long-lived gRPC call.
 
-A router keeps one such call open per decode worker (``router/decode_mux.py``). Per request it
-sends a ``DecodeStart`` (the same ``DecodeRequest`` a Decode call takes, and what is left of the
-request's deadline); the worker answers with ``DecodeUpdate``s: the messages that request's Decode
-call would have carried, and, for a stream that fails, the status that call would have ended with.
-Every response carries all the updates that were ready when the writer woke, for every request: one
-engine step's tokens for N streams go out as one message instead of N, and a request costs no call
-of its own.
+A router keeps one such call open per decode worker (``router/decode_mux.py``). Per request it sends
+an ``AllocateCall`` (the ``AllocateRequest`` an Allocate call takes) and later a ``DecodeStart``
+(the ``DecodeRequest`` a Decode call takes), each with what is left of the request's deadline; the
+worker answers with an ``AllocateResult`` (the answer, or the status the Allocate call would have
+ended with) and ``DecodeUpdate``s: the messages that request's Decode call would have carried, and,
+for a stream that fails, its status. Every response carries all the results and updates that were
+ready when the writer woke, for every request: one engine step's tokens for N streams go out as one
+message instead of N, and a request costs no call of its own.
 
 Lifecycle of the call::
 
-    reader    starts  -> one task per request: ``responses(request)`` under its deadline, each
-                         message appended to the outbox; a failure appends the mapped status
-              cancels -> that request's task is cancelled (its ``finally`` frees the request, as a
-                         cancelled Decode call's does); nothing more is sent for it
-    writer    wakes when the outbox has updates; sends them all as one response
-    drain     (the server's SIGTERM) new starts are refused with UNAVAILABLE at once; the call ends
-              once the streams it carries are done, so the server's grace period is not waited out
-    end       the router half-closes: the running streams finish, then the call ends. The call is
-              cancelled or broken: every task is cancelled, so every request is freed
+    reader    allocates -> one task per request: ``allocate(request)`` under its deadline, its answer
+                           or status to the outbox
+              starts    -> one task per request: ``responses(request)`` under its deadline, each
+                           message to the outbox; a failure appends the mapped status
+              cancels   -> that request's task is cancelled (an Allocate's frees what it reserved, a
+                           stream's ``finally`` frees the request, as a cancelled call's would);
+                           nothing more is sent for it
+    writer    wakes when the outbox has something; sends it all as one response
+    drain     (the server's SIGTERM) new Allocates and streams are refused with UNAVAILABLE at once;
+              the call ends once what it carries is done, so the server's grace is not waited out
+    end       the router half-closes: what runs finishes, then the call ends. The call is cancelled
+              or broken: every task is cancelled, so every request is freed
 
-Nothing is shared between two calls, and a request id already running on this call is refused
-(ALREADY_EXISTS) rather than run twice.
+Nothing is shared between two calls, and a request id already allocating or streaming on this call
+is refused (ALREADY_EXISTS) rather than run twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -39,91 +43,117 @@ log = logging.getLogger(__name__)
 MAX_UPDATES_PER_MESSAGE = 512  # far under the message size limit even with top logprobs on every token
 
 Responses = Callable[[decode_pb2.DecodeRequest], AsyncIterator[decode_pb2.DecodeResponse]]
+Allocate = Callable[[decode_pb2.AllocateRequest], Awaitable[decode_pb2.AllocateResponse]]
+# (request id, message or None, status code, status message): built into one response per write
+_Entry = tuple[str, object, int, str]
 
 
 class DecodeManySession:
-    def __init__(self, responses: Responses, draining: asyncio.Event) -> None:
+    def __init__(self, responses: Responses, allocate: Allocate, draining: asyncio.Event) -> None:
         self._responses = responses
+        self._allocate = allocate
         self._draining = draining
-        self._tasks: dict[str, asyncio.Task] = {}
-        # (request id, message or None, status code, status message): built into one response per write
-        self._outbox: list[_Update] = []
+        self._streams: dict[str, asyncio.Task] = {}
+        self._allocs: dict[str, asyncio.Task] = {}
+        self._updates: list[_Entry] = []
+        self._allocated: list[_Entry] = []
         self._wake = asyncio.Event()
         self._reading = True
 
+    @property
+    def busy(self) -> bool:
+        return bool(self._streams or self._allocs)
+
     async def serve(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
-        reader = asyncio.get_running_loop().create_task(self._read(request_iterator))
-        drain = asyncio.get_running_loop().create_task(self._on_drain())
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(self._read(request_iterator))
+        drain = loop.create_task(self._on_drain())
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                while self._outbox:
-                    batch = self._outbox[:MAX_UPDATES_PER_MESSAGE]
-                    del self._outbox[:MAX_UPDATES_PER_MESSAGE]
-                    await context.write(_response(batch))
-                if not self._tasks and (not self._reading or self._draining.is_set()):
+                while self._updates or self._allocated:
+                    updates = self._updates[:MAX_UPDATES_PER_MESSAGE]
+                    del self._updates[:MAX_UPDATES_PER_MESSAGE]
+                    allocated = self._allocated[:]  # in place: tasks hold these lists
+                    self._allocated.clear()
+                    await context.write(_response(updates, allocated))
+                if not self.busy and (not self._reading or self._draining.is_set()):
                     return
         finally:
             reader.cancel()
             drain.cancel()
-            tasks = list(self._tasks.values())
+            tasks = [*self._streams.values(), *self._allocs.values()]
             for task in tasks:
                 task.cancel()
-            # each task's finally frees its request on the worker; wait for them all
+            # each task frees its request on the worker as it ends; wait for them all
             await asyncio.gather(reader, drain, *tasks, return_exceptions=True)
 
     async def _read(self, request_iterator) -> None:
         try:
             async for msg in request_iterator:
                 for rid in msg.cancels:
-                    task = self._tasks.get(rid)
-                    if task is not None:
-                        task.cancel()
+                    for tasks in (self._allocs, self._streams):
+                        task = tasks.get(rid)
+                        if task is not None:
+                            task.cancel()
+                for call in msg.allocates:
+                    self._begin(self._allocs, self._allocated, call.request.request_id, call.timeout_ms,
+                                lambda r=call.request: self._allocation(r))
                 for start in msg.starts:
-                    self._start(start)
+                    self._begin(self._streams, self._updates, start.request.request_id, start.timeout_ms,
+                                lambda r=start.request: self._stream(r))
         finally:
             self._reading = False
             self._wake.set()
 
-    def _start(self, start: decode_pb2.DecodeStart) -> None:
-        rid = start.request.request_id
+    def _begin(self, tasks: dict[str, asyncio.Task], out: list[_Entry], rid: str, timeout_ms: int,
+               body: Callable[[], Awaitable[None]]) -> None:
         if self._draining.is_set():
-            self._fail(rid, grpc.StatusCode.UNAVAILABLE, "decode worker is draining: no new streams")
+            self._fail(out, rid, grpc.StatusCode.UNAVAILABLE, "decode worker is draining: no new requests")
         elif not rid:
-            self._fail(rid, grpc.StatusCode.INVALID_ARGUMENT, "DecodeStart needs a request_id")
-        elif rid in self._tasks:
-            self._fail(rid, grpc.StatusCode.ALREADY_EXISTS,
-                       f"request {rid!r} is already streaming on this call")
+            self._fail(out, rid, grpc.StatusCode.INVALID_ARGUMENT, "a request_id is required")
+        elif rid in tasks:
+            self._fail(out, rid, grpc.StatusCode.ALREADY_EXISTS,
+                       f"request {rid!r} is already running on this call")
         else:
-            timeout = start.timeout_ms / 1000.0 if start.timeout_ms > 0 else None
-            task = asyncio.get_running_loop().create_task(self._stream(start.request, timeout))
-            self._tasks[rid] = task
+            timeout = timeout_ms / 1000.0 if timeout_ms > 0 else None
+            tasks[rid] = asyncio.get_running_loop().create_task(self._guard(tasks, out, rid, timeout, body))
 
-    async def _stream(self, request: decode_pb2.DecodeRequest, timeout: float | None) -> None:
-        rid = request.request_id
+    async def _guard(self, tasks: dict[str, asyncio.Task], out: list[_Entry], rid: str, timeout: float | None,
+                     body: Callable[[], Awaitable[None]]) -> None:
+        """``body`` under the deadline; a failure becomes the status its own call would have ended with."""
         try:
             async with asyncio.timeout(timeout):
-                async for msg in self._responses(request):
-                    self._outbox.append((rid, msg, 0, ""))
-                    self._wake.set()
+                await body()
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # cancelled by the router (or the call ending)
                 raise
-            self._fail(rid, grpc.StatusCode.CANCELLED, "decode stream cancelled on the worker")
+            self._fail(out, rid, grpc.StatusCode.CANCELLED, "cancelled on the decode worker")
         except TimeoutError:
-            self._fail(rid, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            self._fail(out, rid, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         except Exception as exc:
             code, message = status_for(exc)
             if code == grpc.StatusCode.INTERNAL:
-                log.error("internal error in the decode stream of %s: %s", rid, message, exc_info=exc)
-            self._fail(rid, code, message)
+                log.error("internal error in request %s on DecodeMany: %s", rid, message, exc_info=exc)
+            self._fail(out, rid, code, message)
         finally:
-            self._tasks.pop(rid, None)
+            tasks.pop(rid, None)
             self._wake.set()
 
-    def _fail(self, rid: str, code: grpc.StatusCode, message: str) -> None:
-        self._outbox.append((rid, None, code.value[0], message))
+    async def _allocation(self, request: decode_pb2.AllocateRequest) -> None:
+        answer = await self._allocate(request)
+        self._allocated.append((request.request_id, answer, 0, ""))
+        self._wake.set()
+
+    async def _stream(self, request: decode_pb2.DecodeRequest) -> None:
+        rid = request.request_id
+        async for msg in self._responses(request):
+            self._updates.append((rid, msg, 0, ""))
+            self._wake.set()
+
+    def _fail(self, out: list[_Entry], rid: str, code: grpc.StatusCode, message: str) -> None:
+        out.append((rid, None, code.value[0], message))
         self._wake.set()
 
     async def _on_drain(self) -> None:
@@ -131,16 +161,12 @@ class DecodeManySession:
         self._wake.set()
 
 
-
-_Update = tuple[str, decode_pb2.DecodeResponse | None, int, str]
-
-
-def _response(batch: list[_Update]) -> decode_pb2.DecodeManyResponse:
+def _response(updates: list[_Entry], allocated: list[_Entry]) -> decode_pb2.DecodeManyResponse:
     out = decode_pb2.DecodeManyResponse()
-    add = out.updates.add
-    for rid, msg, code, message in batch:
-        if msg is not None:
-            add(request_id=rid).response.CopyFrom(msg)  # the one copy of the message
-        else:
-            add(request_id=rid, code=code, message=message)
+    for entries, add in ((updates, out.updates.add), (allocated, out.allocated.add)):
+        for rid, msg, code, message in entries:
+            if msg is not None:
+                add(request_id=rid).response.CopyFrom(msg)  # the one copy of the message
+            else:
+                add(request_id=rid, code=code, message=message)
     return out

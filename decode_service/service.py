@@ -35,13 +35,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Allocate(self, request: decode_pb2.AllocateRequest, context: grpc.aio.ServicerContext):
         try:
-            if not request.request_id or not request.prompt_ids:
-                raise ValueError("Allocate needs a request_id and a non-empty prompt")
-            params = sampling_from_proto(request.sampling)
-            alloc = await self.worker.allocate(request.request_id, list(request.prompt_ids), params,
-                                               request.lease_ms)
+            return await self.allocation(request)
         except Exception as exc:
             await abort_from(context, exc)
+
+    async def allocation(self, request: decode_pb2.AllocateRequest) -> decode_pb2.AllocateResponse:
+        """One Allocate's answer; a failure raises (the caller turns it into a status)."""
+        if not request.request_id or not request.prompt_ids:
+            raise ValueError("Allocate needs a request_id and a non-empty prompt")
+        params = sampling_from_proto(request.sampling)
+        alloc = await self.worker.allocate(request.request_id, list(request.prompt_ids), params,
+                                           request.lease_ms)
         return decode_pb2.AllocateResponse(
             worker_id=self.worker.worker_id, block_ids=alloc.block_ids,
             num_cached_tokens=alloc.num_cached_tokens, kv_endpoint=alloc.kv_endpoint,
@@ -55,7 +59,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await abort_from(context, exc)
 
     async def DecodeMany(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
-        await DecodeManySession(self.responses, self.draining).serve(request_iterator, context)
+        session = DecodeManySession(self.responses, self.allocation, self.draining)
+        await session.serve(request_iterator, context)
 
     async def responses(self, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
         """One request's Decode stream messages; a failure raises (the caller turns it into a status)."""

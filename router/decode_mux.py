@@ -49,12 +49,14 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class _Call:
-    """One DecodeMany call and the requests streaming on it."""
+    """One DecodeMany call and the requests allocating and streaming on it."""
 
     def __init__(self, stub, name: str) -> None:
         self.name = name
         self.call = stub.DecodeMany()
         self.queues: dict[str, asyncio.Queue] = {}
+        self.allocs: dict[str, asyncio.Future] = {}
+        self.allocates: list[decode_pb2.AllocateCall] = []
         self.starts: list[decode_pb2.DecodeStart] = []
         self.cancels: list[str] = []
         self.broken: grpc.aio.AioRpcError | None = None
@@ -68,13 +70,24 @@ class _Call:
     def start(self, request: decode_pb2.DecodeRequest, timeout: float | None) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request.request_id] = queue
-        timeout_ms = max(1, int(timeout * 1000)) if timeout is not None else 0
-        self.starts.append(decode_pb2.DecodeStart(request=request, timeout_ms=timeout_ms))
+        self.starts.append(decode_pb2.DecodeStart(request=request, timeout_ms=_ms(timeout)))
         self._wake.set()
         return queue
 
-    def leave(self, request_id: str, *, cancel: bool) -> None:
-        self.queues.pop(request_id, None)
+    def allocate(self, request: decode_pb2.AllocateRequest, timeout: float | None) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.allocs[request.request_id] = fut
+        self.allocates.append(decode_pb2.AllocateCall(request=request, timeout_ms=_ms(timeout)))
+        self._wake.set()
+        return fut
+
+    def leave(self, request_id: str, *, cancel: bool, allocating: bool = False) -> None:
+        (self.allocs if allocating else self.queues).pop(request_id, None)
+        pending = self.allocates if allocating else self.starts
+        unsent = [i for i, p in enumerate(pending) if p.request.request_id == request_id]
+        if unsent:  # never sent: drop it rather than send it with a cancel the worker reads first
+            del pending[unsent[0]]
+            return
         if cancel and self.broken is None:
             self.cancels.append(request_id)
             self._wake.set()
@@ -84,10 +97,11 @@ class _Call:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                if not (self.starts or self.cancels):
+                if not (self.starts or self.cancels or self.allocates):
                     continue
-                msg = decode_pb2.DecodeManyRequest(starts=self.starts, cancels=self.cancels)
-                self.starts, self.cancels = [], []
+                msg = decode_pb2.DecodeManyRequest(starts=self.starts, cancels=self.cancels,
+                                                   allocates=self.allocates)
+                self.starts, self.cancels, self.allocates = [], [], []
                 await self.call.write(msg)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             pass  # the call is over: the reader reports why
@@ -106,6 +120,10 @@ class _Call:
                     queue = queues.get(update.request_id)
                     if queue is not None:
                         queue.put_nowait(update)
+                for result in msg.allocated:
+                    fut = self.allocs.pop(result.request_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(result)
             err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.name} ended its stream")
         except grpc.aio.AioRpcError as exc:
             err = exc
@@ -113,17 +131,24 @@ class _Call:
             err = rpc_error(grpc.StatusCode.CANCELLED, f"decode stream to {self.name} closed")
         self.broken = err
         self._writer.cancel()
-        if self.queues:  # they migrate (router/migration.py) or fail with the call's status
-            log.warning("DecodeMany call to %s ended under %d stream(s): %s %s", self.name, len(self.queues),
-                        err.code().name, err.details())
+        if self.queues or self.allocs:  # they migrate (router/migration.py) or fail with the call's status
+            log.warning("DecodeMany call to %s ended under %d stream(s) and %d Allocate(s): %s %s", self.name,
+                        len(self.queues), len(self.allocs), err.code().name, err.details())
         else:
             log.info("DecodeMany call to %s ended: %s %s", self.name, err.code().name, err.details())
         for queue in self.queues.values():
             queue.put_nowait(err)
+        for fut in self.allocs.values():
+            if not fut.done():
+                fut.set_result(err)
 
     def close(self) -> None:
         self.call.cancel()
         self._reader.cancel()
+
+
+def _ms(timeout: float | None) -> int:
+    return max(1, int(timeout * 1000)) if timeout is not None else 0
 
 
 def _merged(msgs: list[decode_pb2.DecodeResponse]) -> decode_pb2.DecodeResponse:
@@ -154,9 +179,7 @@ class DecodeStreams:
             async for msg in self._one_call(request, timeout):
                 yield msg
             return
-        call = self._call
-        if call is None or call.broken is not None:
-            call = self._call = _Call(self.stub, self.name)
+        call = self._current()
         rid = request.request_id
         if rid in call.queues:
             raise rpc_error(grpc.StatusCode.ALREADY_EXISTS,
@@ -195,10 +218,48 @@ class DecodeStreams:
                 raise rpc_error(_CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message)
         finally:
             call.leave(rid, cancel=not finished)
-        log.warning("decode worker %s has no DecodeMany: one Decode call per request", self.name)
+        log.warning("decode worker %s has no DecodeMany: one call per Allocate and stream", self.name)
         self.enabled = False
         async for msg in self._one_call(request, timeout):
             yield msg
+
+    async def allocate(self, request: decode_pb2.AllocateRequest,
+                       timeout: float | None) -> decode_pb2.AllocateResponse:
+        """What an Allocate call would answer, or raise: on the DecodeMany call unless off or unsupported."""
+        if not self.enabled:
+            return await self.stub.Allocate(request, timeout=timeout)
+        call = self._current()
+        rid = request.request_id
+        if rid in call.allocs:
+            raise rpc_error(grpc.StatusCode.ALREADY_EXISTS,
+                            f"request {rid!r} is already allocating on {self.name}")
+        fut = call.allocate(request, timeout)
+        answered = False
+        try:
+            async with asyncio.timeout(timeout):
+                result = await fut
+            answered = True
+        except TimeoutError:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        finally:
+            # not answered (deadline, cancelled): the worker cancels the Allocate, which frees what it
+            # reserved; the pipeline's Release covers an answer already on its way
+            call.leave(rid, cancel=not answered, allocating=True)
+        if isinstance(result, grpc.aio.AioRpcError):
+            if result.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise result
+            log.warning("decode worker %s has no DecodeMany: one call per Allocate and stream", self.name)
+            self.enabled = False
+            return await self.stub.Allocate(request, timeout=timeout)
+        if result.code:
+            raise rpc_error(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.message)
+        return result.response
+
+    def _current(self) -> _Call:
+        call = self._call
+        if call is None or call.broken is not None:
+            call = self._call = _Call(self.stub, self.name)
+        return call
 
     async def _one_call(self, request: decode_pb2.DecodeRequest,
                         timeout: float | None) -> AsyncIterator[decode_pb2.DecodeResponse]:

@@ -239,9 +239,10 @@ class Pipeline:
         """Allocate on D, then Prefill on P (token 1), or None: D prefills locally (conditional)."""
         t0 = time.monotonic()
         try:
-            allocate = lambda: d.stub.Allocate(decode_pb2.AllocateRequest(
+            # an Allocate call, or a share of the worker's DecodeMany call: the same answer either way
+            allocate = lambda: d.decode.allocate(decode_pb2.AllocateRequest(
                 request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
-                lease_ms=self.lease_ms), timeout=timeout)
+                lease_ms=self.lease_ms), timeout)
             # waits in the router's queue (bounded) while D has no free blocks
             alloc = await self.admission.allocate(d.worker_id, allocate, timeout)
         except grpc.aio.AioRpcError as exc:

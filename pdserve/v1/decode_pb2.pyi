@@ -70,13 +70,35 @@ class DecodeStart(_message.Message):
     timeout_ms: int
     def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
+class AllocateCall(_message.Message):
+    __slots__ = ("request", "timeout_ms")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request: AllocateRequest
+    timeout_ms: int
+    def __init__(self, request: _Optional[_Union[AllocateRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
 class DecodeManyRequest(_message.Message):
-    __slots__ = ("starts", "cancels")
+    __slots__ = ("starts", "cancels", "allocates")
     STARTS_FIELD_NUMBER: _ClassVar[int]
     CANCELS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATES_FIELD_NUMBER: _ClassVar[int]
     starts: _containers.RepeatedCompositeFieldContainer[DecodeStart]
     cancels: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, starts: _Optional[_Iterable[_Union[DecodeStart, _Mapping]]] = ..., cancels: _Optional[_Iterable[str]] = ...) -> None: ...
+    allocates: _containers.RepeatedCompositeFieldContainer[AllocateCall]
+    def __init__(self, starts: _Optional[_Iterable[_Union[DecodeStart, _Mapping]]] = ..., cancels: _Optional[_Iterable[str]] = ..., allocates: _Optional[_Iterable[_Union[AllocateCall, _Mapping]]] = ...) -> None: ...
+
+class AllocateResult(_message.Message):
+    __slots__ = ("request_id", "response", "code", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: AllocateResponse
+    code: int
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[AllocateResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DecodeUpdate(_message.Message):
     __slots__ = ("request_id", "response", "code", "message")
@@ -91,10 +113,12 @@ class DecodeUpdate(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[DecodeResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DecodeManyResponse(_message.Message):
-    __slots__ = ("updates",)
+    __slots__ = ("updates", "allocated")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[DecodeUpdate]
-    def __init__(self, updates: _Optional[_Iterable[_Union[DecodeUpdate, _Mapping]]] = ...) -> None: ...
+    allocated: _containers.RepeatedCompositeFieldContainer[AllocateResult]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DecodeUpdate, _Mapping]]] = ..., allocated: _Optional[_Iterable[_Union[AllocateResult, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

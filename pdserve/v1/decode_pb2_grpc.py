@@ -86,9 +86,10 @@ class DecodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DecodeMany(self, request_iterator, context):
-        """The Decode streams of many requests on one long-lived call (one per router and decode worker):
-        the router starts and cancels streams by request id; each response carries every update that
-        was ready, for all of them. Saves a call per request and a message per token per stream.
+        """The Allocates and Decode streams of many requests on one long-lived call (one per router and
+        decode worker): the router allocates, starts and cancels by request id; each response carries
+        every result and update that was ready, for all of them. Saves two calls per request and a
+        message per token per stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -145,7 +145,8 @@ def converse(routers: list[str], session: str, turns: int, *, seed: int, user_le
 # ---------------------------------------------------------------------------------------------------
 def test_removed_decode_worker_drains_request_between_allocate_and_decode(cluster, leak_check) -> None:
     """Regression: the directory used to close a removed worker's channel at once, so the Decode
-    (and Release) of a request already allocated there failed with 'Channel is closed'."""
+    (and Release) of a request already allocated there failed with 'Channel is closed'. The channel
+    stays open until the request is done, its DecodeMany call with it."""
     from pdserve.client import build_request
     from router.admission import ModelLimits, admit
     from router.directory import WorkerDirectory
@@ -163,15 +164,15 @@ def test_removed_decode_worker_drains_request_between_allocate_and_decode(cluste
         await directory.set_addresses("prefill", [p_addr])
         await directory.set_addresses("decode", [d_addr])
         handle = directory.handles("decode")[0]
-        real_allocate = handle.stub.Allocate
+        real_allocate = handle.decode.allocate  # the worker's DecodeMany call (or an Allocate call)
 
-        async def allocate_then_scale_down(request, **kw):
-            resp = await real_allocate(request, **kw)
+        async def allocate_then_scale_down(request, timeout):
+            resp = await real_allocate(request, timeout)
             await directory.set_addresses("decode", [])  # the worker leaves discovery right here
             assert directory.handles("decode") == [] and not placer.view.pool("decode", frozenset())
             return resp
 
-        handle.stub.Allocate = allocate_then_scale_down
+        handle.decode.allocate = allocate_then_scale_down
         pipeline = Pipeline(directory, placer, block_size=BS, lease_ms=30_000)
         req = admit(build_request(prompt_ids=prompt, max_tokens=6, ignore_eos=True, session_id="drain"),
                     ModelLimits(vocab_size=1024, max_model_len=2048, tokenizer=None))

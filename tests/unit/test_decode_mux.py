@@ -22,6 +22,7 @@ from decode_service.service import DecodeServicer
 from decode_service.worker import DecodeWorker
 from engine.async_engine import AsyncEngine
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.wire import sampling_to_proto
 from router.decode_mux import DecodeStreams
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("torch_single_thread")]
@@ -38,6 +39,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.freed: list[str] = []
         self.sessions: list[DecodeManySession] = []
         self.decode_calls = 0
+        self.allocate_calls = 0
+        self.allocs: dict = {}
+        self.allocating: set[str] = set()
         if not mux:
             self.DecodeMany = None  # type: ignore[assignment]
 
@@ -59,13 +63,34 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             self.running.discard(rid)
             self.freed.append(rid)
 
+    async def allocation(self, request):
+        """``allocs[rid]``: block ids to answer with, an exception to raise, or "hang"."""
+        rid = request.request_id
+        self.allocating.add(rid)
+        try:
+            got = self.allocs.get(rid, [1, 2])
+            if isinstance(got, tuple):  # (seconds, what): answered after a while
+                await asyncio.sleep(got[0])
+                got = got[1]
+            if got == "hang":
+                await asyncio.Event().wait()
+            if isinstance(got, Exception):
+                raise got
+            return decode_pb2.AllocateResponse(worker_id="d0", block_ids=got)
+        finally:
+            self.allocating.discard(rid)
+
+    async def Allocate(self, request, context):
+        self.allocate_calls += 1
+        return await self.allocation(request)
+
     async def Decode(self, request, context):
         self.decode_calls += 1
         async for msg in self.responses(request):
             yield msg
 
     async def DecodeMany(self, request_iterator, context):
-        session = DecodeManySession(self.responses, self.draining)
+        session = DecodeManySession(self.responses, self.allocation, self.draining)
         self.sessions.append(session)
         await session.serve(request_iterator, context)
 
@@ -77,7 +102,10 @@ async def serving(servicer):
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.Decode", {
             "Decode": grpc.unary_stream_rpc_method_handler(
                 servicer.Decode, request_deserializer=decode_pb2.DecodeRequest.FromString,
-                response_serializer=decode_pb2.DecodeResponse.SerializeToString)}),))
+                response_serializer=decode_pb2.DecodeResponse.SerializeToString),
+            "Allocate": grpc.unary_unary_rpc_method_handler(
+                servicer.Allocate, request_deserializer=decode_pb2.AllocateRequest.FromString,
+                response_serializer=decode_pb2.AllocateResponse.SerializeToString)}),))
     else:
         decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -102,10 +130,15 @@ async def settled(fake: FakeDecode, streams: DecodeStreams) -> None:
     for _ in range(200):
         call = streams._call
         idle = call is None or not call.queues
-        if not fake.running and all(not s._tasks for s in fake.sessions) and idle:
+        idle = idle and (call is None or not call.allocs)
+        if not (fake.running or fake.allocating) and all(not s.busy for s in fake.sessions) and idle:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"left running: {fake.running}, queues: {call and list(call.queues)}")
+
+
+async def allocate(streams: DecodeStreams, rid: str, timeout: float | None = 10.0):
+    return await streams.allocate(decode_pb2.AllocateRequest(request_id=rid, prompt_ids=[1, 2, 3]), timeout)
 
 
 def status_of(exc_info) -> grpc.StatusCode:
@@ -245,7 +278,7 @@ def test_draining_refuses_new_streams_finishes_running_ones_then_ends_the_call()
     asyncio.run(main())
 
 
-def test_a_worker_without_decode_many_gets_one_decode_call_per_request():
+def test_a_worker_without_decode_many_gets_one_call_per_request():
     async def main():
         fake = FakeDecode({"a": [1, 2], "b": [3]}, mux=False)
         async with serving(fake) as (_, streams):
@@ -253,6 +286,11 @@ def test_a_worker_without_decode_many_gets_one_decode_call_per_request():
             assert not streams.enabled and fake.decode_calls == 2
             assert await collect(streams, "a") == [1, 2]
             assert fake.decode_calls == 3
+            assert list((await allocate(streams, "c")).block_ids) == [1, 2] and fake.allocate_calls == 1
+        fake = FakeDecode({}, mux=False)
+        async with serving(fake) as (_, streams):  # the first thing asked is an Allocate
+            assert list((await allocate(streams, "c")).block_ids) == [1, 2]
+            assert not streams.enabled and fake.allocate_calls == 1
 
     asyncio.run(main())
 
@@ -268,9 +306,11 @@ def test_decode_many_on_a_real_decode_worker_is_token_exact_and_gives_every_bloc
         worker = DecodeWorker(engine=ae, kv=NoKV(), worker_id="d0", block_size=16)
         servicer = DecodeServicer(worker, address="127.0.0.1:0", transports=["tcp"])
         try:
-            for i, p in enumerate(prompts):
-                await worker.allocate(f"r{i}", p, PARAMS)
             async with serving(servicer) as (_, streams):
+                for i, p in enumerate(prompts):
+                    answer = await streams.allocate(decode_pb2.AllocateRequest(
+                        request_id=f"r{i}", prompt_ids=p, sampling=sampling_to_proto(PARAMS)), 10.0)
+                    assert answer.worker_id == "d0" and answer.block_ids
                 got = await asyncio.gather(*(collect(streams, f"r{i}", prefill_locally=True)
                                              for i in range(len(prompts))))
                 assert got == want
@@ -298,6 +338,75 @@ def test_updates_that_queued_up_behind_a_slow_reader_arrive_as_one_message():
             rest = [msg async for msg in gen]
             assert list(first.token_ids) + [t for m in rest for t in m.token_ids] == list(range(12))
             assert len(rest) < 11 and rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 12
+            await settled(fake, streams)
+
+    asyncio.run(main())
+
+
+def test_allocates_ride_the_call_answer_or_fail_as_their_own_calls_would_and_free_on_leaving():
+    async def main():
+        fake = FakeDecode({"a": [5, 6]})
+        full = type("Full", (Exception,), {"code": "RESOURCE_EXHAUSTED"})("no blocks")
+        fake.allocs = {"a": [7, 8, 9], "full": full, "bad": ValueError("empty prompt"), "hang": "hang",
+                       "slow": "hang"}
+        async with serving(fake) as (_, streams):
+            answers = await asyncio.gather(*(allocate(streams, rid) for rid in ("a", "full", "bad")),
+                                           return_exceptions=True)
+            assert list(answers[0].block_ids) == [7, 8, 9] and answers[0].worker_id == "d0"
+            assert answers[1].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "no blocks" in answers[1].details()
+            assert answers[2].code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert await collect(streams, "a") == [5, 6]  # then its stream, on the same call
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await allocate(streams, "hang", timeout=0.2)
+            assert status_of(exc) == grpc.StatusCode.DEADLINE_EXCEEDED
+            task = asyncio.get_running_loop().create_task(allocate(streams, "slow"))
+            await asyncio.sleep(0.1)
+            task.cancel()  # the client went away while its Allocate waited
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await settled(fake, streams)  # both were cancelled on the worker: nothing allocating
+            assert len(fake.sessions) == 1 and fake.allocate_calls == 0
+            fake.draining.set()  # refused ("draining"), or the idle call has ended already: UNAVAILABLE
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await allocate(streams, "late")
+            assert status_of(exc) == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(main())
+
+
+def test_a_broken_call_fails_the_allocates_waiting_on_it():
+    async def main():
+        fake = FakeDecode({})
+        fake.allocs = {"a": "hang"}
+        async with serving(fake) as (_, streams):
+            task = asyncio.get_running_loop().create_task(allocate(streams, "a"))
+            await asyncio.sleep(0.1)
+            streams._call.call.cancel()
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await task
+            assert status_of(exc) in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+            assert list((await allocate(streams, "b")).block_ids) == [1, 2]  # on a new call
+            await settled(fake, streams)
+
+    asyncio.run(main())
+
+
+def test_every_allocate_is_answered_whenever_it_finishes_beside_the_others():
+    """Answers and failures finishing at staggered times, between and during the writer's sends, all
+    reach their callers (each rides the response after it finished)."""
+    async def main():
+        fake = FakeDecode({})
+        full = type("Full", (Exception,), {"code": "RESOURCE_EXHAUSTED"})("no blocks")
+        fake.allocs = {f"r{i}": (0.002 * (i % 7), full if i % 2 else [i]) for i in range(60)}
+        async with serving(fake) as (_, streams):
+            got = await asyncio.wait_for(asyncio.gather(*(allocate(streams, f"r{i}") for i in range(60)),
+                                                        return_exceptions=True), 20)
+            for i, answer in enumerate(got):
+                if i % 2:
+                    assert answer.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                else:
+                    assert list(answer.block_ids) == [i]
             await settled(fake, streams)
 
     asyncio.run(main())
