@@ -124,9 +124,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       "tokens ahead at the prefill worker over the rate its answers recently came, whatever held them up "
       "(compute, KV link, receiver) (on, the default); replace: that instead of the compute queue plus the "
       "push wait when larger; off: compute queue plus push wait only")
-    a("--decode-mux", choices=ON_OFF, help="router: every Decode stream to a decode worker on one "
-      "long-lived DecodeMany call, each response carrying every stream's tokens of an engine step (on, "
-      "the default); off: one Decode call per request (a worker without DecodeMany gets that anyway)")
+    a("--decode-mux", choices=ON_OFF, help="router: every Allocate and Decode stream to a decode worker "
+      "on one long-lived DecodeMany call, each response carrying every stream's tokens of an engine step "
+      "(on, the default); off: an Allocate and a Decode call per request (a worker without DecodeMany "
+      "gets that anyway)")
     a("--allocate-queue-size", type=int, help="router: decode Allocates that may wait for free KV blocks, "
       "per decode worker (default 64; 0 = refuse at once)")
     a("--allocate-queue-wait-s", type=float, help="router: the longest a decode Allocate waits for free "

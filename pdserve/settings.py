@@ -155,7 +155,8 @@ class ServeSettings:
     # or that in place of the push wait (replace), or neither (off): router/shedding.py
     admission_drain: str = "on"
     allocate_queue_size: int = 64
-    # router: a decode worker's Decode streams share one DecodeMany call (router/decode_mux.py)
+    # router: a decode worker's Allocates and Decode streams share one DecodeMany call
+    # (router/decode_mux.py)
     decode_mux: str = "on"
     allocate_queue_wait_s: float = 10.0
     # router / colocated: the largest GenerateRequest accepted on the public port, in bytes; gRPC

@@ -1,30 +1,36 @@
-"""The router's end of DecodeMany: every Decode stream to one decode worker on one long-lived call.
+"""The router's end of DecodeMany: every Allocate and Decode stream to one decode worker on one call.
 
-Why: a Decode call per request costs the router a call set-up and, per token, one message to read
-for each stream; gRPC's per-call and per-message costs are most of the router's CPU
-(docs/cluster.md, "The gRPC floor"). On one DecodeMany call a request is a ``DecodeStart`` in a
-message that may carry others, and one response carries every stream's update of an engine step
+Why: an Allocate call and a Decode call per request cost the router two call set-ups and, per
+token, one message to read for each stream; gRPC's per-call and per-message costs are most of the
+router's CPU (docs/cluster.md, "The gRPC floor"). On one long-lived DecodeMany call a request is an
+``AllocateCall`` and later a ``DecodeStart`` in messages that may carry others', and one response
+carries every stream's update of an engine step and every Allocate answer that was ready
 (``decode_service/mux.py`` is the worker's end).
 
-``DecodeStreams.stream(request, timeout)`` yields the same ``DecodeResponse`` messages a Decode call
-would, and raises ``grpc.aio.AioRpcError`` with the status that call would have ended with, so the
+``DecodeStreams.allocate(request, timeout)`` returns what an Allocate call would, and
+``DecodeStreams.stream(request, timeout)`` yields the ``DecodeResponse`` messages a Decode call
+would; both raise ``grpc.aio.AioRpcError`` with the status that call would have ended with, so the
 pipeline cannot tell the two apart.
 
 Lifecycle of a call (``_Call``)::
 
-    opened      by the first stream when none is open (or the last one broke)
-    writer      sends every queued start and cancel as one message when woken
-    reader      hands each update to its request's queue; an update for a request no longer read
-                (cancelled, timed out) is dropped
-    request     registered -> start queued -> updates until finish_reason or a status ->
+    opened      by the first Allocate or stream when none is open (or the last one broke)
+    writer      sends every queued Allocate, start and cancel as one message when woken
+    reader      resolves each Allocate's future and hands each update to its stream's queue; one for
+                a request no longer waited for (cancelled, timed out) is dropped
+    Allocate    registered -> queued -> its answer or status; given up (client gone, deadline) it
+                queues a cancel (the worker frees what it reserved; the pipeline's Release covers an
+                answer already on its way), or is dropped unsent if the writer has not sent it yet
+    stream      registered -> start queued -> updates until finish_reason or a status ->
                 unregistered; leaving early (client gone, deadline, error) queues a cancel, which
-                frees the request on the worker as a cancelled Decode call would
+                frees the request on the worker as a cancelled Decode call would; updates that
+                queued up behind a busy router go on as one message
     broken      the worker died, was restarted or finished draining: every request on the call gets
                 its status (UNAVAILABLE when the call ended cleanly under it), so the router migrates
-                them; the next stream opens a new call, to whatever incarnation answers now
+                them; the next request opens a new call, to whatever incarnation answers now
 
-A worker without DecodeMany (UNIMPLEMENTED: an older build) is remembered and served by one Decode
-call per request from then on; ``enabled=False`` (``--decode-mux off``) does the same for all.
+A worker without DecodeMany (UNIMPLEMENTED: an older build) is remembered and served by one call per
+Allocate and stream from then on; ``enabled=False`` (``--decode-mux off``) does the same for all.
 """
 
 from __future__ import annotations
@@ -165,7 +171,7 @@ def _merged(msgs: list[decode_pb2.DecodeResponse]) -> decode_pb2.DecodeResponse:
 
 
 class DecodeStreams:
-    """Decode streams to one decode worker, multiplexed on DecodeMany unless off or unsupported."""
+    """Allocates and Decode streams to one decode worker, multiplexed on DecodeMany unless off or unsupported."""
 
     def __init__(self, stub, name: str, *, enabled: bool = True) -> None:
         self.stub = stub
