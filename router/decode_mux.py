@@ -171,7 +171,7 @@ def _merged(msgs: list[decode_pb2.DecodeResponse]) -> decode_pb2.DecodeResponse:
 
 
 class DecodeStreams:
-    """Allocates and Decode streams to one decode worker, multiplexed on DecodeMany unless off or unsupported."""
+    """Allocates and Decode streams to one decode worker: on DecodeMany unless off or unsupported."""
 
     def __init__(self, stub, name: str, *, enabled: bool = True) -> None:
         self.stub = stub
