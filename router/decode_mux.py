@@ -185,11 +185,8 @@ class DecodeStreams:
             async for msg in self._one_call(request, timeout):
                 yield msg
             return
-        call = self._current()
         rid = request.request_id
-        if rid in call.queues:
-            raise rpc_error(grpc.StatusCode.ALREADY_EXISTS,
-                            f"request {rid!r} already streams from {self.name}")
+        call = self._open_for(rid, allocating=False)
         queue = call.start(request, timeout)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         finished = False
@@ -234,11 +231,8 @@ class DecodeStreams:
         """What an Allocate call would answer, or raise: on the DecodeMany call unless off or unsupported."""
         if not self.enabled:
             return await self.stub.Allocate(request, timeout=timeout)
-        call = self._current()
         rid = request.request_id
-        if rid in call.allocs:
-            raise rpc_error(grpc.StatusCode.ALREADY_EXISTS,
-                            f"request {rid!r} is already allocating on {self.name}")
+        call = self._open_for(rid, allocating=True)
         fut = call.allocate(request, timeout)
         answered = False
         try:
@@ -261,10 +255,15 @@ class DecodeStreams:
             raise rpc_error(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.message)
         return result.response
 
-    def _current(self) -> _Call:
+    def _open_for(self, rid: str, *, allocating: bool) -> _Call:
+        """The open call (a new one if none is, or the last broke), refusing an id already on it."""
         call = self._call
         if call is None or call.broken is not None:
             call = self._call = _Call(self.stub, self.name)
+        if rid in (call.allocs if allocating else call.queues):
+            what = "allocating" if allocating else "streaming"
+            raise rpc_error(grpc.StatusCode.ALREADY_EXISTS,
+                            f"request {rid!r} is already {what} on {self.name}")
         return call
 
     async def _one_call(self, request: decode_pb2.DecodeRequest,
