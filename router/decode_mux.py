@@ -132,7 +132,7 @@ class _Call:
                         fut.set_result(result)
             err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.name} ended its stream")
         except grpc.aio.AioRpcError as exc:
-            err = exc
+            err = _call_status(exc, self.name)
         except asyncio.CancelledError:
             err = rpc_error(grpc.StatusCode.CANCELLED, f"decode stream to {self.name} closed")
         self.broken = err
@@ -151,6 +151,17 @@ class _Call:
     def close(self) -> None:
         self.call.cancel()
         self._reader.cancel()
+
+
+def _call_status(exc: grpc.aio.AioRpcError, name: str) -> grpc.aio.AioRpcError:
+    """What the requests on a call that failed as a whole get. The call's own status says the call is
+    unusable, not that a request was bad: a worker going away (a write racing the drained call's end
+    reads INTERNAL "Internal error from Core" in grpc), a connection lost. So UNAVAILABLE: placement
+    tries elsewhere, streams migrate. UNIMPLEMENTED (an older worker) and CANCELLED stay as they are."""
+    if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+        return exc
+    return rpc_error(grpc.StatusCode.UNAVAILABLE,
+                     f"DecodeMany call to {name} failed: {exc.code().name}: {exc.details()}")
 
 
 def _ms(timeout: float | None) -> int:

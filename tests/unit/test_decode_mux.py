@@ -42,6 +42,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.allocate_calls = 0
         self.allocs: dict = {}
         self.allocating: set[str] = set()
+        self.fail_calls_with: grpc.StatusCode | None = None
         if not mux:
             self.DecodeMany = None  # type: ignore[assignment]
 
@@ -90,6 +91,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             yield msg
 
     async def DecodeMany(self, request_iterator, context):
+        if self.fail_calls_with is not None:  # the call itself fails once something is asked on it
+            await anext(aiter(request_iterator))
+            await context.abort(self.fail_calls_with, "the call broke")
         session = DecodeManySession(self.responses, self.allocation, self.draining)
         self.sessions.append(session)
         await session.serve(request_iterator, context)
@@ -408,5 +412,22 @@ def test_every_allocate_is_answered_whenever_it_finishes_beside_the_others():
                 else:
                     assert list(answer.block_ids) == [i]
             await settled(fake, streams)
+
+    asyncio.run(main())
+
+
+def test_a_call_failing_as_a_whole_reads_unavailable_so_the_router_places_and_migrates_elsewhere():
+    """grpc turns a write that races the end of a call (a drained worker closing it) into INTERNAL for
+    the whole call: that says the worker's call is unusable, not that the request was bad."""
+    async def main():
+        fake = FakeDecode({"s": "hang"})
+        fake.fail_calls_with = grpc.StatusCode.INTERNAL
+        async with serving(fake) as (_, streams):
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await allocate(streams, "a")
+            assert status_of(exc) == grpc.StatusCode.UNAVAILABLE and "INTERNAL" in exc.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await collect(streams, "s")
+            assert status_of(exc) == grpc.StatusCode.UNAVAILABLE
 
     asyncio.run(main())
