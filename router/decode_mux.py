@@ -26,8 +26,9 @@ Lifecycle of a call (``_Call``)::
                 frees the request on the worker as a cancelled Decode call would; updates that
                 queued up behind a busy router go on as one message
     broken      the worker died, was restarted or finished draining: every request on the call gets
-                its status (UNAVAILABLE when the call ended cleanly under it), so the router migrates
-                them; the next request opens a new call, to whatever incarnation answers now
+                UNAVAILABLE (``_call_status``; CANCELLED and UNIMPLEMENTED as they are), so the router
+                places it again or migrates it; the next request opens a new call, to whatever
+                incarnation answers now
 
 A worker without DecodeMany (UNIMPLEMENTED: an older build) is remembered and served by one call per
 Allocate and stream from then on; ``enabled=False`` (``--decode-mux off``) does the same for all.
