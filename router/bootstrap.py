@@ -25,6 +25,7 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
     from router.admission import limits_from_model_dir
     from router.conditional import ConditionalConfig
     from router.costs import CostConfig
+    from router.decode_mux import MuxMetrics
     from router.directory import WorkerDirectory
     from router.lifecycle import WorkerLifecycle
     from router.metrics import RouterMetrics, serve_metrics
@@ -55,6 +56,7 @@ async def build_router(settings: ServeSettings) -> tuple[object, Callable[[], Aw
                                 drain_timeout_s=max(settings.drain_timeout, 1.0) * 4,
                                 decode_mux=settings.decode_mux == "on")
     directory.lifecycle = WorkerLifecycle(metrics.registry)
+    directory.mux_metrics = MuxMetrics(metrics.registry)
     if settings.tls_dir:  # mutual TLS to every worker: present router.crt, check the worker's role
         from pdserve.server import CHANNEL_OPTIONS
         from pdserve.tls import TlsDir, open_channel

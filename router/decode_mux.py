@@ -41,10 +41,27 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.v1 import decode_pb2
 
 log = logging.getLogger(__name__)
+
+
+class MuxMetrics:
+    """``pdserve_router_decode_mux_{calls,broken,messages,updates}_total``: calls opened, calls that ended
+    under requests, responses received and the Allocate answers and stream updates they carried
+    (updates / messages: how many requests one response served)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        registry = registry if registry is not None else CollectorRegistry()
+        self.calls = Counter("pdserve_router_decode_mux_calls", "DecodeMany calls opened", registry=registry)
+        self.broken = Counter("pdserve_router_decode_mux_broken", "DecodeMany calls that ended under "
+                              "requests (they were placed again or migrated)", registry=registry)
+        self.messages = Counter("pdserve_router_decode_mux_messages", "DecodeMany responses received",
+                                registry=registry)
+        self.updates = Counter("pdserve_router_decode_mux_updates", "Allocate answers and stream updates "
+                               "those responses carried", registry=registry)
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -58,8 +75,10 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 class _Call:
     """One DecodeMany call and the requests allocating and streaming on it."""
 
-    def __init__(self, stub, name: str) -> None:
+    def __init__(self, stub, name: str, metrics: MuxMetrics) -> None:
         self.name = name
+        self.metrics = metrics
+        metrics.calls.inc()
         self.call = stub.DecodeMany()
         self.queues: dict[str, asyncio.Queue] = {}
         self.allocs: dict[str, asyncio.Future] = {}
@@ -123,6 +142,8 @@ class _Call:
                 queues = self.queues
                 self.messages_received += 1
                 self.updates_received += len(msg.updates)
+                self.metrics.messages.inc()
+                self.metrics.updates.inc(len(msg.updates) + len(msg.allocated))
                 for update in msg.updates:
                     queue = queues.get(update.request_id)
                     if queue is not None:
@@ -139,6 +160,7 @@ class _Call:
         self.broken = err
         self._writer.cancel()
         if self.queues or self.allocs:  # they migrate (router/migration.py) or fail with the call's status
+            self.metrics.broken.inc()
             log.warning("DecodeMany call to %s ended under %d stream(s) and %d Allocate(s): %s %s", self.name,
                         len(self.queues), len(self.allocs), err.code().name, err.details())
         else:
@@ -185,10 +207,11 @@ def _merged(msgs: list[decode_pb2.DecodeResponse]) -> decode_pb2.DecodeResponse:
 class DecodeStreams:
     """Allocates and Decode streams to one decode worker: on DecodeMany unless off or unsupported."""
 
-    def __init__(self, stub, name: str, *, enabled: bool = True) -> None:
+    def __init__(self, stub, name: str, *, enabled: bool = True, metrics: MuxMetrics | None = None) -> None:
         self.stub = stub
         self.name = name
         self.enabled = enabled
+        self.metrics = metrics if metrics is not None else MuxMetrics()
         self._call: _Call | None = None
 
     async def stream(self, request: decode_pb2.DecodeRequest,
@@ -271,7 +294,7 @@ class DecodeStreams:
         """The open call (a new one if none is, or the last broke), refusing an id already on it."""
         call = self._call
         if call is None or call.broken is not None:
-            call = self._call = _Call(self.stub, self.name)
+            call = self._call = _Call(self.stub, self.name, self.metrics)
         if rid in (call.allocs if allocating else call.queues):
             what = "allocating" if allocating else "streaming"
             raise rpc_error(grpc.StatusCode.ALREADY_EXISTS,

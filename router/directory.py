@@ -31,7 +31,7 @@ import grpc
 
 from pdserve.server import CHANNEL_OPTIONS
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from router.decode_mux import DecodeStreams
+from router.decode_mux import DecodeStreams, MuxMetrics
 from router.lifecycle import WorkerLifecycle
 from router.placement import Placer, WorkerInfo, WorkerLoad
 
@@ -77,6 +77,7 @@ class WorkerDirectory:
         self._draining: set[WorkerHandle] = set()  # removed, still serving requests bound to them
         self._tasks: set[asyncio.Task] = set()
         self.lifecycle = WorkerLifecycle()  # deaths and restarts: logs, counters (bootstrap's registry)
+        self.mux_metrics = MuxMetrics()  # every decode worker's DecodeMany call (bootstrap's registry)
 
     # ---- membership -------------------------------------------------------------------------------
     async def set_addresses(self, role: str, addresses: Iterable[str]) -> None:
@@ -94,7 +95,8 @@ class WorkerDirectory:
                 channel = self.open_channel(addr, role)
                 stub = (prefill_pb2_grpc.PrefillStub(channel) if role == "prefill"
                         else decode_pb2_grpc.DecodeStub(channel))
-                decode = None if role == "prefill" else DecodeStreams(stub, addr, enabled=self.decode_mux)
+                decode = None if role == "prefill" else DecodeStreams(stub, addr, enabled=self.decode_mux,
+                                                                      metrics=self.mux_metrics)
                 self._by_addr[addr] = WorkerHandle(address=addr, role=role, channel=channel, stub=stub,
                                                    decode=decode)
         await self.poll_once()

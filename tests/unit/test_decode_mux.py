@@ -255,6 +255,7 @@ def test_a_broken_call_fails_every_stream_on_it_and_the_next_stream_opens_a_new_
                 assert status_of(exc) in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
             assert await collect(streams, "c") == [9]
             assert streams._call is not broken and len(fake.sessions) == 2
+            assert streams.metrics.broken._value.get() == 1 and streams.metrics.calls._value.get() == 2
             await settled(fake, streams)
             assert {"a", "b"} <= set(fake.freed)  # the worker freed what the broken call carried
 
@@ -320,6 +321,10 @@ def test_decode_many_on_a_real_decode_worker_is_token_exact_and_gives_every_bloc
                 assert got == want
                 call = streams._call
                 assert call.updates_received > call.messages_received  # several streams per response
+                m = streams.metrics  # the same, as the router exports it
+                assert m.calls._value.get() == 1 and m.broken._value.get() == 0
+                assert m.updates._value.get() == call.updates_received + len(prompts)  # + the Allocates
+                assert m.messages._value.get() == call.messages_received
                 with pytest.raises(grpc.aio.AioRpcError) as exc:  # never allocated: NOT_FOUND, as Decode says
                     await collect(streams, "nobody", first_token_id=5)
                 assert status_of(exc) == grpc.StatusCode.NOT_FOUND
