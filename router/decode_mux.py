@@ -65,11 +65,16 @@ class MuxMetrics:
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """The error a Decode call would have raised with this status."""
+    """The error an Allocate or Decode call would have raised with this status."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _status_error(code: int, message: str) -> grpc.aio.AioRpcError:
+    """A status the worker sent for one request (AllocateResult / DecodeUpdate ``code``) as its error."""
+    return rpc_error(_CODES.get(code, grpc.StatusCode.UNKNOWN), message)
 
 
 class _Call:
@@ -86,8 +91,6 @@ class _Call:
         self.starts: list[decode_pb2.DecodeStart] = []
         self.cancels: list[str] = []
         self.broken: grpc.aio.AioRpcError | None = None
-        self.messages_received = 0
-        self.updates_received = 0
         self._wake = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._writer = loop.create_task(self._write())
@@ -140,8 +143,6 @@ class _Call:
         try:
             async for msg in self.call:
                 queues = self.queues
-                self.messages_received += 1
-                self.updates_received += len(msg.updates)
                 self.metrics.messages.inc()
                 self.metrics.updates.inc(len(msg.updates) + len(msg.allocated))
                 for update in msg.updates:
@@ -253,11 +254,10 @@ class DecodeStreams:
                     if end.code() == grpc.StatusCode.UNIMPLEMENTED:
                         break  # an older worker: one Decode call per request from now on
                     raise end
-                raise rpc_error(_CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message)
+                raise _status_error(end.code, end.message)
         finally:
             call.leave(rid, cancel=not finished)
-        log.warning("decode worker %s has no DecodeMany: one call per Allocate and stream", self.name)
-        self.enabled = False
+        self._unsupported()
         async for msg in self._one_call(request, timeout):
             yield msg
 
@@ -283,12 +283,16 @@ class DecodeStreams:
         if isinstance(result, grpc.aio.AioRpcError):
             if result.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise result
-            log.warning("decode worker %s has no DecodeMany: one call per Allocate and stream", self.name)
-            self.enabled = False
+            self._unsupported()
             return await self.stub.Allocate(request, timeout=timeout)
         if result.code:
-            raise rpc_error(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.message)
+            raise _status_error(result.code, result.message)
         return result.response
+
+    def _unsupported(self) -> None:
+        """The worker answered DecodeMany with UNIMPLEMENTED (an older build): calls from now on."""
+        log.warning("decode worker %s has no DecodeMany: one call per Allocate and stream", self.name)
+        self.enabled = False
 
     def _open_for(self, rid: str, *, allocating: bool) -> _Call:
         """The open call (a new one if none is, or the last broke), refusing an id already on it."""

@@ -47,7 +47,7 @@ class WorkerHandle:
     channel: grpc.aio.Channel
     stub: object
     stats: common_pb2.WorkerStats | None = None
-    decode: DecodeStreams | None = None  # a decode worker's Decode streams (router/decode_mux.py)
+    decode: DecodeStreams | None = None  # a decode worker's Allocates and streams (router/decode_mux.py)
     answering: bool = False  # answered its last poll: a member of the placer's view
     inflight: int = 0      # requests bound to this handle (acquire .. release)
     removed: bool = False  # gone from discovery: never placed on again, closed once drained
