@@ -19,8 +19,12 @@ Lifecycle of the call::
                            stream's ``finally`` frees the request, as a cancelled call's would);
                            nothing more is sent for it
     writer    wakes when the outbox has something; sends it all as one response
-    drain     (the server's SIGTERM) new Allocates and streams are refused with UNAVAILABLE at once;
-              the call ends once what it carries is done, so the server's grace is not waited out
+    drain     (the server's SIGTERM) new Allocates are refused with UNAVAILABLE at once, and so are
+              streams of requests this call did not allocate. A request allocated here before the
+              drain still holds its lease (its prefill may be pushing KV right now), so its stream is
+              admitted and served: it is not prefilled a second time elsewhere. The call ends once
+              nothing runs and no lease it made is left (started, released or expired), so the
+              server's grace is not waited out
     end       the router half-closes: what runs finishes, then the call ends. The call is cancelled
               or broken: every task is cancelled, so every request is freed
 
@@ -44,15 +48,21 @@ MAX_UPDATES_PER_MESSAGE = 512  # far under the message size limit even with top 
 
 Responses = Callable[[decode_pb2.DecodeRequest], AsyncIterator[decode_pb2.DecodeResponse]]
 Allocate = Callable[[decode_pb2.AllocateRequest], Awaitable[decode_pb2.AllocateResponse]]
+Leased = Callable[[str], bool]  # does the worker still hold this request's lease?
+DRAIN_POLL_S = 0.2  # while draining, how often the call looks whether its leases are gone
 # (request id, message or None, status code, status message): built into one response per write
 _Entry = tuple[str, object, int, str]
 
 
 class DecodeManySession:
-    def __init__(self, responses: Responses, allocate: Allocate, draining: asyncio.Event) -> None:
+    def __init__(self, responses: Responses, allocate: Allocate, draining: asyncio.Event,
+                 leased: Leased | None = None) -> None:
         self._responses = responses
         self._allocate = allocate
         self._draining = draining
+        self._leased = leased if leased is not None else (lambda rid: False)
+        self._leases: set[str] = set()  # allocated on this call, stream not started yet
+        self._prune_at = 64  # leases released or expired without a start are dropped past this many
         self._streams: dict[str, asyncio.Task] = {}
         self._allocs: dict[str, asyncio.Task] = {}
         self._updates: list[_Entry] = []
@@ -78,7 +88,7 @@ class DecodeManySession:
                     allocated = self._allocated[:]  # in place: tasks hold these lists
                     self._allocated.clear()
                     await context.write(_response(updates, allocated))
-                if not self.busy and (not self._reading or self._draining.is_set()):
+                if not self.busy and (not self._reading or (self._draining.is_set() and not self._waiting())):
                     return
         finally:
             reader.cancel()
@@ -93,6 +103,7 @@ class DecodeManySession:
         try:
             async for msg in request_iterator:
                 for rid in msg.cancels:
+                    self._leases.discard(rid)
                     for tasks in (self._allocs, self._streams):
                         task = tasks.get(rid)
                         if task is not None:
@@ -101,15 +112,18 @@ class DecodeManySession:
                     self._begin(self._allocs, self._allocated, call.request.request_id, call.timeout_ms,
                                 lambda r=call.request: self._allocation(r))
                 for start in msg.starts:
-                    self._begin(self._streams, self._updates, start.request.request_id, start.timeout_ms,
-                                lambda r=start.request: self._stream(r))
+                    rid = start.request.request_id
+                    leased_here = rid in self._leases
+                    self._leases.discard(rid)
+                    self._begin(self._streams, self._updates, rid, start.timeout_ms,
+                                lambda r=start.request: self._stream(r), admit_draining=leased_here)
         finally:
             self._reading = False
             self._wake.set()
 
     def _begin(self, tasks: dict[str, asyncio.Task], out: list[_Entry], rid: str, timeout_ms: int,
-               body: Callable[[], Awaitable[None]]) -> None:
-        if self._draining.is_set():
+               body: Callable[[], Awaitable[None]], admit_draining: bool = False) -> None:
+        if self._draining.is_set() and not admit_draining:
             self._fail(out, rid, grpc.StatusCode.UNAVAILABLE, "decode worker is draining: no new requests")
         elif not rid:
             self._fail(out, rid, grpc.StatusCode.INVALID_ARGUMENT, "a request_id is required")
@@ -143,6 +157,10 @@ class DecodeManySession:
 
     async def _allocation(self, request: decode_pb2.AllocateRequest) -> None:
         answer = await self._allocate(request)
+        self._leases.add(request.request_id)
+        if len(self._leases) > self._prune_at:  # amortised: a long-lived call never piles up old ids
+            self._waiting()
+            self._prune_at = 2 * len(self._leases) + 64
         self._allocated.append((request.request_id, answer, 0, ""))
         self._wake.set()
 
@@ -156,9 +174,16 @@ class DecodeManySession:
         out.append((rid, None, code.value[0], message))
         self._wake.set()
 
+    def _waiting(self) -> bool:
+        """Whether a lease made on this call may still see its stream start (drain keeps the call open)."""
+        self._leases = {rid for rid in self._leases if self._leased(rid)}
+        return bool(self._leases)
+
     async def _on_drain(self) -> None:
         await self._draining.wait()
-        self._wake.set()
+        while True:  # a lease that is released or expires sends nothing: look again now and then
+            self._wake.set()
+            await asyncio.sleep(DRAIN_POLL_S)
 
 
 def _response(updates: list[_Entry], allocated: list[_Entry]) -> decode_pb2.DecodeManyResponse:

@@ -29,8 +29,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # A message goes out once it holds this many tokens (a stream's first message and its last go at
         # once): fewer messages for the router to relay, burstier delivery (--stream-interval).
         self.stream_interval = stream_interval
-        # set when the server starts draining: DecodeMany refuses new Allocates and streams and ends its
-        # call once what it carries is done (the role hands in GrpcServer.draining)
+        # set when the server starts draining: DecodeMany refuses new Allocates (and streams it did not
+        # lease), serves the streams of requests leased before, and ends its call once what it carries
+        # is done (the role hands in GrpcServer.draining)
         self.draining = draining if draining is not None else asyncio.Event()
 
     async def Allocate(self, request: decode_pb2.AllocateRequest, context: grpc.aio.ServicerContext):
@@ -59,7 +60,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await abort_from(context, exc)
 
     async def DecodeMany(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
-        session = DecodeManySession(self.responses, self.allocation, self.draining)
+        session = DecodeManySession(self.responses, self.allocation, self.draining,
+                                    leased=self.worker.leases.__contains__)
         await session.serve(request_iterator, context)
 
     async def responses(self, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:

@@ -194,6 +194,79 @@ def test_removed_decode_worker_drains_request_between_allocate_and_decode(cluste
     assert removed and inflight == 0 and closed and draining == [] and placer_inflight == 0
 
 
+def test_sigterm_between_allocate_and_decode_serves_the_request_there_with_one_prefill(small_cluster) -> None:
+    """A decode worker SIGTERM'd after it answered a request's Allocate (its prefill runs, its KV is
+    on the way) drains: it still serves that request's stream, so the request is neither refused nor
+    placed again and prefilled a second time on the other decode worker; token-identical to one
+    engine, and the worker then exits 0 once the stream is done."""
+    import os
+    import signal
+
+    from pdserve.client import build_request
+    from router.admission import ModelLimits, admit
+    from router.directory import WorkerDirectory
+    from router.pipeline import Done, FirstToken, Pipeline, Tokens
+    from router.placement import Placer, PlacerConfig
+
+    c = small_cluster
+    p_addr = next(h.address for h in c.workers if h.role == "prefill")
+    decodes = [h for h in c.workers if h.role == "decode"]
+    prompt = tokens(3, 40)
+    want = replay(c.model, [prompt], 12)[0]
+    allocated_on: list[str] = []
+
+    async def main():
+        placer = Placer(PlacerConfig(policy="session+prefix"))
+        directory = WorkerDirectory(placer, interval=60, drain_timeout_s=60)
+        await directory.set_addresses("prefill", [p_addr])
+        await directory.set_addresses("decode", [h.address for h in decodes])
+        for handle in directory.handles("decode"):
+            real_allocate, addr = handle.decode.allocate, handle.address
+
+            async def allocate_then_sigterm(request, timeout, real_allocate=real_allocate, addr=addr):
+                resp = await real_allocate(request, timeout)
+                allocated_on.append(addr)
+                if len(allocated_on) == 1:  # the first worker asked is told to stop right here
+                    os.kill(next(h.pid for h in decodes if h.address == addr), signal.SIGTERM)
+                    await asyncio.sleep(0.3)  # its drain has begun before the prefill's KV arrives
+                return resp
+
+            handle.decode.allocate = allocate_then_sigterm
+        pipeline = Pipeline(directory, placer, block_size=BS, lease_ms=30_000)
+        req = admit(build_request(prompt_ids=prompt, max_tokens=12, ignore_eos=True, session_id="sigterm"),
+                    ModelLimits(vocab_size=1024, max_model_len=2048, tokenizer=None))
+        got, done = [], None
+        async for ev in pipeline.run(req, timeout=60):
+            if isinstance(ev, FirstToken):
+                got.append(ev.token_id)
+            elif isinstance(ev, Tokens):
+                got.extend(ev.token_ids)
+            elif isinstance(ev, Done):
+                done = ev
+        await directory.close()
+        return got, done
+
+    got, done = asyncio.run(main())
+    assert got == want and done is not None and done.finish_reason == "length"
+    assert len(allocated_on) == 1  # served where it was allocated: one Allocate, one prefill
+    stopped = next(h for h in decodes if h.address == allocated_on[0])
+    deadline = time.monotonic() + 30
+    while stopped.pid and _pid_alive(stopped.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _pid_alive(stopped.pid)
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) is not alive
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def test_cancelled_and_timed_out_requests_close_their_placements(cluster, leak_check) -> None:
     import grpc
 

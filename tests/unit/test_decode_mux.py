@@ -43,12 +43,14 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.allocate_calls = 0
         self.allocs: dict = {}
         self.allocating: set[str] = set()
+        self.leased: set[str] = set()  # answered Allocates whose stream has not started (the lease table)
         self.fail_calls_with: grpc.StatusCode | None = None
         if not mux:
             self.DecodeMany = None  # type: ignore[assignment]
 
     async def responses(self, request):
         rid = request.request_id
+        self.leased.discard(rid)
         self.running.add(rid)
         try:
             steps = self.script[rid]
@@ -78,6 +80,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 await asyncio.Event().wait()
             if isinstance(got, Exception):
                 raise got
+            self.leased.add(rid)
             return decode_pb2.AllocateResponse(worker_id="d0", block_ids=got)
         finally:
             self.allocating.discard(rid)
@@ -95,7 +98,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         if self.fail_calls_with is not None:  # the call itself fails once something is asked on it
             await anext(aiter(request_iterator))
             await context.abort(self.fail_calls_with, "the call broke")
-        session = DecodeManySession(self.responses, self.allocation, self.draining)
+        session = DecodeManySession(self.responses, self.allocation, self.draining,
+                                    leased=self.leased.__contains__)
         self.sessions.append(session)
         await session.serve(request_iterator, context)
 
@@ -278,6 +282,53 @@ def test_draining_refuses_new_streams_finishes_running_ones_then_ends_the_call()
                     break
                 await asyncio.sleep(0.01)
             assert streams._call.broken is not None
+            await settled(fake, streams)
+
+    asyncio.run(main())
+
+
+def test_draining_serves_the_streams_of_requests_leased_before_it_and_ends_when_no_lease_is_left():
+    """A request allocated on the call before the SIGTERM (its prefill may be pushing KV right now) is
+    served, not refused and prefilled a second time elsewhere; a stream this call did not lease is
+    refused. The call stays open while such a lease is held and ends once it starts, or is released or
+    expires without a start (nothing is sent for those: the session looks again while draining)."""
+    async def main():
+        fake = FakeDecode({"kept": [4, 5, 6], "stranger": [1]})
+        async with serving(fake) as (_, streams):
+            for rid in ("kept", "dropped"):
+                assert list((await allocate(streams, rid)).block_ids) == [1, 2]
+            fake.draining.set()
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await allocate(streams, "late")
+            assert status_of(exc) == grpc.StatusCode.UNAVAILABLE and "draining" in exc.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await collect(streams, "stranger")
+            assert status_of(exc) == grpc.StatusCode.UNAVAILABLE and "draining" in exc.value.details()
+            await asyncio.sleep(0.3)
+            assert streams._call.broken is None  # two leases held: the call stays open
+            assert await collect(streams, "kept") == [4, 5, 6]
+            await asyncio.sleep(0.3)
+            assert streams._call.broken is None  # "dropped" is still leased
+            fake.leased.discard("dropped")  # released (or expired) on the worker: no start will come
+            for _ in range(100):
+                if streams._call.broken is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert streams._call.broken is not None
+            await settled(fake, streams)
+            assert len(fake.sessions) == 1 and not fake.sessions[0]._leases
+
+    asyncio.run(main())
+
+
+def test_a_long_lived_call_forgets_leases_that_ended_without_a_stream():
+    async def main():
+        fake = FakeDecode({})
+        async with serving(fake) as (_, streams):
+            for i in range(300):  # each released on the worker (no start ever comes)
+                await allocate(streams, f"r{i}")
+                fake.leased.discard(f"r{i}")
+            assert len(fake.sessions[0]._leases) <= 64 + 1
             await settled(fake, streams)
 
     asyncio.run(main())
