@@ -10,6 +10,8 @@
 #   tests  pytest -m gpu tests/gpu (for real: CUDA is there)
 #   bench  python3 bench/gpu.py (writes bench/results/gpu-<device>-<date>.json)
 #   boot   process start -> SERVING on one GPU, 8B shape from tmpfs and disk, each phase (bench/gpu_boot.py)
+#   boot-cold  the colocated --variant boots of `boot` from a cold disk (args after -- as for boot)
+#   early-upload  what the early upload costs the imports beside it, off / read / register (bench/early_upload_probe.py)
 #   boot-profile  a worker's start step by step (imports, CUDA init, build_engine under cProfile), 8B, twice
 #   stream-8b  layer-wise KV push on vs off, llama3-8b shape, NIXL and TCP (bench.prefill_stream)
 #   frontier   goodput frontier, 2 GPUs, llama3-8b, log-normal mix: 1P1D NIXL / TCP, conditional, 2 colocated,
@@ -125,6 +127,17 @@ from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve
         boot)  # process start -> SERVING, llama3-8b shape on ONE GPU, tmpfs / disk cold / page cache,
                # colocated and 1P1D, beside the raw read; then decode at batch 1 vs the HBM bound
             python3 bench/gpu_boot.py --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/boot.log"; rc=$(( rc | ${PIPESTATUS[0]} )) ;;
+        boot-cold)  # the colocated --variant boots only, each from a cold disk (evicted before it), into $OUT/cold
+            python3 bench/gpu_boot.py --out "$OUT/cold" "${extra[@]}" --layouts "" --skip-roofline --no-first-start \
+                --variant-source disk-cold 2>&1 | tee "$OUT/boot-cold.log"; rc=$(( rc | ${PIPESTATUS[0]} )) ;;
+        early-upload)  # the early upload beside the imports, per way (off / read / register), page cache then cold
+            python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; \
+from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve-llama3-8b'), 'llama3-8b')"
+            [ -f /var/tmp/pdserve-boot/config.json ] || cp -r /dev/shm/pdserve-llama3-8b/. /var/tmp/pdserve-boot/
+            python3 bench/early_upload_probe.py --out "$OUT" 2>&1 | tee "$OUT/early-upload.log"
+            rc=$(( rc | ${PIPESTATUS[0]} ))
+            python3 bench/early_upload_probe.py --out "$OUT" --cold --rounds 2 2>&1 | tee -a "$OUT/early-upload.log"
+            rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         boot-profile)  # where a worker's start goes (bench/boot_profile.py), llama3-8b from tmpfs, twice
                        # (the first also pays flashinfer's JIT when its cache was not carried)
             python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; \

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from engine import early_upload
 from engine.errors import ModelLoadError
 from engine.kv_layout import dtype_name
 from engine.tp_shard import TensorSlice
@@ -103,6 +104,8 @@ def load_weights(module: torch.nn.Module, path: str | Path, dtype: torch.dtype |
     total_bytes = 0
     uploaders: dict[torch.device, Uploader] = {}
     owners = _parameter_owners(module)
+    early = early_upload.current()  # the bytes may be on the device already (engine/early_upload.py)
+    used_early = False
     with BOOT.phase("load_weights"):
         for file, names in plan.items():
             # unmapped on a thread once read (MappedFile.close)
@@ -115,7 +118,13 @@ def load_weights(module: torch.nn.Module, path: str | Path, dtype: torch.dtype |
                     sl = slices.get(name)
                     # in place where the parameter is already there (FusedLinears' views), else replaced
                     keep = not param.is_meta and param.dtype == dt and param.device == dev
-                    if sl is None:  # zero-copy view of the mapped file, staged to the device
+                    on_device = _early_view(early, file, name, dev) if sl is None else None
+                    if on_device is not None:  # uploaded while torch was imported: a device copy
+                        into = param.data if keep and param.is_contiguous() else None
+                        tensor = into.copy_(on_device) if into is not None else on_device.to(dt, copy=True)
+                        used_early = True
+                        del on_device
+                    elif sl is None:  # zero-copy view of the mapped file, staged to the device
                         up = uploaders.get(dev) or uploaders.setdefault(dev, Uploader(dev))
                         into = param.data if keep and param.is_contiguous() else None
                         tensor = up.to(mapped.view(name), dt, out=into)
@@ -130,12 +139,22 @@ def load_weights(module: torch.nn.Module, path: str | Path, dtype: torch.dtype |
                     del tensor
         for up in uploaders.values():
             up.finish()
+        if early is not None:
+            if used_early:
+                early.synchronize()  # every copy out of the arena is done
+            early.release()  # before the KV cache is sized from what is free
     loaded = sum(len(v) for v in plan.values())
     return LoadStats(num_tensors=loaded, num_bytes=total_bytes,
                      files=tuple(sorted({p.name for p in plan})))
 
 
 # -- internals -------------------------------------------------------------------------------
+def _early_view(early, file: Path, name: str, dev: torch.device) -> torch.Tensor | None:
+    """``name``'s bytes already on ``dev`` (the early upload's arena), or None: no upload, another
+    device, or it failed (the load then reads the file)."""
+    return early.view(file, name) if early is not None and early.covers(dev) else None
+
+
 def slice_of(source, sl: TensorSlice) -> torch.Tensor:
     """``sl``'s part of ``source`` (a tensor, or a safetensors slice that reads only that part),
     zero-padded past the stored size (the last rank's share of a vocabulary)."""

@@ -381,6 +381,22 @@ def cuda_graphs_at_start(default: int) -> int:
     return value
 
 
+EARLY_UPLOAD_MODES = ("auto", "register", "read", "off")
+
+
+def early_upload_mode() -> str:
+    """``PDSERVE_EARLY_UPLOAD``: how a one-GPU worker puts its checkpoint on the GPU while it imports
+    torch (engine.early_upload). ``register`` pins the page cache's pages of each file and copies the
+    file in one piece; ``read`` reads pieces into page-locked buffers; ``auto`` (or unset, or ``1``)
+    registers and reads where registering is refused; ``off`` (or ``0``) leaves it to the load."""
+    raw = os.environ.get("PDSERVE_EARLY_UPLOAD", "").strip() or "auto"
+    mode = {"1": "auto", "0": "off"}.get(raw, raw)
+    if mode not in EARLY_UPLOAD_MODES:
+        raise ValueError(f"PDSERVE_EARLY_UPLOAD must be one of {', '.join(EARLY_UPLOAD_MODES)}, 0 or 1, "
+                         f"got {raw!r}")
+    return mode
+
+
 def stall_watch_ms() -> float:
     """``PDSERVE_STALL_WATCH_MS`` (0 = off); a value that is not a number is off, with ValueError's text."""
     raw = os.environ.get("PDSERVE_STALL_WATCH_MS", "0") or "0"

@@ -1,0 +1,259 @@
+"""``engine.early_upload``: a checkpoint's bytes go to the device while torch is still being imported.
+
+Without a GPU the driver is a fake whose "device memory" is host memory (``FakeDriver``): the thread's
+chunking, its page-locked buffers taken in turn (each reused only after its event), the files' data
+sections placed at 256-byte boundaries, the memory gate, a failing driver call and ``release`` before
+the end all run for real, and every tensor's bytes in the arena are compared with the file's. The
+load (``load_weights``) takes its tensors from the arena where the upload covers the device and gives
+the same parameters as reading the files; the arena is freed after the load whatever happened. The
+module imports no torch (``pdserve serve`` starts it first). The real driver path is in
+``tests/gpu/test_early_upload_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from engine import early_upload
+from engine.weights import iter_tensors, load_weights
+
+
+class FakeDriver:
+    """The driver calls the upload makes, over host memory; ``fail``: the name of a call that fails."""
+
+    def __init__(self, free: int = 1 << 40, fail: str = "") -> None:
+        self.free, self.fail = free, fail
+        self.blocks: dict[int, ctypes.Array] = {}  # address -> the buffer behind a device or host allocation
+        self.freed: list[int] = []
+        self.pending: dict[int, list] = {}  # event -> copies recorded behind it, not yet "done"
+        self.queue: list = []  # copies on the stream since the last record
+        self.synced_before_reuse = True
+        self.calls: list[str] = []
+
+    def _check(self, name: str) -> None:
+        self.calls.append(name)
+        if name == self.fail:
+            raise early_upload.DriverError(f"{name} failed: CUresult 2")
+
+    def _alloc(self, ref, size: int) -> None:
+        buf = (ctypes.c_char * size)()
+        addr = ctypes.addressof(buf)
+        self.blocks[addr] = buf
+        ref._obj.value = addr
+
+    def __getattr__(self, name: str):
+        def call(*args):
+            self._check(name)
+            if name == "cuMemGetInfo_v2":
+                args[0]._obj.value, args[1]._obj.value = self.free, self.free
+            elif name in ("cuMemAlloc_v2", "cuMemHostAlloc"):
+                self._alloc(args[0], args[1])
+            elif name in ("cuStreamCreate", "cuEventCreate", "cuDevicePrimaryCtxRetain"):
+                args[0]._obj.value = 0x1000 + len(self.calls)
+            elif name == "cuMemcpyHtoDAsync_v2":
+                dst, src, n = args[0].value, args[1].value, args[2]
+                self.queue.append((dst, bytes((ctypes.c_char * n).from_address(src))))
+            elif name == "cuEventRecord":
+                self.pending[args[0].value] = self.queue
+                self.queue = []
+            elif name == "cuEventSynchronize":
+                self._land(self.pending.pop(args[0].value, []))
+            elif name == "cuStreamSynchronize":
+                for copies in self.pending.values():
+                    self._land(copies)
+                self.pending = {}
+            elif name in ("cuMemFree_v2", "cuMemFreeHost"):
+                addr = args[0].value if hasattr(args[0], "value") else args[0]
+                self.freed.append(addr)
+        return call
+
+    def _land(self, copies) -> None:
+        for dst, data in copies:
+            ctypes.memmove(dst, data, len(data))
+
+
+def _upload(model, fake, monkeypatch, chunk=4096, mode="auto") -> early_upload.EarlyUpload:
+    monkeypatch.setattr(early_upload, "CHUNK", chunk)
+    files = sorted(p.resolve() for p in model.glob("*.safetensors"))
+    up = early_upload.EarlyUpload(fake, files, 0, mode).start()
+    up.wait(30)
+    return up
+
+
+def _arena_bytes(up: early_upload.EarlyUpload, file, name) -> bytes:
+    p = up.placed(file, name)
+    return bytes((ctypes.c_char * p.nbytes).from_address(up._base + p.offset)) if p.nbytes else b""
+
+
+@pytest.mark.parametrize("mode,fail", [("read", ""), ("register", ""), ("auto", ""),
+                                       ("auto", "cuMemHostRegister_v2")])
+def test_every_tensor_lands_in_the_arena_byte_exact(make_checkpoint, monkeypatch, mode, fail):
+    """read: many pieces through the page-locked buffers in turn; register: each file pinned and copied
+    in one piece, the one before let go once its copy is done; auto where pinning is refused: read."""
+    model = make_checkpoint("llama", max_shard_bytes=200_000)  # several files
+    files = sorted(model.glob("*.safetensors"))
+    assert len(files) > 1
+    fake = FakeDriver(fail=fail)
+    up = _upload(model, fake, monkeypatch, chunk=8192, mode=mode)
+    # the files were just written: wholly in the page cache, so auto pins them (unless refused)
+    want = "read" if mode == "read" or fail else "register"
+    assert up.wait() and up.error is None and up.method == want
+    plans, total = early_upload.plan([f.resolve() for f in files])
+    assert up.num_bytes == sum(fp.size for fp in plans)
+    assert all(fp.offset % 256 == 0 for fp in plans) and total >= up.num_bytes
+    copies = fake.calls.count("cuMemcpyHtoDAsync_v2")
+    if up.method == "read":
+        assert copies > 2 * early_upload.NUM_BUFFERS  # buffers reused
+        assert fake.calls.count("cuEventSynchronize") > 0  # each reuse waited for the buffer's last piece
+    else:
+        assert copies == len(files) and fake.calls.count("cuMemHostUnregister") == len(files)
+    for file in files:
+        for name, tensor in iter_tensors_of(file):
+            want = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+            assert _arena_bytes(up, file, name) == want, name
+    hosts = [a for a in fake.blocks if a != up._base]
+    assert sorted(fake.freed) == sorted(hosts)  # the page-locked buffers are freed once it is done
+    up.release()
+    assert up._base == 0 and len(fake.freed) == len(fake.blocks)
+    up.release()  # twice is harmless
+
+
+def iter_tensors_of(file):
+    from safetensors.torch import load_file
+
+    return load_file(str(file)).items()
+
+
+def test_too_little_free_memory_or_a_failing_driver_leaves_the_load_to_the_files(make_checkpoint,
+                                                                                 monkeypatch):
+    model = make_checkpoint("llama")
+    small = FakeDriver(free=1 << 20)
+    up = _upload(model, small, monkeypatch)
+    assert not up.wait() and "MiB wanted" in up.error and "cuMemAlloc_v2" not in small.calls
+    assert up.view(next(model.glob("*.safetensors")), "model.norm.weight") is None
+    for mode, fail in (("auto", "cuInit"), ("read", "cuMemHostAlloc"), ("read", "cuMemcpyHtoDAsync_v2"),
+                       ("register", "cuMemHostRegister_v2"), ("register", "cuMemcpyHtoDAsync_v2")):
+        fake = FakeDriver(fail=fail)
+        up = _upload(model, fake, monkeypatch, mode=mode)
+        assert not up.wait() and fail in up.error
+        assert up._base == 0 and set(fake.freed) == set(fake.blocks)  # whatever it took is given back
+        assert fake.calls.count("cuMemHostRegister_v2") - (fail == "cuMemHostRegister_v2") \
+            == fake.calls.count("cuMemHostUnregister")  # no file left pinned
+
+
+def test_auto_reads_the_files_the_page_cache_does_not_hold(make_checkpoint, monkeypatch):
+    model = make_checkpoint("llama", max_shard_bytes=200_000)
+    files = sorted(p.resolve() for p in model.glob("*.safetensors"))
+    cached = early_upload._cached
+    assert cached(files[0], files[0].stat().st_size) and not cached(files[0].with_name("absent"), 10)
+    monkeypatch.setattr(early_upload, "_cached", lambda path, length: path != files[0])
+    fake = FakeDriver()
+    up = _upload(model, fake, monkeypatch, chunk=8192, mode="auto")
+    assert up.wait() and up.method == "register+read"
+    assert fake.calls.count("cuMemHostRegister_v2") == len(files) - 1
+    for name, tensor in iter_tensors_of(files[0]):
+        assert _arena_bytes(up, files[0], name) == tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    up.release()
+
+
+def test_release_before_the_end_stops_the_upload_and_frees_the_arena(make_checkpoint, monkeypatch):
+    model = make_checkpoint("llama")
+    fake = FakeDriver()
+    gate = threading.Event()
+    real = early_upload._read_fully
+
+    def slow_read(fd, buf, offset):
+        gate.wait(10)
+        real(fd, buf, offset)
+
+    monkeypatch.setattr(early_upload, "_read_fully", slow_read)
+    monkeypatch.setattr(early_upload, "CHUNK", 4096)
+    up = early_upload.EarlyUpload(fake, sorted(p.resolve() for p in model.glob("*.safetensors")), 0,
+                                  "read").start()
+    threading.Timer(0.1, gate.set).start()
+    up.release()
+    assert up._done.is_set() and not up.wait() and up._base == 0
+    assert set(fake.freed) == set(fake.blocks)
+
+
+class CpuUpload:
+    """An upload that "covers" the CPU: load_weights' device-copy branch without a GPU."""
+
+    def __init__(self, up: early_upload.EarlyUpload) -> None:
+        self.up, self.released, self.synced, self.views = up, False, False, 0
+
+    def covers(self, device) -> bool:
+        return device.type == "cpu"
+
+    def view(self, file, name):
+        p = self.up.placed(file, name)
+        if p is None:
+            return None
+        self.views += 1
+        from engine.weight_upload import _ST_DTYPES
+
+        raw = torch.frombuffer(bytearray(_arena_bytes(self.up, file, name)), dtype=torch.uint8) \
+            if p.nbytes else torch.empty(0, dtype=torch.uint8)
+        return raw.view(_ST_DTYPES[p.dtype]).view(p.shape)
+
+    def synchronize(self) -> None:
+        self.synced = True
+
+    def release(self) -> None:
+        self.released = True
+        self.up.release()
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_the_load_takes_its_tensors_from_the_arena_and_equals_reading_the_files(make_checkpoint, monkeypatch,
+                                                                               dtype):
+    from engine.config import ModelConfig
+    from engine.model import build_model
+
+    model_dir = make_checkpoint("qwen2")
+    config = ModelConfig.from_pretrained(model_dir)
+    want = build_model(config, init="meta")
+    load_weights(want, model_dir, dtype=dtype, device="cpu")
+    fake = CpuUpload(_upload(model_dir, FakeDriver(), monkeypatch))
+    monkeypatch.setattr(early_upload, "_current", fake)
+    got = build_model(config, init="meta")
+    got.allocate_fused(torch.device("cpu"), dtype or config.torch_dtype)  # in place into fused views too
+    load_weights(got, model_dir, dtype=dtype, device="cpu")
+    assert fake.views == len(list(iter_tensors(model_dir))) - _ignored(model_dir, got)
+    assert fake.synced and fake.released
+    for (name, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def _ignored(model_dir, module) -> int:
+    params = dict(module.named_parameters())
+    return sum(1 for name, _ in iter_tensors(model_dir) if name not in params)
+
+
+def test_wanted_only_for_a_one_gpu_worker_and_no_torch_imported():
+    assert early_upload.wanted(role="decode", device="auto", tensor_parallel_size=1) == 0
+    assert early_upload.wanted(role="prefill", device="cuda:3", tensor_parallel_size=1) == 3
+    assert early_upload.wanted(role="router", device="auto", tensor_parallel_size=1) is None
+    assert early_upload.wanted(role="decode", device="cpu", tensor_parallel_size=1) is None
+    assert early_upload.wanted(role="decode", device="auto", tensor_parallel_size=2) is None
+    code = ("import os, sys; os.environ['PDSERVE_EARLY_UPLOAD'] = 'off'; "
+            "from engine import early_upload as e; "
+            "assert e.wanted(role='decode', device='auto', tensor_parallel_size=1) is None; "
+            "assert 'torch' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+
+
+def test_start_is_none_without_a_driver_or_a_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(early_upload, "driver", lambda: None)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert early_upload.start(tmp_path, 0) is None
+    assert early_upload.start(tmp_path / "absent", 0) is None
+    assert early_upload.start(tmp_path, None) is None
+    assert early_upload.current() is None
