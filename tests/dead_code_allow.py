@@ -10,6 +10,7 @@ _.post_processor  # same
 _._timeout  # torch.distributed options structs (engine/tp_group.py)
 _.rootRank  # same
 _.reduceOp  # same: read by the c10d collective it is handed to
+_.__cuda_array_interface__  # torch.as_tensor reads it (engine/early_upload.py hands device bytes to torch)
 _.num_prefill_tokens  # FlashInferMetadata field, kept for repr/debugging of a step's plan
 _.generated_tokens  # engine counters, exported whole (dataclasses.asdict) in stats
 _.decode_cached  # scoring record field, shown in the placement's path report

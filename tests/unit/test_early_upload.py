@@ -33,7 +33,6 @@ class FakeDriver:
         self.freed: list[int] = []
         self.pending: dict[int, list] = {}  # event -> copies recorded behind it, not yet "done"
         self.queue: list = []  # copies on the stream since the last record
-        self.synced_before_reuse = True
         self.calls: list[str] = []
 
     def _check(self, name: str) -> None:
