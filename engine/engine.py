@@ -347,7 +347,12 @@ class LLMEngine(LaunchAhead):
         if params.stop:
             from engine.tokenizer import IncrementalDecoder
 
-            seq.decoder = IncrementalDecoder(self.tokenizer, prompt_ids=prompt)
+            # a continuation's tokens generated before count as generated text (stop strings may
+            # begin there); the tail that can hold the start of the longest stop string is enough
+            n = min(params.stop_context, len(prompt) - 1, 4 * max(map(len, params.stop)) + 16)
+            seq.decoder = IncrementalDecoder(self.tokenizer, prompt_ids=prompt[:len(prompt) - n])
+            seq.text = seq.decoder.push_many(prompt[len(prompt) - n:]) if n > 0 else ""
+            seq.text_start = len(seq.text)
         return seq
 
     def _enqueue(self, seq: Sequence) -> None:
@@ -380,7 +385,7 @@ class LLMEngine(LaunchAhead):
         finished = reason is not None
         if finished:
             self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
-        text = seq.text if finished and seq.decoder is not None else None
+        text = seq.text[seq.text_start:] if finished and seq.decoder is not None else None
         return StepOutput(request_id=seq.request_id, new_token_ids=new_tokens, new_logprobs=lps,
                           finished=finished, finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
                           num_cached_tokens=seq.num_cached_tokens, error=seq.error, text=text,

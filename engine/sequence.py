@@ -44,6 +44,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""  # detokenized output, tracked only for stop strings
+        self.text_start = 0  # where its own text begins in ``text`` (after a continuation's context)
         self.decoder = None  # engine.tokenizer.IncrementalDecoder when stop strings are set
         self.num_preemptions = 0
         self.layer_sink = None  # engine.layer_sink.LayerSink until its final prompt chunk has run

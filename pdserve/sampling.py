@@ -28,6 +28,9 @@ class SamplingParams:
     logprobs: int | None = None
     # seeded rows: draws already taken from the seed's stream (a continued request resumes it there)
     seed_draws: int = 0
+    # a continued request: its last stop_context prompt tokens were generated before (stop strings are
+    # looked for across them and the new tokens)
+    stop_context: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +52,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
         if not isinstance(self.seed_draws, int) or self.seed_draws < 0:
             raise ValueError(f"seed_draws must be an int >= 0, got {self.seed_draws!r}")
+        if not isinstance(self.stop_context, int) or self.stop_context < 0:
+            raise ValueError(f"stop_context must be an int >= 0, got {self.stop_context!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

@@ -48,13 +48,16 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, max_tokens: int | None =
         raise ValueError("stop_token_ids must be >= 0")
     if msg.seed_draws > INT32_MAX:
         raise ValueError(f"seed_draws must be at most {INT32_MAX}, got {msg.seed_draws}")
+    if msg.stop_context > INT32_MAX:
+        raise ValueError(f"stop_context must be at most {INT32_MAX}, got {msg.stop_context}")
     if not 1 <= max_tokens <= INT32_MAX:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     return SamplingParams(
         max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
         seed=int(msg.seed) if msg.HasField("seed") else None, stop=tuple(msg.stop),
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids), ignore_eos=bool(msg.ignore_eos),
-        logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None, seed_draws=int(msg.seed_draws))
+        logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None, seed_draws=int(msg.seed_draws),
+        stop_context=int(msg.stop_context))
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -67,6 +70,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
     msg.seed_draws = params.seed_draws
+    msg.stop_context = params.stop_context
     return msg
 
 

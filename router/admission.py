@@ -44,6 +44,7 @@ class Admitted:
     session_id: str | None
     reusable_prefix_len: int | None
     want_text: bool
+    eos_token_ids: tuple[int, ...] = ()  # the model's; a continuation never runs past one (migration)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +52,7 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     tokenizer: object | None  # engine.tokenizer.Tokenizer or None
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence tokens
     # characters of the tokenizer's longest vocabulary entry (0: measured here from the tokenizer)
     max_token_chars: int = 0
 
@@ -116,7 +118,7 @@ def _admitted(req: router_pb2.GenerateRequest, limits: ModelLimits, c: _Checked,
     if reusable is not None and not 0 <= reusable <= len(ids):
         raise ValueError(f"reusable_prefix_len must be in 0..{len(ids)}, got {reusable}")
     return Admitted(request_id=c.request_id, prompt_ids=ids, params=c.params, session_id=c.session_id,
-                    reusable_prefix_len=reusable,
+                    reusable_prefix_len=reusable, eos_token_ids=limits.eos_token_ids,
                     want_text=not req.skip_text and limits.tokenizer is not None)
 
 
@@ -150,4 +152,4 @@ def limits_from_model_dir(path: str) -> ModelLimits:
 
     config = ModelConfig.from_pretrained(path)
     return ModelLimits(vocab_size=config.vocab_size, max_model_len=config.max_position_embeddings,
-                       tokenizer=Tokenizer.from_dir(path))
+                       tokenizer=Tokenizer.from_dir(path), eos_token_ids=tuple(config.eos_token_ids))

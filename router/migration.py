@@ -137,6 +137,9 @@ class Migration:
                 if len(sent) >= req.params.max_tokens:  # everything was sent; only the end was lost
                     yield Done("length", len(sent), kinds.meta())
                     return
+                if sent and _stops(req, sent[-1]):  # it ended there (say, an EOS first token from the
+                    yield Done("stop", len(sent), kinds.meta())  # prefill), only the end was lost
+                    return
                 cur = continuation(req, sent, n)
 
 
@@ -146,9 +149,17 @@ def continuation(req: Admitted, sent: list[int], n: int) -> Admitted:
         return dataclasses.replace(req, request_id=f"{req.request_id}~r{n}")
     k = len(sent)
     params = dataclasses.replace(req.params, max_tokens=req.params.max_tokens - k,
-                                 seed_draws=req.params.seed_draws + k)
+                                 seed_draws=req.params.seed_draws + k,
+                                 stop_context=req.params.stop_context + k)
     return dataclasses.replace(req, request_id=f"{req.request_id}~r{n}", prompt_ids=[*req.prompt_ids, *sent],
                                params=params)
+
+
+def _stops(req: Admitted, token: int) -> bool:
+    """Whether ``token`` ends the request (a stop token, or EOS unless ``ignore_eos``): the engine
+    would have stopped on it, so a continuation must not run past it."""
+    p = req.params
+    return token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids)
 
 
 def _whole(done, req: Admitted, cur: Admitted):

@@ -236,7 +236,7 @@ async def _colocated(settings: ServeSettings, server: GrpcServer):
         engine, aengine = await _load_engine(settings, server)
         cfg = engine.model_config
         limits = ModelLimits(vocab_size=cfg.vocab_size, max_model_len=cfg.max_position_embeddings,
-                             tokenizer=engine.tokenizer)
+                             tokenizer=engine.tokenizer, eos_token_ids=tuple(cfg.eos_token_ids))
         holder.target = ColocatedServicer(engine=aengine, limits=limits, worker_id=settings.worker_id,
                                           incarnation=uuid.uuid4().hex[:12],
                                           address=settings.advertise_address)

@@ -191,6 +191,40 @@ def test_stop_strings_cut_the_text(make_engine, models, tiny_llama_dir):
     assert engine.leak_report() is None
 
 
+def test_a_continuation_stops_on_a_stop_string_that_began_in_the_tokens_sent_before(tiny_llama_dir):
+    """The router continues a request that lost its worker mid-stream as prompt + the k tokens already
+    sent (router/migration.py). A stop string whose first characters were in those k tokens and whose
+    last come from the continuation stops it where the unbroken request stopped (``stop_context``),
+    and the finished text is the continuation's own."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_blocks=64, max_num_seqs=4,
+                                    max_num_batched_tokens=64))
+    tok = engine.tokenizer
+    prompt = tok.encode("The quick brown fox")
+    free = tokens(run(engine, {"f": (prompt, SamplingParams(max_tokens=30, ignore_eos=True))})["f"])
+    # a stop string of the last character of token j-1's text and the first of token j's, j >= 3
+    cut = None
+    for j in range(3, len(free) - 1):
+        before, upto = tok.decode(free[:j]), tok.decode(free[:j + 1])
+        if not before or len(upto) <= len(before) or not upto.startswith(before):
+            continue
+        stop = before[-1] + upto[len(before)]
+        if stop.strip() == stop and "\ufffd" not in stop and stop not in before:
+            cut = j
+            break
+    assert cut is not None, "no token boundary to straddle in this output"
+    whole = run(engine, {"w": (prompt, SamplingParams(max_tokens=30, ignore_eos=True, stop=(stop,)))})["w"]
+    assert tokens(whole) == free[:cut + 1] and whole[-1].finish_reason == "stop"
+    sent = free[:cut]
+    cont = SamplingParams(max_tokens=30 - cut, ignore_eos=True, stop=(stop,), stop_context=cut)
+    outs = run(engine, {"c": (prompt + sent, cont)})["c"]
+    assert tokens(outs) == [free[cut]] and outs[-1].finish_reason == "stop"
+    assert outs[-1].text == ""  # the stop string began in the tokens sent before: nothing of its own
+    blind = run(engine, {"b": (prompt + sent, SamplingParams(max_tokens=30 - cut, ignore_eos=True,
+                                                                stop=(stop,)))})["b"]
+    assert len(tokens(blind)) > 1  # without the context the straddling stop string is not seen
+    assert engine.leak_report() is None
+
+
 def test_logprobs(make_engine):
     engine = make_engine()
     prompt = prompts_of([6], seed=7)[0]

@@ -64,6 +64,26 @@ def test_mid_stream_failure_continues_as_one_stream() -> None:
     cont = script.seen[1]
     assert cont.prompt_ids == [1, 2, 3, 10, 11, 12] and cont.params.max_tokens == 3
     assert cont.params.seed_draws == 3 and cont.params.seed == 5 and cont.request_id != "r1"
+    assert cont.params.stop_context == 3  # stop strings are looked for across the tokens sent before
+
+
+@pytest.mark.parametrize("params,stops", [({}, True), ({"ignore_eos": True}, False),
+                                          ({"ignore_eos": True, "stop_token_ids": (2,)}, True)])
+def test_a_request_whose_last_sent_token_ends_it_is_not_continued(params, stops) -> None:
+    """An EOS (or stop token) first token from the prefill reached the client, then the decode worker
+    died before its final message: the request is over, not continued past its end."""
+    import dataclasses
+
+    req = dataclasses.replace(_req(**params), eos_token_ids=(2,))
+    script = Script([FirstToken(2, None), _failed()],
+                    [Tokens([9], []), Done("length", 5, ServingMeta())])
+    events = _run(script, req)
+    assert isinstance(events[-1], Done)
+    if stops:
+        assert len(script.seen) == 1 and events[-1].finish_reason == "stop"
+        assert events[-1].completion_tokens == 1
+    else:
+        assert len(script.seen) == 2 and events[-1].finish_reason == "length"
 
 
 def test_failure_before_the_first_token_reruns_the_same_request() -> None:
