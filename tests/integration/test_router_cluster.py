@@ -142,15 +142,32 @@ def converse(routers: list[str], session: str, turns: int, *, seed: int, user_le
     return prompts, results
 
 
+async def run_pipeline(directory, placer, prompt: list[int], max_tokens: int, session: str):
+    """One greedy request through a router Pipeline of this process: (token ids, the Done event)."""
+    from pdserve.client import build_request
+    from router.admission import ModelLimits, admit
+    from router.pipeline import Done, FirstToken, Pipeline, Tokens
+
+    pipeline = Pipeline(directory, placer, block_size=BS, lease_ms=30_000)
+    req = admit(build_request(prompt_ids=prompt, max_tokens=max_tokens, ignore_eos=True, session_id=session),
+                ModelLimits(vocab_size=1024, max_model_len=2048, tokenizer=None))
+    got, done = [], None
+    async for ev in pipeline.run(req, timeout=60):
+        if isinstance(ev, FirstToken):
+            got.append(ev.token_id)
+        elif isinstance(ev, Tokens):
+            got.extend(ev.token_ids)
+        elif isinstance(ev, Done):
+            done = ev
+    return got, done
+
+
 # ---------------------------------------------------------------------------------------------------
 def test_removed_decode_worker_drains_request_between_allocate_and_decode(cluster, leak_check) -> None:
     """Regression: the directory used to close a removed worker's channel at once, so the Decode
     (and Release) of a request already allocated there failed with 'Channel is closed'. The channel
     stays open until the request is done, its DecodeMany call with it."""
-    from pdserve.client import build_request
-    from router.admission import ModelLimits, admit
     from router.directory import WorkerDirectory
-    from router.pipeline import Done, FirstToken, Pipeline, Tokens
     from router.placement import Placer, PlacerConfig
 
     p_addr = next(h.address for h in cluster.workers if h.role == "prefill")
@@ -173,17 +190,7 @@ def test_removed_decode_worker_drains_request_between_allocate_and_decode(cluste
             return resp
 
         handle.decode.allocate = allocate_then_scale_down
-        pipeline = Pipeline(directory, placer, block_size=BS, lease_ms=30_000)
-        req = admit(build_request(prompt_ids=prompt, max_tokens=6, ignore_eos=True, session_id="drain"),
-                    ModelLimits(vocab_size=1024, max_model_len=2048, tokenizer=None))
-        got, done = [], None
-        async for ev in pipeline.run(req, timeout=60):
-            if isinstance(ev, FirstToken):
-                got.append(ev.token_id)
-            elif isinstance(ev, Tokens):
-                got.extend(ev.token_ids)
-            elif isinstance(ev, Done):
-                done = ev
+        got, done = await run_pipeline(directory, placer, prompt, 6, "drain")
         state = (handle.removed, handle.inflight, handle.closed, directory.draining, placer.inflight_total)
         await directory.close()
         return got, done, state
@@ -202,10 +209,7 @@ def test_sigterm_between_allocate_and_decode_serves_the_request_there_with_one_p
     import os
     import signal
 
-    from pdserve.client import build_request
-    from router.admission import ModelLimits, admit
     from router.directory import WorkerDirectory
-    from router.pipeline import Done, FirstToken, Pipeline, Tokens
     from router.placement import Placer, PlacerConfig
 
     c = small_cluster
@@ -214,6 +218,7 @@ def test_sigterm_between_allocate_and_decode_serves_the_request_there_with_one_p
     prompt = tokens(3, 40)
     want = replay(c.model, [prompt], 12)[0]
     allocated_on: list[str] = []
+    killed: list = []  # (the worker's handle, the pid told to stop)
 
     async def main():
         placer = Placer(PlacerConfig(policy="session+prefix"))
@@ -227,33 +232,40 @@ def test_sigterm_between_allocate_and_decode_serves_the_request_there_with_one_p
                 resp = await real_allocate(request, timeout)
                 allocated_on.append(addr)
                 if len(allocated_on) == 1:  # the first worker asked is told to stop right here
-                    os.kill(next(h.pid for h in decodes if h.address == addr), signal.SIGTERM)
+                    victim = next(h for h in decodes if h.address == addr)
+                    killed.append((victim, victim.pid))
+                    os.kill(victim.pid, signal.SIGTERM)
                     await asyncio.sleep(0.3)  # its drain has begun before the prefill's KV arrives
                 return resp
 
             handle.decode.allocate = allocate_then_sigterm
-        pipeline = Pipeline(directory, placer, block_size=BS, lease_ms=30_000)
-        req = admit(build_request(prompt_ids=prompt, max_tokens=12, ignore_eos=True, session_id="sigterm"),
-                    ModelLimits(vocab_size=1024, max_model_len=2048, tokenizer=None))
-        got, done = [], None
-        async for ev in pipeline.run(req, timeout=60):
-            if isinstance(ev, FirstToken):
-                got.append(ev.token_id)
-            elif isinstance(ev, Tokens):
-                got.extend(ev.token_ids)
-            elif isinstance(ev, Done):
-                done = ev
+        got, done = await run_pipeline(directory, placer, prompt, 12, "sigterm")
         await directory.close()
         return got, done
 
     got, done = asyncio.run(main())
     assert got == want and done is not None and done.finish_reason == "length"
     assert len(allocated_on) == 1  # served where it was allocated: one Allocate, one prefill
-    stopped = next(h for h in decodes if h.address == allocated_on[0])
+    import grpc
+
+    from pdserve.app.launcher.local import get_stats
+
+    stopped, old_pid = killed[0]
     deadline = time.monotonic() + 30
-    while stopped.pid and _pid_alive(stopped.pid) and time.monotonic() < deadline:
+    while _pid_alive(old_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _pid_alive(stopped.pid)
+    assert not _pid_alive(old_pid)  # its drain ended once the stream was done
+    # the launcher starts it again (an exit it did not ask for): back before the fixture's leak check
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if stopped.pid != old_pid and get_stats(stopped.address, "decode", timeout=2).worker_id:
+                break
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the stopped decode worker was not started again")
 
 
 def _pid_alive(pid: int) -> bool:
