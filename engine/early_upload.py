@@ -5,7 +5,7 @@ Why: a worker's start is ``import torch`` (~3 s on an H200 host), then the model
 load (0.9-1.0 s for the 8B shape's 16 GB from the page cache; from a cold disk as long as the read),
 then flashinfer and the graphs; the load waits for the imports although it needs none of them. This
 module needs only the standard library and the CUDA driver (``libcuda.so.1`` through ``ctypes``), so
-``pdserve serve`` starts it before anything else. Its thread puts every ``*.safetensors`` file's data
+``pdserve serve`` starts it before anything else. Its thread puts every weight file's (``weight_files``) data
 section into one device arena, on a stream of its own, in one of two ways:
 
 * ``register``: the file is memory-mapped, its pages are pinned where they lie in the page cache
@@ -470,13 +470,29 @@ def wanted(*, role: str, device: str, tensor_parallel_size: int) -> int | None:
     return None
 
 
+def weight_files(model_dir: Path) -> list[Path]:
+    """The files the load reads (engine.weights.checkpoint_files): the shards the index names when
+    there is one (a directory may hold other ``*.safetensors``, say a consolidated copy, that no
+    parameter comes from), else every ``*.safetensors``. Empty on an index it cannot read (the load
+    reports that)."""
+    index = model_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return sorted(model_dir.glob("*.safetensors"))
+    try:
+        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        files = sorted(model_dir / str(s) for s in shards)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return files if all(f.parent == model_dir and f.is_file() for f in files) else []
+
+
 def start(model_dir: str | os.PathLike | None, device_index: int | None) -> EarlyUpload | None:
     """Begin uploading ``model_dir``'s safetensors files to ``cuda:device_index`` (see the module
     docstring); None when there is nothing to do or no CUDA driver here."""
     global _current
     if device_index is None or not model_dir or not Path(model_dir).is_dir():
         return None
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = weight_files(Path(model_dir))
     cuda = driver() if files else None
     if cuda is None:
         return None

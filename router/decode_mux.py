@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry, Counter
 from pdserve.v1 import decode_pb2
 
 log = logging.getLogger(__name__)
+_DEADLINE = object()  # queued by a stream's deadline timer: the stream ends DEADLINE_EXCEEDED
 
 
 class MuxMetrics:
@@ -224,20 +225,19 @@ class DecodeStreams:
         rid = request.request_id
         call = self._open_for(rid, allocating=False)
         queue = call.start(request, timeout)
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        # The deadline is one timer for the whole stream that queues an end behind what came before it,
+        # not a timeout around every wait (a timer armed and cancelled per token).
+        timer = None if timeout is None else asyncio.get_running_loop().call_later(
+            timeout, queue.put_nowait, _DEADLINE)
         finished = False
         try:
             while True:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        ready = [await queue.get()]
-                except TimeoutError:
-                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                ready = [await queue.get()]
                 while not queue.empty():  # the router fell behind: what is ready goes on as one message
                     ready.append(queue.get_nowait())
                 tokens, end = [], None  # the messages up to the first status; a status ends the stream
                 for u in ready:
-                    if isinstance(u, grpc.aio.AioRpcError) or u.code:
+                    if u is _DEADLINE or isinstance(u, grpc.aio.AioRpcError) or u.code:
                         end = u
                         break
                     tokens.append(u.response)
@@ -249,6 +249,8 @@ class DecodeStreams:
                         return
                 if end is None:
                     continue
+                if end is _DEADLINE:  # the worker still streams it: leaving cancels it there
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
                 finished = True
                 if isinstance(end, grpc.aio.AioRpcError):
                     if end.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -256,6 +258,8 @@ class DecodeStreams:
                     raise end
                 raise _status_error(end.code, end.message)
         finally:
+            if timer is not None:
+                timer.cancel()
             call.leave(rid, cancel=not finished)
         self._unsupported()
         async for msg in self._one_call(request, timeout):

@@ -249,6 +249,24 @@ def test_wanted_only_for_a_one_gpu_worker_and_no_torch_imported():
     assert out.stdout.strip() == "ok"
 
 
+def test_only_the_files_the_index_names_are_uploaded(tmp_path):
+    import json
+
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                 "consolidated.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    assert len(early_upload.weight_files(tmp_path)) == 3  # no index: every file
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                "b": "model-00002-of-00002.safetensors"}}))
+    assert [f.name for f in early_upload.weight_files(tmp_path)] == ["model-00001-of-00002.safetensors",
+                                                                    "model-00002-of-00002.safetensors"]
+    index.write_text(json.dumps({"weight_map": {"a": "missing.safetensors"}}))
+    assert early_upload.weight_files(tmp_path) == []
+    index.write_text("not json")
+    assert early_upload.weight_files(tmp_path) == []
+
+
 def test_start_is_none_without_a_driver_or_a_model(tmp_path, monkeypatch):
     monkeypatch.setattr(early_upload, "driver", lambda: None)
     (tmp_path / "model.safetensors").write_bytes(b"")
