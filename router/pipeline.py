@@ -103,10 +103,10 @@ class Pipeline:
         self.admission = Admission(AdmissionConfig(), placer)
         self.local = PrefillModePolicy(conditional, placer)
 
-    async def run(self, req: Admitted, timeout: float | None) -> AsyncIterator[object]:
-        """Events of one request, continued on other workers when one fails under it."""
-        async for event in self.migration.run(req, timeout, self._run_once, _EVENTS):
-            yield event
+    def run(self, req: Admitted, timeout: float | None) -> AsyncIterator[object]:
+        """Events of one request, continued on other workers when one fails under it (the migration's
+        own generator, not one wrapped around it: every token passes through each layer)."""
+        return self.migration.run(req, timeout, self._run_once, _EVENTS)
 
     async def _run_once(self, req: Admitted, timeout: float | None) -> AsyncIterator[object]:
         preq = PlacementRequest(request_id=req.request_id, session_id=req.session_id,
