@@ -34,6 +34,7 @@ import threading
 
 import torch
 
+from engine import compile_key
 from pdserve.settings import env_switch
 
 try:
@@ -55,21 +56,12 @@ def available(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 
 def warm_compile_cache() -> threading.Thread | None:
-    """Start computing Triton's compiler fingerprint on a daemon thread (for a model whose kernels
-    will run, ``available``); join the returned thread before the first kernel launch.
-
-    The first kernel a process launches looks its binary up in Triton's cache under a key that
-    includes ``triton.runtime.cache.triton_key()``: a SHA-256 of Triton's compiler sources and of
-    ``libtriton.so`` (hundreds of MB), computed once per process and memoised. That took 0.44 s of an
-    8B worker's start on an H200 host (bench/boot_profile.py), on the critical path of the first
-    CUDA-graph capture. File reads and hashing release the GIL, so begun before the weight load it
-    costs the start nothing. Nothing is started where Triton or that function is missing."""
-    key = getattr(getattr(getattr(triton, "runtime", None), "cache", None), "triton_key", None)
-    if key is None:
+    """The thread computing Triton's compiler fingerprint (``engine.compile_key``), started now unless
+    ``pdserve serve`` started it at the process's start; join it before the first kernel launch. None
+    where Triton or its ``triton_key`` is missing."""
+    if getattr(getattr(getattr(triton, "runtime", None), "cache", None), "triton_key", None) is None:
         return None
-    thread = threading.Thread(target=key, name="triton-key", daemon=True)
-    thread.start()
-    return thread
+    return compile_key.start()
 
 
 # No FMA contraction: the kernels reproduce torch's rounding of every product and sum, and an fp16

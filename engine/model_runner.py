@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine import compile_key
 from engine.attention import BatchSpec, backend_geometry, get_backend
 from engine.kv_layout import KVLayout
 from engine.layer_sink import LAUNCH_THROTTLE_MIN_TOKENS, chain, launch_throttle, layer_callback
@@ -155,6 +156,7 @@ class ModelRunner:
         self.cuda_graphs = None  # engine.cuda_graphs.DecodeGraphRunner once enable_cuda_graphs() captured
         self._staged: torch.cuda.Event | None = None  # the last launch's copies queued (_mark_staged)
         self._fed: torch.Tensor | None = None  # a follower rank: rank 0's last shared sampled ids
+        compile_key.join()  # Triton's compiler key, hashed since the start, before any step launches
 
     def enable_cuda_graphs(self, *, max_batch: int, max_model_len: int) -> None:
         """Capture decode CUDA graphs when the backend can be captured on CUDA (see engine.cuda_graphs).

@@ -57,16 +57,15 @@ def load_model(config: EngineConfig, device: torch.device, tp: TPGroup | None):
     path = Path(config.model)
     model_config = ModelConfig.from_pretrained(path)
     dtype = getattr(torch, config.dtype) if config.dtype else model_config.torch_dtype
+    kernels = fused_kernels_for(device, dtype)
+    if kernels is not None:  # Triton's key hashes beside the load (ModelRunner waits for it)
+        kernels.warm_compile_cache()
     model = build_model(model_config, init="meta", tp=tp)
     model.allocate_fused(device, dtype)  # q/k/v and gate/up load straight into their fused weights
-    kernels = fused_kernels_for(device, dtype)
-    warming = kernels.warm_compile_cache() if kernels is not None else None  # overlaps the load
     overlap = prefetch.wanted(config.attention_backend, device=device, dtype=dtype,
                               head_dim=model_config.head_dim, cold=readahead.reading())
     with prefetch.overlapping(overlap):  # from a cold disk, flashinfer's import overlaps the load
         load_weights(model, path, dtype=dtype, device=device, slices=model.tp_slices())
-    if warming is not None:
-        warming.join()
     return model, Tokenizer.from_dir(path)
 
 

@@ -30,24 +30,28 @@ def test_fused_ops_under_triton_interpreter():
 
 def test_warm_compile_cache_computes_tritons_key_on_a_thread(monkeypatch):
     """``warm_compile_cache`` runs ``triton.runtime.cache.triton_key`` (memoised by Triton) on a daemon
-    thread; a Triton without that function warms nothing. ``fused_kernels_for`` keeps CPU and
-    float32 models away from triton entirely."""
+    thread, the process's one (``engine.compile_key``: the one ``pdserve serve`` may have started);
+    a Triton without that function warms nothing. ``fused_kernels_for`` keeps CPU and float32 models
+    away from triton entirely."""
     import threading
 
     import pytest
     import torch
 
-    from engine import fused_ops
+    from engine import compile_key, fused_ops
     from engine.model import fused_kernels_for
 
     if fused_ops.triton is None:
         pytest.fail("triton is a test dependency (pyproject: triton on Linux)")
+    monkeypatch.setattr(compile_key, "_thread", None)
     ran_on = []
     monkeypatch.setattr(fused_ops.triton.runtime.cache, "triton_key",
                         lambda: ran_on.append(threading.current_thread().name))
     thread = fused_ops.warm_compile_cache()
     thread.join(10)
     assert ran_on == ["triton-key"] and thread.daemon
+    assert fused_ops.warm_compile_cache() is thread and ran_on == ["triton-key"]
+    monkeypatch.setattr(compile_key, "_thread", None)
     monkeypatch.delattr(fused_ops.triton.runtime.cache, "triton_key")
     assert fused_ops.warm_compile_cache() is None
     assert fused_kernels_for(torch.device("cpu"), torch.bfloat16) is None

@@ -32,12 +32,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2
     if settings.role != "router":  # the disk starts on the checkpoint while the imports below run
-        from engine import early_upload, readahead
+        from engine import compile_key, early_upload, readahead
 
         # and its bytes go to the GPU meanwhile (CUDA driver only, no torch; see the module)
         early_upload.start(settings.model, early_upload.wanted(
             role=settings.role, device=settings.device, tensor_parallel_size=settings.tensor_parallel_size))
         readahead.start(settings.model)
+        if compile_key.wanted(role=settings.role, device=settings.device):  # hashed beside import torch
+            compile_key.start()
     from pdserve.app.roles import run_role
 
     try:
