@@ -381,14 +381,15 @@ def cuda_graphs_at_start(default: int) -> int:
     return value
 
 
-EARLY_UPLOAD_MODES = ("auto", "register", "read", "off")
+EARLY_UPLOAD_MODES = ("auto", "mapped", "register", "read", "off")
 
 
 def early_upload_mode() -> str:
     """``PDSERVE_EARLY_UPLOAD``: how a one-GPU worker puts its checkpoint on the GPU while it imports
-    torch (engine.early_upload). ``register`` pins the page cache's pages of each file and copies the
-    file in one piece; ``read`` reads pieces into page-locked buffers; ``auto`` (or unset, or ``1``)
-    registers and reads where registering is refused; ``off`` (or ``0``) leaves it to the load."""
+    torch (engine.early_upload). ``mapped`` hands each file's mapping to the driver as pageable memory;
+    ``register`` pins the page cache's pages of each file and copies the file in one piece; ``read``
+    reads pieces into page-locked buffers; ``auto`` (or unset, or ``1``) maps the files wholly in the
+    page cache and reads the others; ``off`` (or ``0``) leaves it to the load."""
     raw = os.environ.get("PDSERVE_EARLY_UPLOAD", "").strip() or "auto"
     mode = {"1": "auto", "0": "off"}.get(raw, raw)
     if mode not in EARLY_UPLOAD_MODES:

@@ -15,7 +15,7 @@ from engine.weights import load_weights
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("mode", ["register", "read"])
+@pytest.mark.parametrize("mode", ["mapped", "register", "read"])
 def test_started_before_torch_is_imported_the_bytes_are_exact_and_freed(tmp_path, mode):
     g = torch.Generator().manual_seed(0)
     tensors = {"w": torch.randn(1000, 333, generator=g).to(torch.bfloat16),
