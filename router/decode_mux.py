@@ -29,6 +29,11 @@ Lifecycle of a call (``_Call``)::
                 UNAVAILABLE (``_call_status``; CANCELLED and UNIMPLEMENTED as they are), so the router
                 places it again or migrates it; the next request opens a new call, to whatever
                 incarnation answers now
+    abandoned   the worker stopped answering its health polls while requests wait on a call that has
+                carried nothing for ``UNRESPONSIVE_S`` (``DecodeStreams.unresponsive``, from the
+                directory): a frozen process (SIGSTOP, a hung driver call) keeps its TCP connection,
+                so nothing else ends the call before gRPC's keepalive (10 + 5 s) does; the call is
+                broken as above, with UNAVAILABLE saying so
 
 A worker without DecodeMany (UNIMPLEMENTED: an older build) is remembered and served by one call per
 Allocate and stream from then on; ``enabled=False`` (``--decode-mux off``) does the same for all.
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -47,18 +53,26 @@ from pdserve.v1 import decode_pb2
 
 log = logging.getLogger(__name__)
 _DEADLINE = object()  # queued by a stream's deadline timer: the stream ends DEADLINE_EXCEEDED
+# A call with requests waiting that carried nothing for this long, from a worker that also failed its
+# health poll, is given up (``DecodeStreams.unresponsive``): a decode worker with streams sends a
+# message every engine step, and one with only Allocates waiting answers them in milliseconds.
+UNRESPONSIVE_S = 3.0
 
 
 class MuxMetrics:
-    """``pdserve_router_decode_mux_{calls,broken,messages,updates}_total``: calls opened, calls that ended
-    under requests, responses received and the Allocate answers and stream updates they carried
-    (updates / messages: how many requests one response served)."""
+    """``pdserve_router_decode_mux_{calls,broken,abandoned,messages,updates}_total``: calls opened, calls
+    that ended under requests, calls given up on a worker that stopped answering, responses received
+    and the Allocate answers and stream updates they carried (updates / messages: how many requests one
+    response served)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         registry = registry if registry is not None else CollectorRegistry()
         self.calls = Counter("pdserve_router_decode_mux_calls", "DecodeMany calls opened", registry=registry)
         self.broken = Counter("pdserve_router_decode_mux_broken", "DecodeMany calls that ended under "
                               "requests (they were placed again or migrated)", registry=registry)
+        self.abandoned = Counter("pdserve_router_decode_mux_abandoned", "DecodeMany calls given up: the "
+                                 "worker failed its health poll and the call carried nothing while "
+                                 "requests waited on it", registry=registry)
         self.messages = Counter("pdserve_router_decode_mux_messages", "DecodeMany responses received",
                                 registry=registry)
         self.updates = Counter("pdserve_router_decode_mux_updates", "Allocate answers and stream updates "
@@ -92,12 +106,19 @@ class _Call:
         self.starts: list[decode_pb2.DecodeStart] = []
         self.cancels: list[str] = []
         self.broken: grpc.aio.AioRpcError | None = None
+        self.heard_at = time.monotonic()  # when it last carried anything (opened, a response)
         self._wake = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._writer = loop.create_task(self._write())
         self._reader = loop.create_task(self._read())
 
+    def _waiting(self) -> None:
+        """A request is about to wait on the call: an idle call's silence starts now."""
+        if not (self.queues or self.allocs):
+            self.heard_at = time.monotonic()
+
     def start(self, request: decode_pb2.DecodeRequest, timeout: float | None) -> asyncio.Queue:
+        self._waiting()
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request.request_id] = queue
         self.starts.append(decode_pb2.DecodeStart(request=request, timeout_ms=_ms(timeout)))
@@ -105,6 +126,7 @@ class _Call:
         return queue
 
     def allocate(self, request: decode_pb2.AllocateRequest, timeout: float | None) -> asyncio.Future:
+        self._waiting()
         fut = asyncio.get_running_loop().create_future()
         self.allocs[request.request_id] = fut
         self.allocates.append(decode_pb2.AllocateCall(request=request, timeout_ms=_ms(timeout)))
@@ -144,6 +166,7 @@ class _Call:
         try:
             async for msg in self.call:
                 queues = self.queues
+                self.heard_at = time.monotonic()
                 self.metrics.messages.inc()
                 self.metrics.updates.inc(len(msg.updates) + len(msg.allocated))
                 for update in msg.updates:
@@ -159,6 +182,19 @@ class _Call:
             err = _call_status(exc, self.name)
         except asyncio.CancelledError:
             err = rpc_error(grpc.StatusCode.CANCELLED, f"decode stream to {self.name} closed")
+        if self.broken is None:  # else abandoned: its requests were told why
+            self._fail(err)
+
+    def abandon(self, why: str) -> None:
+        """End the call for a worker that stopped answering: every request on it gets UNAVAILABLE."""
+        if self.broken is not None:
+            return
+        self._fail(rpc_error(grpc.StatusCode.UNAVAILABLE,
+                             f"decode worker {self.name} stopped answering: {why}"))
+        self.call.cancel()
+        self._reader.cancel()
+
+    def _fail(self, err: grpc.aio.AioRpcError) -> None:
         self.broken = err
         self._writer.cancel()
         if self.queues or self.allocs:  # they migrate (router/migration.py) or fail with the call's status
@@ -172,6 +208,10 @@ class _Call:
         for fut in self.allocs.values():
             if not fut.done():
                 fut.set_result(err)
+
+    def silent_for(self) -> float:
+        """Seconds since the call last carried anything, while requests wait on it (0 when none do)."""
+        return time.monotonic() - self.heard_at if self.queues or self.allocs else 0.0
 
     def close(self) -> None:
         self.call.cancel()
@@ -317,6 +357,24 @@ class DecodeStreams:
                 yield msg
         finally:
             call.cancel()
+
+    def unresponsive(self, why: str) -> bool:
+        """The worker failed a health poll: give up the open call if requests wait on it and it has
+        carried nothing for ``UNRESPONSIVE_S`` (its requests get UNAVAILABLE, so streams migrate and
+        Allocates are placed again). A worker merely slow to answer a poll while its streams flow
+        keeps them. True when the call was given up."""
+        call = self._call
+        if call is None or call.broken is not None:
+            return False
+        silent = call.silent_for()
+        if silent < UNRESPONSIVE_S:
+            return False
+        log.warning("DecodeMany call to %s: %d stream(s) and %d Allocate(s) heard nothing for %.1fs and "
+                    "the worker failed its health poll (%s): giving the call up", self.name,
+                    len(call.queues), len(call.allocs), silent, why)
+        self.metrics.abandoned.inc()
+        call.abandon(f"{why}; nothing on its DecodeMany call for {silent:.1f}s")
+        return True
 
     def close(self) -> None:
         if self._call is not None:

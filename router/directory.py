@@ -181,11 +181,13 @@ class WorkerDirectory:
         try:
             stats = await h.stub.GetStats(common_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "timeout"
             if h.answering:
-                log.warning("worker %s (%s) stopped answering: %s", h.worker_id or "?", h.address,
-                            exc.code() if isinstance(exc, grpc.aio.AioRpcError) else "timeout")
-            self.lifecycle.lost(h, exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "timeout")
+                log.warning("worker %s (%s) stopped answering: %s", h.worker_id or "?", h.address, why)
+            self.lifecycle.lost(h, why)
             self.mark_failed(h)
+            if h.decode is not None:  # frozen, not dead: its streams move on (decode_mux.UNRESPONSIVE_S)
+                h.decode.unresponsive(f"GetStats {why}")
             return
         if stats.role != h.role and not (h.role == "decode" and stats.role == "colocated"):
             log.error("worker at %s says role %r, expected %r; ignoring it", h.address, stats.role, h.role)

@@ -323,7 +323,15 @@ class Pipeline:
 
 
 class _Cleanup:
-    """Best-effort release of what a request may hold on both workers; runs at most once."""
+    """Best-effort release of what a request may hold on both workers; runs at most once.
+
+    A worker that is not answering its health polls (dead, or frozen with its connection open) gets
+    its Release / Abort in the background: awaited, it would hold the request for up to
+    ``CLEANUP_TIMEOUT_S`` before a migration or a retry elsewhere could start. What it held there is
+    freed all the same: with the call (a dead process), at the end of its lease, or when a frozen
+    worker resumes and finds the router's calls gone."""
+
+    _background: set[asyncio.Task] = set()  # strong references until each finishes
 
     def __init__(self, p, d, request_id: str) -> None:
         self.p, self.d, self.rid = p, d, request_id
@@ -333,15 +341,23 @@ class _Cleanup:
         if self.done:
             return
         self.done = True
-        calls = []
+        now, later = [], []
         if decode_reserved:
-            calls.append(self.d.stub.Release(decode_pb2.ReleaseRequest(request_id=self.rid),
-                                             timeout=CLEANUP_TIMEOUT_S))
+            (now if _answering(self.d) else later).append(self.d.stub.Release(
+                decode_pb2.ReleaseRequest(request_id=self.rid), timeout=CLEANUP_TIMEOUT_S))
         if prefill_running and self.p is not None:
-            calls.append(self.p.stub.Abort(prefill_pb2.AbortRequest(request_id=self.rid),
-                                           timeout=CLEANUP_TIMEOUT_S))
+            (now if _answering(self.p) else later).append(self.p.stub.Abort(
+                prefill_pb2.AbortRequest(request_id=self.rid), timeout=CLEANUP_TIMEOUT_S))
+        if later:
+            task = asyncio.ensure_future(asyncio.gather(*later, return_exceptions=True))
+            _Cleanup._background.add(task)
+            task.add_done_callback(_Cleanup._background.discard)
         with contextlib.suppress(Exception):
-            await asyncio.shield(asyncio.gather(*calls, return_exceptions=True))
+            await asyncio.shield(asyncio.gather(*now, return_exceptions=True))
+
+
+def _answering(handle) -> bool:
+    return getattr(handle, "answering", True)
 
 
 def _held_hashes(prompt_hashes, prompt: list[int], answer: list[int], block_size: int) -> list[int]:

@@ -11,6 +11,8 @@ restarting dead processes after 0.5 s. Covers:
   the death and the restart;
 - ``kill -9`` of the only prefill worker while requests arrive: they wait for its restart and
   complete, token-exact;
+- SIGSTOP of a decode worker under 16 greedy streams: its call is given up, the streams continue
+  token-exact elsewhere, a request made meanwhile is served, and after SIGCONT nothing is leaked;
 - leak checks on every worker at the end of each test.
 
 The crash-loop test has its own 1P1D cluster: a decode worker that cannot start any more is
@@ -158,6 +160,42 @@ def test_decode_worker_killed_mid_stream_streams_continue_token_exact(cluster) -
     after = scrape(cluster.metrics_port)
     assert after['pdserve_router_worker_deaths_total{pool="decode"}'] >= 1
     assert after['pdserve_router_worker_restarts_total{pool="decode"}'] >= 1
+    leak_check(cluster)
+
+
+def test_decode_worker_frozen_mid_stream_streams_move_on_and_new_requests_are_served(cluster) -> None:
+    """SIGSTOP, not SIGKILL: the process lives and its TCP connections stay open, so nothing but the
+    router's own health poll tells. The router gives up the frozen worker's DecodeMany call (the call
+    carried nothing while its poll failed), the streams continue token-exact on the other decode
+    worker, a request made during the freeze is served, and after SIGCONT the worker frees what it
+    held."""
+    import os
+    import signal
+
+    prompts = [prompt(200 + i) for i in range(16)]
+    params = [dict(max_tokens=MAX_TOKENS, ignore_eos=True) for _ in prompts]
+    late, late_params = prompt(299), dict(max_tokens=8, ignore_eos=True)
+    want = reference(cluster.model, [*prompts, late], [*params, late_params])
+    before = scrape(cluster.metrics_port)
+    started = threading.Event()
+    threads, results = stream_all(cluster.router, prompts, params, started, min_tokens=1)
+    assert started.wait(240)
+    victim = max((h for h in cluster.workers if h.role == "decode"),
+                 key=lambda h: get_stats(h.address, "decode").num_running)
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        with Client(cluster.router, timeout=120) as c:
+            assert c.generate(prompt_ids=late, **late_params).token_ids == want[-1]
+        for t in threads:
+            t.join(180)
+        errors = [r for r in results if isinstance(r, grpc.RpcError)]
+        assert not errors, [(e.code(), e.details()) for e in errors]
+        assert [ids for ids, _ in results] == want[:-1]
+        after = scrape(cluster.metrics_port)
+        key = "pdserve_router_decode_mux_abandoned_total"
+        assert after.get(key, 0) - before.get(key, 0) >= 1, "the frozen worker's call was not given up"
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
     leak_check(cluster)
 
 

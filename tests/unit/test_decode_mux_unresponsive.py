@@ -1,0 +1,119 @@
+"""router/decode_mux.py: a DecodeMany call to a worker that stopped answering is given up.
+
+A frozen worker (SIGSTOP, a hung driver call) keeps its TCP connection, so its call would stay open
+until gRPC's keepalive ends it. When the directory's health poll fails, ``DecodeStreams.unresponsive``
+gives up the call if requests wait on it and it has carried nothing for ``UNRESPONSIVE_S``: every
+stream and Allocate on it gets UNAVAILABLE (streams migrate, Allocates are placed again), the next
+request opens a new call, and the worker frees what it held once it sees the call cancelled. A call
+whose streams flow, and an idle call that a request has just started waiting on, are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from test_decode_mux import FakeDecode, allocate, collect, serving, settled
+
+from router import decode_mux
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("torch_single_thread")]
+
+
+def test_a_silent_call_is_given_up_its_requests_read_unavailable_and_the_next_opens_a_new_call(monkeypatch):
+    monkeypatch.setattr(decode_mux, "UNRESPONSIVE_S", 0.3)
+
+    async def main():
+        fake = FakeDecode({"a": "hang", "b": "hang", "ok": [7, 8, 9]})
+        fake.allocs["c"] = "hang"
+        async with serving(fake) as (_, streams):
+            tasks = [asyncio.create_task(collect(streams, rid)) for rid in ("a", "b")]
+            tasks.append(asyncio.create_task(allocate(streams, "c")))
+            await asyncio.sleep(0.1)
+            assert not streams.unresponsive("GetStats DEADLINE_EXCEEDED")  # not silent long enough
+            await asyncio.sleep(0.3)
+            first = streams._call
+            assert streams.unresponsive("GetStats DEADLINE_EXCEEDED")
+            assert not streams.unresponsive("again")  # once
+            for task in tasks:
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await task
+                assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "stopped answering" in exc.value.details()
+            assert streams.metrics.abandoned._value.get() == 1
+            assert await collect(streams, "ok") == [7, 8, 9]  # on a new call
+            assert streams._call is not first and len(fake.sessions) == 2
+            await settled(fake, streams)  # the worker freed what the given-up call carried
+            assert {"a", "b"} <= set(fake.freed)
+
+    asyncio.run(main())
+
+
+def test_a_call_whose_streams_flow_is_kept(monkeypatch):
+    monkeypatch.setattr(decode_mux, "UNRESPONSIVE_S", 0.3)
+
+    async def main():
+        fake = FakeDecode({"long": list(range(150))})  # a token every ~5 ms
+        async with serving(fake) as (_, streams):
+            task = asyncio.create_task(collect(streams, "long"))
+            kept = []
+            while not task.done():
+                await asyncio.sleep(0.1)
+                kept.append(streams.unresponsive("a slow poll"))
+            assert await task == list(range(150)) and not any(kept)
+            assert streams.metrics.abandoned._value.get() == 0
+            await settled(fake, streams)
+
+    asyncio.run(main())
+
+
+def test_an_idle_calls_silence_starts_when_a_request_begins_to_wait(monkeypatch):
+    monkeypatch.setattr(decode_mux, "UNRESPONSIVE_S", 0.3)
+
+    async def main():
+        fake = FakeDecode({"first": [1], "late": "hang"})
+        async with serving(fake) as (_, streams):
+            assert await collect(streams, "first") == [1]
+            await asyncio.sleep(0.5)  # idle longer than UNRESPONSIVE_S: nothing waits, nothing to give up
+            assert not streams.unresponsive("idle")
+            task = asyncio.create_task(collect(streams, "late"))
+            await asyncio.sleep(0.05)
+            assert not streams.unresponsive("a poll right after")  # waited 0.05 s, not since the last message
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await settled(fake, streams)
+
+    asyncio.run(main())
+
+
+def test_cleanup_of_a_worker_not_answering_does_not_hold_the_request():
+    """The pipeline's Release / Abort: awaited for a worker that answers its polls, sent in the
+    background for one that does not (a frozen worker would hold a migration for the RPC's timeout)."""
+    from types import SimpleNamespace
+
+    from router.pipeline import _Cleanup
+
+    async def main():
+        frozen = asyncio.Event()
+        calls = []
+
+        async def release(request, timeout):  # a frozen worker: answers only once let go
+            calls.append(("release", request.request_id))
+            await frozen.wait()
+
+        async def abort(request, timeout):
+            calls.append(("abort", request.request_id))
+
+        d = SimpleNamespace(answering=False, stub=SimpleNamespace(Release=release))
+        p = SimpleNamespace(answering=True, stub=SimpleNamespace(Abort=abort))
+        await _Cleanup(p, d, "r1").run(decode_reserved=True, prefill_running=True)
+        assert ("abort", "r1") in calls  # awaited: done by now
+        await asyncio.sleep(0)
+        assert ("release", "r1") in calls and _Cleanup._background  # sent, still waiting on the worker
+        frozen.set()
+        while _Cleanup._background:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
