@@ -55,6 +55,9 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     # keep pinging a peer that sends nothing (gRPC stops after 2 pings without data by default)
     ("grpc.http2.max_pings_without_data", 0),
+    # how long a ping waits for its ack: gRPC's own default (1 minute) governs the keepalive ping too,
+    # which made a frozen peer's calls end ~70 s after it stopped, not keepalive time + timeout
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
