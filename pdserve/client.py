@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 
 from google.protobuf.json_format import MessageToDict
 
-from pdserve.tls import TlsDir, open_channel
+from pdserve.tls import KEEPALIVE_OPTIONS, TlsDir, open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.wire import report, top_pairs
 
-_OPTIONS = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20)]
+# keepalive during calls: a stream from a router that froze ends UNAVAILABLE, not at its deadline
+_OPTIONS = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20),
+            *KEEPALIVE_OPTIONS]
 _DEFAULT_TLS: list[str | None] = [None]
 
 

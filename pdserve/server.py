@@ -27,37 +27,29 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve import process_stats
 from pdserve.settings import DEFAULT_DRAIN_TIMEOUT_S
+from pdserve.tls import KEEPALIVE_OPTIONS, KEEPALIVE_TIME_MS
 from pdserve.v1 import process_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-KEEPALIVE_TIME_MS = 10_000
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
-    # Accept the internal channels' keepalive pings (below), idle or not. gRPC's server default takes a
-    # ping less than 5 minutes after the last one, on a connection sending no data, for a strike, and
-    # after two it sends GOAWAY "too_many_pings"; the client then doubles its keepalive time each
-    # time, so after a few idle minutes a frozen worker (SIGSTOP, a hung driver) was noticed only
-    # after a minute or more.
+    # Accept the keepalive pings of our channels (pdserve/tls.py KEEPALIVE_OPTIONS), idle or not:
+    # gRPC's server default takes a ping less than 5 minutes after the last one, on a connection
+    # sending no data, for a strike, and after two it sends GOAWAY "too_many_pings", after which the
+    # client doubles its keepalive time.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
 ]
-# Client channels to internal services: keepalive so a dead or frozen peer is noticed (within
-# keepalive time + timeout), not waited on forever.
+# Client channels to internal services: keepalive so a dead or frozen peer is noticed, not waited on.
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    # keep pinging a peer that sends nothing (gRPC stops after 2 pings without data by default)
-    ("grpc.http2.max_pings_without_data", 0),
-    # how long a ping waits for its ack: gRPC's own default (1 minute) governs the keepalive ping too,
-    # which made a frozen peer's calls end ~70 s after it stopped, not keepalive time + timeout
-    ("grpc.http2.ping_timeout_ms", 5_000),
+    *KEEPALIVE_OPTIONS,
+    ("grpc.keepalive_permit_without_calls", 1),  # an idle worker's death is noticed before its next request
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]

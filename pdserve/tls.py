@@ -62,6 +62,21 @@ class TlsDir:
                                             certificate_chain=chain)
 
 
+KEEPALIVE_TIME_MS = 10_000
+# A channel's keepalive: a ping after 10 s without one, and the transport (every call on it) given up
+# when a ping goes 5 s unanswered, so a frozen peer (SIGSTOP, a hung driver: its TCP connection stays
+# open) is noticed within 10-15 s (docs/faults.md). ``grpc.http2.ping_timeout_ms`` is set because
+# gRPC's own default for a ping's ack (1 minute) governs keepalive pings too; without a cap on pings
+# without data, gRPC stops pinging a peer that sends nothing after two. Servers must accept the
+# pings (pdserve/server.py GRPC_OPTIONS).
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
 def server_name_option(role: str) -> list[tuple[str, str]]:
     """Channel option: the server must hold a certificate for ``role`` (whatever address it is dialled at)."""
     return [("grpc.ssl_target_name_override", role)]
