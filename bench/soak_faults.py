@@ -4,9 +4,12 @@
 and rewrites on every restart: each worker's id, address and pid), and at seeded random times sends
 one worker ``SIGKILL`` (a crash: no drain) or ``SIGTERM`` (a drain, then exit 0), then waits until the
 launcher's supervisor has it serving again: a new pid in state.json, a new ``incarnation`` from its
-GetStats, and the router listing it healthy. One fault at a time, so a pool is never emptied by the
-soak itself; the first two faults are a ``kill -9`` of a decode worker and a ``SIGTERM`` of a prefill
-worker, so every run (the 2-minute one too) covers both. A worker that is not back within
+GetStats, and the router listing it healthy; or freezes one (``SIGSTOP`` for ``FREEZE_S`` seconds,
+then ``SIGCONT``: a hung process whose connections stay open, which no supervisor restarts) and waits
+until it answers again under the same incarnation and the router lists it healthy. One fault at a
+time, so a pool is never emptied by the soak itself; the first three faults are a ``kill -9`` of a
+decode worker, a ``SIGTERM`` of a prefill worker and a freeze of a decode worker, so every run (the
+2-minute one too) covers them. A worker that is not back within
 ``back_timeout_s`` ends the fault schedule (the rest of the run would only measure a smaller cluster)
 and is reported.
 
@@ -41,16 +44,20 @@ def read_state(run_dir: Path) -> dict:
     raise RuntimeError(f"no readable state.json in {run_dir}")
 
 
+FREEZE_S = (3.0, 10.0)  # how long a frozen worker stays stopped (seeded, uniform)
+
+
 @dataclass
 class Fault:
     at: float             # monotonic time of the signal
-    action: str           # kill9 | sigterm
+    action: str           # kill9 | sigterm | freeze
     worker_id: str
     role: str
     pid: int
     back_after_s: float | None = None  # None: not back within the timeout
     new_pid: int | None = None
     exit_note: str = ""
+    held_s: float | None = None  # freeze: seconds between SIGSTOP and SIGCONT
 
     @property
     def end(self) -> float:
@@ -80,7 +87,10 @@ class FaultInjector:
         if n == 1:
             pool = [w for w in workers if w["role"] == "prefill"] or workers
             return "sigterm", self.rng.choice(pool)
-        return ("kill9" if self.rng.random() < 0.65 else "sigterm"), self.rng.choice(workers)
+        if n == 2:
+            return "freeze", self.rng.choice([w for w in workers if w["role"] == "decode"])
+        r = self.rng.random()
+        return ("kill9" if r < 0.55 else "sigterm" if r < 0.85 else "freeze"), self.rng.choice(workers)
 
     def _loop(self) -> None:
         if self.stop.wait(self.first_delay_s):
@@ -94,13 +104,16 @@ class FaultInjector:
                 incarnation = ""  # not answering right now: the fault still tests what follows
             fault = Fault(at=time.monotonic(), action=action, worker_id=w["worker_id"], role=w["role"],
                           pid=w["pid"])
-            try:
-                os.kill(w["pid"], signal.SIGKILL if action == "kill9" else signal.SIGTERM)
-            except ProcessLookupError:
-                fault.exit_note = "already gone"
             with self.lock:
                 self.faults.append(fault)
-            back = self._wait_back(w, incarnation)
+            if action == "freeze":
+                back = self._freeze(w, fault, incarnation)
+            else:
+                try:
+                    os.kill(w["pid"], signal.SIGKILL if action == "kill9" else signal.SIGTERM)
+                except ProcessLookupError:
+                    fault.exit_note = "already gone"
+                back = self._wait_back(w, incarnation)
             with self.lock:
                 fault.back_after_s = None if back is None else back - fault.at
                 fault.new_pid = next((x["pid"] for x in read_state(self.run_dir)["workers"]
@@ -112,6 +125,36 @@ class FaultInjector:
             n += 1
             if self.stop.wait(self.rng.uniform(*self.every_s)):
                 return
+
+    def _freeze(self, w: dict, fault: Fault, incarnation: str) -> float | None:
+        """SIGSTOP, a seeded hold, SIGCONT (always, even when the soak is stopping); then the time it
+        answers again under the same incarnation, listed healthy by the router."""
+        hold = self.rng.uniform(*FREEZE_S)
+        try:
+            os.kill(w["pid"], signal.SIGSTOP)
+        except ProcessLookupError:
+            fault.exit_note = "already gone"
+            return None
+        try:
+            self.stop.wait(hold)
+        finally:
+            os.kill(w["pid"], signal.SIGCONT)
+            fault.held_s = round(time.monotonic() - fault.at, 2)
+        deadline = time.monotonic() + self.back_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                inc = get_stats(w["address"], w["role"], timeout=5).incarnation
+                with Client(self.router, timeout=5) as c:
+                    seen = {x["worker_id"]: x for x in c.list_workers()}
+                if inc == incarnation and seen.get(w["worker_id"], {}).get("healthy"):
+                    return time.monotonic()
+                if inc and inc != incarnation:
+                    fault.exit_note = "restarted while frozen"
+                    return time.monotonic()
+            except grpc.RpcError:
+                pass
+            time.sleep(0.25)
+        return None
 
     def _wait_back(self, w: dict, old_incarnation: str) -> float | None:
         deadline = time.monotonic() + self.back_timeout_s

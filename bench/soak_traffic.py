@@ -242,7 +242,7 @@ class TrafficClient:
 # (from the signal until the worker serves again + FAULT_GRACE_S).
 ALWAYS = {"RESOURCE_EXHAUSTED"}  # admission control refused it, with a retry hint
 OWN = {"cancel": {"CANCELLED"}, "deadline": {"DEADLINE_EXCEEDED"}}
-IN_FAULT = {"kill9": {"UNAVAILABLE"}, "sigterm": {"UNAVAILABLE", "CANCELLED"}}
+IN_FAULT = {"kill9": {"UNAVAILABLE"}, "sigterm": {"UNAVAILABLE", "CANCELLED"}, "freeze": {"UNAVAILABLE"}}
 FAULT_GRACE_S = 2.0
 
 
