@@ -253,8 +253,8 @@ def summary(res: dict) -> str:
            f"{'PASS' if res['passed'] else 'FAIL'}"]
     out.append(_table("outcomes", ["kind", "outcome", "count"],
                       [[o["kind"], o["outcome"], o["count"]] for o in res["outcomes"]]))
-    out.append(_table("faults", ["t (s)", "action", "worker", "pid", "back after (s)"],
-                      [[f["at"], f["action"], f["worker_id"], f["pid"], f["back_after_s"]]
+    out.append(_table("faults", ["t (s)", "action", "worker", "pid", "frozen (s)", "back after (s)"],
+                      [[f["at"], f["action"], f["worker_id"], f["pid"], f["held_s"] or "", f["back_after_s"]]
                        for f in res["faults"]]))
     out.append(_table("workers at the end", ["worker", "free", "total", "running", "queued", "leased"],
                       [[w, *v.values()] for w, v in res["workers_at_end"].items()]))

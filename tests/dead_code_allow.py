@@ -37,3 +37,4 @@ _.torch_single_thread  # pytest fixture requested by name
 _.decode_replicas  # e2e target records
 _.watches  # fake Kubernetes API server state read by its handler
 __getattr__  # module-level: Python calls it for a missing name (kvtransfer/__init__.py, PEP 562 lazy imports)
+_.held_s  # soak Fault field, read from dataclasses.asdict in the report
