@@ -125,6 +125,17 @@ def stream_all(router: str, prompts, params, started: threading.Event, min_token
     return threads, results
 
 
+def streams_on_the_busiest(c, prompts, params):
+    """Start every stream, wait until each has its first token: (threads, results, the decode worker
+    running the most of them)."""
+    started = threading.Event()
+    threads, results = stream_all(c.router, prompts, params, started, min_tokens=1)
+    assert started.wait(240)
+    victim = max((h for h in c.workers if h.role == "decode"),
+                 key=lambda h: get_stats(h.address, "decode").num_running)
+    return threads, results, victim
+
+
 def test_decode_worker_killed_mid_stream_streams_continue_token_exact(cluster) -> None:
     prompts = [prompt(i) for i in range(20)]
     params = [dict(max_tokens=MAX_TOKENS, ignore_eos=True) for _ in range(16)]
@@ -132,12 +143,8 @@ def test_decode_worker_killed_mid_stream_streams_continue_token_exact(cluster) -
                for i in range(4)]
     want = reference(cluster.model, prompts, params)
     before = scrape(cluster.metrics_port)
-    started = threading.Event()
-    threads, results = stream_all(cluster.router, prompts, params, started, min_tokens=1)
-    assert started.wait(240)
     # every stream is decoding: kill the decode worker running the most of them
-    victim = max((h for h in cluster.workers if h.role == "decode"),
-                 key=lambda h: get_stats(h.address, "decode").num_running)
+    threads, results, victim = streams_on_the_busiest(cluster, prompts, params)
     old_inc = get_stats(victim.address, "decode").incarnation
     cluster.kill(victim)  # SIGKILL: no drain
     killed_at = time.monotonic()
@@ -177,11 +184,7 @@ def test_decode_worker_frozen_mid_stream_streams_move_on_and_new_requests_are_se
     late, late_params = prompt(299), dict(max_tokens=8, ignore_eos=True)
     want = reference(cluster.model, [*prompts, late], [*params, late_params])
     before = scrape(cluster.metrics_port)
-    started = threading.Event()
-    threads, results = stream_all(cluster.router, prompts, params, started, min_tokens=1)
-    assert started.wait(240)
-    victim = max((h for h in cluster.workers if h.role == "decode"),
-                 key=lambda h: get_stats(h.address, "decode").num_running)
+    threads, results, victim = streams_on_the_busiest(cluster, prompts, params)
     os.kill(victim.pid, signal.SIGSTOP)
     try:
         with Client(cluster.router, timeout=120) as c:
