@@ -187,8 +187,11 @@ class Client:
         return col.result
 
     def list_workers(self) -> list[dict]:
+        """The router's workers as dicts, every field present (``healthy`` is False for a worker that is
+        not answering, not a missing key)."""
         resp = self.stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=self.timeout or 10)
-        return [MessageToDict(w, preserving_proto_field_name=True) for w in resp.workers]
+        return [MessageToDict(w, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+                for w in resp.workers]
 
 
 class AsyncClient:

@@ -197,6 +197,9 @@ def test_decode_worker_frozen_mid_stream_streams_move_on_and_new_requests_are_se
         after = scrape(cluster.metrics_port)
         key = "pdserve_router_decode_mux_abandoned_total"
         assert after.get(key, 0) - before.get(key, 0) >= 1, "the frozen worker's call was not given up"
+        with Client(cluster.router, timeout=10) as c:
+            seen = {w["worker_id"]: w for w in c.list_workers()}
+        assert seen[victim.worker_id]["healthy"] is False  # still frozen: out of placement
     finally:
         os.kill(victim.pid, signal.SIGCONT)
     leak_check(cluster)
