@@ -21,6 +21,11 @@ Lifecycle of a call (``_Call``)::
     Allocate    registered -> queued -> its answer or status; given up (client gone, deadline) it
                 queues a cancel (the worker frees what it reserved; the pipeline's Release covers an
                 answer already on its way), or is dropped unsent if the writer has not sent it yet
+    held        an Allocate answered, its prompt on a prefill worker that pushes the KV here
+                (``hold``): nothing is sent for it, but it waits on this worker all the same; when the
+                call breaks or is given up, its ``lost`` future gets the call's status and the
+                pipeline cancels the Prefill instead of letting the push wait on a dead or frozen
+                receiver
     stream      registered -> start queued -> updates until finish_reason or a status ->
                 unregistered; leaving early (client gone, deadline, error) queues a cancel, which
                 frees the request on the worker as a cancelled Decode call would; updates that
@@ -102,6 +107,7 @@ class _Call:
         self.call = stub.DecodeMany()
         self.queues: dict[str, asyncio.Queue] = {}
         self.allocs: dict[str, asyncio.Future] = {}
+        self.held: dict[str, asyncio.Future] = {}  # prefilling elsewhere, KV coming here (``hold``)
         self.allocates: list[decode_pb2.AllocateCall] = []
         self.starts: list[decode_pb2.DecodeStart] = []
         self.cancels: list[str] = []
@@ -114,8 +120,21 @@ class _Call:
 
     def _waiting(self) -> None:
         """A request is about to wait on the call: an idle call's silence starts now."""
-        if not (self.queues or self.allocs):
+        if not self._busy():
             self.heard_at = time.monotonic()
+
+    def _busy(self) -> bool:
+        return bool(self.queues or self.allocs or self.held)
+
+    def hold(self, request_id: str) -> asyncio.Future:
+        """A future that gets this call's status if it breaks while ``request_id`` is held."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.broken is not None:
+            fut.set_result(self.broken)
+            return fut
+        self._waiting()
+        self.held[request_id] = fut
+        return fut
 
     def start(self, request: decode_pb2.DecodeRequest, timeout: float | None) -> asyncio.Queue:
         self._waiting()
@@ -197,21 +216,22 @@ class _Call:
     def _fail(self, err: grpc.aio.AioRpcError) -> None:
         self.broken = err
         self._writer.cancel()
-        if self.queues or self.allocs:  # they migrate (router/migration.py) or fail with the call's status
+        if self._busy():  # they migrate (router/migration.py), are placed again, or fail with its status
             self.metrics.broken.inc()
-            log.warning("DecodeMany call to %s ended under %d stream(s) and %d Allocate(s): %s %s", self.name,
-                        len(self.queues), len(self.allocs), err.code().name, err.details())
+            log.warning("DecodeMany call to %s ended under %d stream(s), %d Allocate(s) and %d held "
+                        "prefill(s): %s %s", self.name, len(self.queues), len(self.allocs), len(self.held),
+                        err.code().name, err.details())
         else:
             log.info("DecodeMany call to %s ended: %s %s", self.name, err.code().name, err.details())
         for queue in self.queues.values():
             queue.put_nowait(err)
-        for fut in self.allocs.values():
+        for fut in [*self.allocs.values(), *self.held.values()]:
             if not fut.done():
                 fut.set_result(err)
 
     def silent_for(self) -> float:
         """Seconds since the call last carried anything, while requests wait on it (0 when none do)."""
-        return time.monotonic() - self.heard_at if self.queues or self.allocs else 0.0
+        return time.monotonic() - self.heard_at if self._busy() else 0.0
 
     def close(self) -> None:
         self.call.cancel()
@@ -244,6 +264,17 @@ def _merged(msgs: list[decode_pb2.DecodeResponse]) -> decode_pb2.DecodeResponse:
     out.completion_tokens = msgs[-1].completion_tokens
     out.finish_reason = msgs[-1].finish_reason
     return out
+
+
+class Hold:
+    """A request held on a DecodeMany call while it prefills elsewhere (``DecodeStreams.hold``)."""
+
+    def __init__(self, call: _Call, request_id: str, lost: asyncio.Future) -> None:
+        self._call, self._rid, self.lost = call, request_id, lost
+
+    def release(self) -> None:
+        if self._call.held.get(self._rid) is self.lost:
+            del self._call.held[self._rid]
 
 
 class DecodeStreams:
@@ -333,6 +364,16 @@ class DecodeStreams:
             raise _status_error(result.code, result.message)
         return result.response
 
+    def hold(self, request_id: str) -> Hold | None:
+        """Mark ``request_id`` as waiting on this worker while its prefill runs elsewhere (its Allocate
+        was answered on the open call); ``Hold.lost`` resolves with the call's status if the call
+        breaks or is given up meanwhile. None without DecodeMany (``--decode-mux off``, older worker):
+        there a dead receiver is found by the push itself."""
+        if not self.enabled or self._call is None:
+            return None
+        call = self._call
+        return Hold(call, request_id, call.hold(request_id))
+
     def _unsupported(self) -> None:
         """The worker answered DecodeMany with UNIMPLEMENTED (an older build): calls from now on."""
         log.warning("decode worker %s has no DecodeMany: one call per Allocate and stream", self.name)
@@ -369,9 +410,9 @@ class DecodeStreams:
         silent = call.silent_for()
         if silent < UNRESPONSIVE_S:
             return False
-        log.warning("DecodeMany call to %s: %d stream(s) and %d Allocate(s) heard nothing for %.1fs and "
-                    "the worker failed its health poll (%s): giving the call up", self.name,
-                    len(call.queues), len(call.allocs), silent, why)
+        log.warning("DecodeMany call to %s: %d stream(s), %d Allocate(s) and %d prefill(s) pushing here "
+                    "heard nothing for %.1fs and the worker failed its health poll (%s): giving the call up",
+                    self.name, len(call.queues), len(call.allocs), len(call.held), silent, why)
         self.metrics.abandoned.inc()
         call.abandon(f"{why}; nothing on its DecodeMany call for {silent:.1f}s")
         return True

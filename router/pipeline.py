@@ -266,19 +266,29 @@ class Pipeline:
                                 f"decode {list(alloc.transports)}")
             raise err
         f.transport, f.fallback, f.fallback_reason = transport, bool(fallback), fallback
+        # D's DecodeMany call may break (D died) or be given up (D froze) while P pushes to it: then the
+        # Prefill is cancelled and the request placed again, rather than waiting for the push to fail
+        hold = d.decode.hold(req.request_id) if d.decode is not None else None
         try:
-            res = await p.stub.Prefill(prefill_pb2.PrefillRequest(
+            call = p.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
                 target=prefill_pb2.KVTarget(worker_id=d.worker_id, kv_endpoint=alloc.kv_endpoint,
                                             block_ids=list(alloc.block_ids),
                                             num_cached_tokens=alloc.num_cached_tokens, transport=transport)),
                 timeout=timeout)
+            res = await (call if hold is None else _unless_lost(call, hold.lost))
+        except _DecodeLost as lost:
+            self.placer.prefill_done(req.request_id)
+            raise _failed(lost.error, d.worker_id, "decode worker (under the prefill's push)") from None
         except grpc.aio.AioRpcError as exc:
             self.placer.prefill_done(req.request_id)  # no sample: the call failed
             raise _prefill_failed(exc, p.worker_id, d.worker_id) from None
         except BaseException:  # cancelled (client gone, deadline): out of the queue estimate all the same
             self.placer.prefill_done(req.request_id)
             raise
+        finally:
+            if hold is not None:
+                hold.release()
         got = res.facts
         self.placer.prefill_done(req.request_id, worker_id=p.worker_id,
                                  compute_s=got.prefill_compute_ms / 1e3, push_wait_s=got.kv_wait_ms / 1e3,
@@ -375,6 +385,30 @@ def _failed(exc: grpc.aio.AioRpcError, worker_id: str, what: str) -> RequestFail
     err = RequestFailed(code, msg)
     err.extra_worker = worker_id if code in RETRYABLE else ""  # type: ignore[attr-defined]
     return err
+
+
+class _DecodeLost(Exception):
+    """The decode worker's DecodeMany call ended while the prefill pushed to it (``error``: its status)."""
+
+    def __init__(self, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(error.details())
+        self.error = error
+
+
+async def _unless_lost(call, lost: asyncio.Future):
+    """``await call`` (a Prefill) unless ``lost`` resolves first: then the call is cancelled (the
+    prefill worker aborts the request and its push) and ``_DecodeLost`` raised. Leaving any other way
+    (the client gone, the deadline) cancels the call too, as awaiting it directly would."""
+    task = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()  # answered (or failed) first: as if awaited directly
+        raise _DecodeLost(lost.result())
+    finally:
+        if not task.done():
+            call.cancel()
+            task.cancel()
 
 
 def _prefill_failed(exc: grpc.aio.AioRpcError, prefill_id: str, decode_id: str) -> RequestFailed:

@@ -117,3 +117,79 @@ def test_cleanup_of_a_worker_not_answering_does_not_hold_the_request():
             await asyncio.sleep(0.01)
 
     asyncio.run(main())
+
+
+def test_a_request_held_while_it_prefills_elsewhere_learns_when_the_call_is_given_up(monkeypatch):
+    """``hold``: an Allocate answered, the prompt on a prefill worker pushing KV here. The hold counts as
+    waiting (silence is measured for it), and when the call is given up its ``lost`` future gets the
+    call's UNAVAILABLE; a released hold is left alone, and a hold on a broken call is lost at once."""
+    monkeypatch.setattr(decode_mux, "UNRESPONSIVE_S", 0.3)
+
+    async def main():
+        fake = FakeDecode({"ok": [1]})
+        async with serving(fake) as (_, streams):
+            await allocate(streams, "p1")
+            await allocate(streams, "p2")
+            h1, h2 = streams.hold("p1"), streams.hold("p2")
+            h2.release()
+            await asyncio.sleep(0.4)
+            assert streams.unresponsive("GetStats DEADLINE_EXCEEDED")  # h1 waits on a silent call
+            err = await asyncio.wait_for(h1.lost, 5)
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and "stopped answering" in err.details()
+            assert not h2.lost.done()
+            late = streams._call.hold("p3")  # the broken call itself: lost at once
+            assert late.done() and late.result().code() == grpc.StatusCode.UNAVAILABLE
+            assert await collect(streams, "ok") == [1]  # a new call
+            assert streams.hold("p4") is not None and not streams._call.broken
+            streams._call.held.clear()
+
+    asyncio.run(main())
+
+
+class FakePrefillCall:
+    """A Prefill call: ``await`` gives ``answer`` once ``go`` is set; ``cancel()`` is recorded."""
+
+    def __init__(self, go: asyncio.Event, answer="first token") -> None:
+        self.go, self.answer, self.cancelled = go, answer, False
+
+    def __await__(self):
+        return self._wait().__await__()
+
+    async def _wait(self):
+        await self.go.wait()
+        return self.answer
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_the_prefill_is_cancelled_when_its_decode_worker_is_lost_first():
+    from router.pipeline import _DecodeLost, _unless_lost
+
+    async def main():
+        from router.decode_mux import rpc_error
+
+        go, lost = asyncio.Event(), asyncio.get_running_loop().create_future()
+        call = FakePrefillCall(go)
+        task = asyncio.create_task(_unless_lost(call, lost))
+        await asyncio.sleep(0.01)
+        lost.set_result(rpc_error(grpc.StatusCode.UNAVAILABLE, "decode worker d stopped answering"))
+        with pytest.raises(_DecodeLost) as exc:
+            await task
+        assert call.cancelled and exc.value.error.code() == grpc.StatusCode.UNAVAILABLE
+
+        go, lost = asyncio.Event(), asyncio.get_running_loop().create_future()
+        call = FakePrefillCall(go)
+        go.set()
+        assert await _unless_lost(call, lost) == "first token" and not call.cancelled  # answered first
+
+        go, lost = asyncio.Event(), asyncio.get_running_loop().create_future()
+        call = FakePrefillCall(go)
+        task = asyncio.create_task(_unless_lost(call, lost))
+        await asyncio.sleep(0.01)
+        task.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert call.cancelled
+
+    asyncio.run(main())
