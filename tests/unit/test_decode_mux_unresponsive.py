@@ -16,24 +16,31 @@ import grpc
 import pytest
 from test_decode_mux import FakeDecode, allocate, collect, serving, settled
 
+from pdserve.v1 import decode_pb2
 from router import decode_mux
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("torch_single_thread")]
 
 
+def rewind(streams, seconds: float = 10.0) -> None:
+    """As if the open call last carried something ``seconds`` ago (no sleeping: no timing in the test)."""
+    streams._call.heard_at -= seconds
+
+
 def test_a_silent_call_is_given_up_its_requests_read_unavailable_and_the_next_opens_a_new_call(monkeypatch):
-    monkeypatch.setattr(decode_mux, "UNRESPONSIVE_S", 0.3)
+    monkeypatch.setattr(decode_mux, "UNRESPONSIVE_S", 5.0)
 
     async def main():
         fake = FakeDecode({"a": "hang", "b": "hang", "ok": [7, 8, 9]})
         fake.allocs["c"] = "hang"
         async with serving(fake) as (_, streams):
-            tasks = [asyncio.create_task(collect(streams, rid)) for rid in ("a", "b")]
-            tasks.append(asyncio.create_task(allocate(streams, "c")))
-            await asyncio.sleep(0.1)
+            tasks = [asyncio.create_task(collect(streams, rid, timeout=60)) for rid in ("a", "b")]
+            tasks.append(asyncio.create_task(allocate(streams, "c", timeout=60)))
+            while len(fake.running) < 2 or not fake.allocating:
+                await asyncio.sleep(0.01)
             assert not streams.unresponsive("GetStats DEADLINE_EXCEEDED")  # not silent long enough
-            await asyncio.sleep(0.3)
             first = streams._call
+            rewind(streams)
             assert streams.unresponsive("GetStats DEADLINE_EXCEEDED")
             assert not streams.unresponsive("again")  # once
             for task in tasks:
@@ -50,36 +57,39 @@ def test_a_silent_call_is_given_up_its_requests_read_unavailable_and_the_next_op
     asyncio.run(main())
 
 
-def test_a_call_whose_streams_flow_is_kept(monkeypatch):
-    monkeypatch.setattr(decode_mux, "UNRESPONSIVE_S", 0.3)
+def test_every_message_on_the_call_restarts_its_silence(monkeypatch):
+    """A worker that misses a poll while its streams flow keeps them: each response refreshes the call."""
+    monkeypatch.setattr(decode_mux, "UNRESPONSIVE_S", 5.0)
 
     async def main():
-        fake = FakeDecode({"long": list(range(150))})  # a token every ~5 ms
+        fake = FakeDecode({"long": list(range(400))})  # a token every ~5 ms
         async with serving(fake) as (_, streams):
-            task = asyncio.create_task(collect(streams, "long"))
-            kept = []
-            while not task.done():
-                await asyncio.sleep(0.1)
-                kept.append(streams.unresponsive("a slow poll"))
-            assert await task == list(range(150)) and not any(kept)
-            assert streams.metrics.abandoned._value.get() == 0
+            gen = streams.stream(decode_pb2.DecodeRequest(request_id="long"), 60)
+            got = list((await anext(gen)).token_ids)
+            rewind(streams)
+            while streams._call.silent_for() >= 5.0:  # until the next response arrives
+                got += (await anext(gen)).token_ids
+            assert not streams.unresponsive("a slow poll")
+            got += [t async for msg in gen for t in msg.token_ids]
+            assert got == list(range(400)) and streams.metrics.abandoned._value.get() == 0
             await settled(fake, streams)
 
     asyncio.run(main())
 
 
 def test_an_idle_calls_silence_starts_when_a_request_begins_to_wait(monkeypatch):
-    monkeypatch.setattr(decode_mux, "UNRESPONSIVE_S", 0.3)
+    monkeypatch.setattr(decode_mux, "UNRESPONSIVE_S", 5.0)
 
     async def main():
         fake = FakeDecode({"first": [1], "late": "hang"})
         async with serving(fake) as (_, streams):
             assert await collect(streams, "first") == [1]
-            await asyncio.sleep(0.5)  # idle longer than UNRESPONSIVE_S: nothing waits, nothing to give up
+            rewind(streams)  # idle for long: nothing waits, nothing to give up
             assert not streams.unresponsive("idle")
-            task = asyncio.create_task(collect(streams, "late"))
-            await asyncio.sleep(0.05)
-            assert not streams.unresponsive("a poll right after")  # waited 0.05 s, not since the last message
+            task = asyncio.create_task(collect(streams, "late", timeout=60))
+            while not fake.running:
+                await asyncio.sleep(0.01)
+            assert not streams.unresponsive("a poll right after")  # silent since the request began to wait
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -123,7 +133,7 @@ def test_a_request_held_while_it_prefills_elsewhere_learns_when_the_call_is_give
     """``hold``: an Allocate answered, the prompt on a prefill worker pushing KV here. The hold counts as
     waiting (silence is measured for it), and when the call is given up its ``lost`` future gets the
     call's UNAVAILABLE; a released hold is left alone, and a hold on a broken call is lost at once."""
-    monkeypatch.setattr(decode_mux, "UNRESPONSIVE_S", 0.3)
+    monkeypatch.setattr(decode_mux, "UNRESPONSIVE_S", 5.0)
 
     async def main():
         fake = FakeDecode({"ok": [1]})
@@ -132,7 +142,7 @@ def test_a_request_held_while_it_prefills_elsewhere_learns_when_the_call_is_give
             await allocate(streams, "p2")
             h1, h2 = streams.hold("p1"), streams.hold("p2")
             h2.release()
-            await asyncio.sleep(0.4)
+            rewind(streams)
             assert streams.unresponsive("GetStats DEADLINE_EXCEEDED")  # h1 waits on a silent call
             err = await asyncio.wait_for(h1.lost, 5)
             assert err.code() == grpc.StatusCode.UNAVAILABLE and "stopped answering" in err.details()
