@@ -201,8 +201,8 @@ def run_soak(cfg: SoakConfig, model: str | Path, run_dir: str | Path, *, log=pri
     violations = [v.violation for v in verdicts if v.violation]
     restarts = sum(n for wid, n in state.get("restarts", {}).items())
     fault_rows = faults.report(t0)
-    unplanned = restarts - len([f for f in fault_rows if f["back_after_s"] is not None
-                                and (f["action"] != "freeze" or f["exit_note"])])
+    restarted = [f for f in fault_rows if f["back_after_s"] is not None and f["action"] != "freeze"]
+    unplanned = restarts - len(restarted)
     problems = []
     if violations:
         problems.append(f"{len(violations)} requests ended outside the allowed set")

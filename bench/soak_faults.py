@@ -128,7 +128,8 @@ class FaultInjector:
 
     def _freeze(self, w: dict, fault: Fault, incarnation: str) -> float | None:
         """SIGSTOP, a seeded hold, SIGCONT (always, even when the soak is stopping); then the time it
-        answers again under the same incarnation, listed healthy by the router."""
+        answers again under the same incarnation (a stopped process is never restarted), listed healthy
+        by the router."""
         hold = self.rng.uniform(*FREEZE_S)
         try:
             os.kill(w["pid"], signal.SIGSTOP)
@@ -140,33 +141,26 @@ class FaultInjector:
         finally:
             os.kill(w["pid"], signal.SIGCONT)
             fault.held_s = round(time.monotonic() - fault.at, 2)
-        deadline = time.monotonic() + self.back_timeout_s
-        while time.monotonic() < deadline:
-            try:
-                inc = get_stats(w["address"], w["role"], timeout=5).incarnation
-                with Client(self.router, timeout=5) as c:
-                    seen = {x["worker_id"]: x for x in c.list_workers()}
-                if inc == incarnation and seen.get(w["worker_id"], {}).get("healthy"):
-                    return time.monotonic()
-                if inc and inc != incarnation:
-                    fault.exit_note = "restarted while frozen"
-                    return time.monotonic()
-            except grpc.RpcError:
-                pass
-            time.sleep(0.25)
-        return None
+        return self._wait_serving(w, lambda now, inc: inc == incarnation)
 
     def _wait_back(self, w: dict, old_incarnation: str) -> float | None:
+        """The time the supervisor's restart of ``w`` serves: a new pid, a new incarnation."""
+        return self._wait_serving(
+            w, lambda now, inc: now["pid"] != w["pid"] and bool(inc) and inc != old_incarnation)
+
+    def _wait_serving(self, w: dict, ready) -> float | None:
+        """When ``ready(state entry, incarnation)`` holds for ``w`` and the router lists it healthy; None
+        after ``back_timeout_s``."""
         deadline = time.monotonic() + self.back_timeout_s
         while time.monotonic() < deadline:
             now = next((x for x in read_state(self.run_dir)["workers"] if x["worker_id"] == w["worker_id"]),
                        None)
-            if now is not None and now["pid"] != w["pid"]:
+            if now is not None:
                 try:
                     inc = get_stats(now["address"], now["role"], timeout=5).incarnation
                     with Client(self.router, timeout=5) as c:
                         seen = {x["worker_id"]: x for x in c.list_workers()}
-                    if inc and inc != old_incarnation and seen.get(w["worker_id"], {}).get("healthy"):
+                    if ready(now, inc) and seen.get(w["worker_id"], {}).get("healthy"):
                         return time.monotonic()
                 except grpc.RpcError:
                     pass

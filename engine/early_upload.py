@@ -16,7 +16,7 @@ section into one device arena, on a stream of its own, in one of two ways:
   (``cuMemHostRegister``, read-only) and the data section goes to the device in one copy that the
   GPU pulls straight from there; the next file is pinned while the last one's copy runs. A handful of
   driver calls a file: the thread hardly ever needs the GIL the imports on the main thread hold.
-* ``read`` (files not wholly in the page cache, or where the driver refuses to pin file pages):
+* ``read`` (files not wholly in the page cache):
   ``CHUNK`` pieces read into page-locked buffers (``os.preadv``) and copied from there, ``NUM_BUFFERS``
   in flight. Each call releases the GIL, but
   each return waits to take it back from the imports (up to the 5 ms switch interval), so this way

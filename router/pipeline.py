@@ -353,10 +353,10 @@ class _Cleanup:
         self.done = True
         now, later = [], []
         if decode_reserved:
-            (now if _answering(self.d) else later).append(self.d.stub.Release(
+            (now if self.d.answering else later).append(self.d.stub.Release(
                 decode_pb2.ReleaseRequest(request_id=self.rid), timeout=CLEANUP_TIMEOUT_S))
         if prefill_running and self.p is not None:
-            (now if _answering(self.p) else later).append(self.p.stub.Abort(
+            (now if self.p.answering else later).append(self.p.stub.Abort(
                 prefill_pb2.AbortRequest(request_id=self.rid), timeout=CLEANUP_TIMEOUT_S))
         if later:
             task = asyncio.ensure_future(asyncio.gather(*later, return_exceptions=True))
@@ -364,10 +364,6 @@ class _Cleanup:
             task.add_done_callback(_Cleanup._background.discard)
         with contextlib.suppress(Exception):
             await asyncio.shield(asyncio.gather(*now, return_exceptions=True))
-
-
-def _answering(handle) -> bool:
-    return getattr(handle, "answering", True)
 
 
 def _held_hashes(prompt_hashes, prompt: list[int], answer: list[int], block_size: int) -> list[int]:

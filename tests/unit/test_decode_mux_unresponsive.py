@@ -150,8 +150,10 @@ def test_a_request_held_while_it_prefills_elsewhere_learns_when_the_call_is_give
             late = streams._call.hold("p3")  # the broken call itself: lost at once
             assert late.done() and late.result().code() == grpc.StatusCode.UNAVAILABLE
             assert await collect(streams, "ok") == [1]  # a new call
-            assert streams.hold("p4") is not None and not streams._call.broken
-            streams._call.held.clear()
+            fresh = streams.hold("p4")  # on the new call
+            assert fresh is not None and not fresh.lost.done()
+            fresh.release()
+            assert not streams._call.held
 
     asyncio.run(main())
 
