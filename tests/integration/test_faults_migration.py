@@ -17,7 +17,9 @@ restarting dead processes after 0.5 s. Covers:
 
 The crash-loop test has its own 1P1D cluster: a decode worker that cannot start any more is
 restarted at most ``max_restarts`` times, then left down with the reason in state.json, and a request
-that needs it fails with UNAVAILABLE saying what was tried.
+that needs it fails with UNAVAILABLE saying what was tried. The liveness test has one too: the only
+decode worker frozen under streams is killed by the launcher's liveness watch and restarted, and the
+streams complete on it token-exact.
 """
 
 from __future__ import annotations
@@ -263,3 +265,39 @@ def test_crash_looping_worker_is_left_down_and_says_why(make_checkpoint, tmp_pat
         prefill = next(h for h in c.workers if h.role == "prefill")
         s = get_stats(prefill.address, "prefill")
         assert s.num_running == 0 and s.queue_depth == 0
+
+
+def test_frozen_only_decode_worker_is_restarted_and_streams_complete(make_checkpoint, tmp_path) -> None:
+    """SIGSTOP of the only decode worker under 4 greedy streams: the launcher's liveness watch finds it
+    silent, kills it, the supervisor restarts it, and the streams (waiting in the router for a decode
+    worker to migrate to) complete on the restarted one, token-exact; nothing is leaked."""
+    import os
+    import signal
+
+    model = make_checkpoint("llama")
+    policy = RestartPolicy(backoff_s=0.2, max_backoff_s=1.0, max_restarts=5, window_s=120.0, poll_s=0.2,
+                           liveness_failures=3, liveness_period_s=1.0, liveness_timeout_s=1.0)
+    port = free_port()
+    with LocalCluster(model, prefill=1, decode=1, transport="tcp", run_dir=tmp_path, restart=policy,
+                      worker_args=("--num-blocks", "512"),
+                      router_args=("--metrics-port", str(port), "--retry-wait-s", "180")) as c:
+        c.model, c.metrics_port = model, port
+        c.start_free = c.free_blocks()
+        prompts = [prompt(400 + i) for i in range(4)]
+        params = [dict(max_tokens=MAX_TOKENS, ignore_eos=True) for _ in prompts]
+        want = reference(model, prompts, params)
+        threads, results, victim = streams_on_the_busiest(c, prompts, params)
+        old_inc, old_pid = get_stats(victim.address, "decode").incarnation, victim.pid
+        os.kill(victim.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        for t in threads:
+            t.join(240)
+        errors = [r for r in results if isinstance(r, grpc.RpcError)]
+        assert not errors, [(e.code(), e.details()) for e in errors]
+        assert [ids for ids, _ in results] == want
+        assert victim.pid != old_pid and victim.restarts >= 1
+        assert get_stats(victim.address, "decode").incarnation != old_inc
+        with pytest.raises(ProcessLookupError):
+            os.kill(old_pid, 0)  # the frozen process is gone, not left stopped beside its successor
+        print(f"\nstreams done {time.monotonic() - frozen_at:.1f}s after the freeze")
+        leak_check(c)

@@ -74,6 +74,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=5,
                    help="restart a process that exits unexpectedly at most this often within 5 minutes, then "
                         "leave it down (crash loop); 0 = never restart (default 5)")
+    p.add_argument("--liveness-failures", type=int, default=6, metavar="N",
+                   help="kill (and so restart) a process that is alive but has not answered N health "
+                        "checks in a row, --liveness-period-s apart (a frozen or hung worker); 0 = never "
+                        "(default 6, as the chart's liveness probe)")
+    p.add_argument("--liveness-period-s", type=float, default=10.0, metavar="S",
+                   help="seconds between liveness checks; each waits at most min(5, S) (default 10)")
     p.add_argument("--run-dir", default=DEFAULT_RUN_DIR)
     p.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_run)
@@ -120,7 +126,10 @@ def _run(args: argparse.Namespace) -> int:
                            drain_timeout=args.drain_timeout, router_args=tuple(router_args), devices=devices,
                            tls_dir=str(Path(args.tls_dir).resolve()) if args.tls_dir else "",
                            restart=RestartPolicy(enabled=args.max_restarts > 0,
-                                                 max_restarts=max(args.max_restarts, 0)),
+                                                 max_restarts=max(args.max_restarts, 0),
+                                                 liveness_failures=args.liveness_failures,
+                                                 liveness_period_s=args.liveness_period_s,
+                                                 liveness_timeout_s=min(5.0, args.liveness_period_s)),
                            http_port=args.http_port, api_keys=tuple(args.api_key),
                            api_keys_file=(str(Path(args.api_keys_file).resolve())
                                           if args.api_keys_file else ""))

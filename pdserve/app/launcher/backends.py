@@ -76,6 +76,9 @@ class ProcessBackend:
     def alive(self, h: WorkerHandle) -> bool:
         return h.ref.alive()
 
+    def kill(self, h: WorkerHandle) -> None:
+        h.ref.kill(group=True)
+
     def exit_status(self, h: WorkerHandle) -> int | None:
         return h.ref.proc.poll()
 
@@ -156,6 +159,12 @@ class RayBackend:
         except Exception:
             return False
 
+    def kill(self, h: WorkerHandle) -> None:
+        try:
+            self.ray.get(h.ref.kill.remote(), timeout=30)
+        except Exception:  # the actor is gone with it: the next alive() says so
+            log.warning("killing %s through its actor failed", h.worker_id, exc_info=True)
+
     def exit_status(self, h: WorkerHandle) -> int | None:
         try:
             return self.ray.get(h.ref.exit_status.remote(), timeout=10)
@@ -204,6 +213,10 @@ class ServeActor:
 
     def alive(self) -> bool:
         return bool(self.proc and self.proc.alive())
+
+    def kill(self) -> None:
+        if self.proc:
+            self.proc.kill(group=True)
 
     def exit_status(self) -> int | None:
         return self.proc.proc.poll() if self.proc else None

@@ -33,6 +33,7 @@ import grpc
 
 from pdserve.app.launcher.backends import WorkerHandle
 from pdserve.app.launcher.devices import DeviceAssigner, DevicePlan
+from pdserve.app.launcher.liveness import answers
 from pdserve.app.launcher.procs import StartFailed
 from pdserve.app.launcher.supervisor import RestartPolicy, Supervisor
 from pdserve.settings import DEFAULT_DRAIN_TIMEOUT_S
@@ -223,6 +224,17 @@ class Cluster:
         if moved and not router:
             self._write_members()  # the router's discovery learns the new address
         self.write_state()
+
+    def answers(self, h: WorkerHandle, timeout: float) -> bool:
+        """Whether ``h``'s process answered a health check within ``timeout`` (launcher/liveness.py)."""
+        role = "router" if h is self.router else self._serve_role(h.role)
+        with self.channel(h.address, role) as ch:
+            return answers(ch, timeout)
+
+    def kill_unresponsive(self, h: WorkerHandle) -> None:
+        """SIGKILL a process that is alive but silent (and its children): the supervisor restarts it."""
+        if h in self.supervised():
+            self.backend.kill(h)
 
     def give_up(self, h: WorkerHandle, why: str) -> None:
         """Leave a crash-looping process down: out of the members (and the router's view)."""

@@ -9,6 +9,8 @@ tests, and inside each Ray actor by the Ray launcher.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
 import subprocess
@@ -54,9 +56,14 @@ class ServeProcess:
                 self.proc.wait(10)
         return self.proc.returncode
 
-    def kill(self) -> None:
+    def kill(self, *, group: bool = False) -> None:
+        """SIGKILL the process; ``group``: its whole process group (a TP worker's ranks, anything it ran)."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            if group:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: pgid == pid
+            else:
+                self.proc.kill()
             self.proc.wait(10)
 
 

@@ -18,6 +18,9 @@ members, and the reason is logged and written to state.json (``gave_up``).
 Every death and restart is logged with the worker id, the restart number (the launcher's
 incarnation count; the process also draws its own incarnation id, which the router logs), the exit
 status and the log file.
+
+A process that stays alive but stops answering is killed by ``LivenessWatch`` (``launcher/liveness.py``,
+``liveness_*`` below; 0 failures = off), and then restarted here like any other death.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.app.launcher.backends import WorkerHandle
+from pdserve.app.launcher.liveness import LivenessWatch
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,10 @@ class RestartPolicy:
     max_restarts: int = 5
     window_s: float = 300.0
     poll_s: float = 0.5
+    # a live process silent on this many health checks in a row is killed (and so restarted); 0 = never
+    liveness_failures: int = 6
+    liveness_period_s: float = 10.0
+    liveness_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 < self.backoff_s <= self.max_backoff_s or self.max_restarts < 0 or self.window_s <= 0:
@@ -48,6 +56,9 @@ class RestartPolicy:
                              "window_s > 0")
         if self.poll_s <= 0:
             raise ValueError(f"restart policy: poll_s must be > 0, got {self.poll_s}")
+        if self.liveness_failures < 0 or self.liveness_period_s <= 0 or self.liveness_timeout_s <= 0:
+            raise ValueError("restart policy: liveness_failures >= 0, liveness_period_s > 0 and "
+                             "liveness_timeout_s > 0")
 
 
 @dataclass
@@ -66,15 +77,19 @@ class Supervisor:
         self.restarts = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.liveness = LivenessWatch(cluster, period_s=policy.liveness_period_s,
+                                      timeout_s=policy.liveness_timeout_s, failures=policy.liveness_failures)
 
     def start(self) -> None:
         if not self.policy.enabled or self._thread is not None:
             return
         self._thread = threading.Thread(target=self._loop, daemon=True, name="pdserve-supervisor")
         self._thread.start()
+        self.liveness.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self.liveness.stop()
         if self._thread is not None:
             self._thread.join(30)
 
@@ -117,8 +132,10 @@ class Supervisor:
             return
         delay = min(self.policy.backoff_s * 2 ** (n - 1), self.policy.max_backoff_s)
         hist.restart_at = now + delay
-        log.warning("%s %s (restart %d, pid %d) exited unexpectedly with status %s; restarting in %.1fs "
-                    "(death %d of at most %d within %.0fs; log %s)", h.role, h.worker_id, h.restarts, h.pid,
+        killed = self.liveness.killed.pop(h.worker_id, "")
+        how = f"was killed ({killed})" if killed else "exited unexpectedly"
+        log.warning("%s %s (restart %d, pid %d) %s with status %s; restarting in %.1fs (death %d of at "
+                    "most %d within %.0fs; log %s)", h.role, h.worker_id, h.restarts, h.pid, how,
                     hist.exit_status, delay, n, self.policy.max_restarts + 1, self.policy.window_s, logfile)
 
     def _restart(self, h: WorkerHandle, hist: _History) -> None:
