@@ -18,7 +18,10 @@ long prompt's prefill), so past capacity it refuses rather than queues.
 
 Per mode: the sweep (``pdserve.app.loadgen.sweep``: p50/p90/p99 TTFT and ITL per rate, attainment,
 sheds), the overload point (errors other than RESOURCE_EXHAUSTED, TTFT p90 of the admitted requests,
-goodput over the mode's peak), and whether every KV block came back afterwards. Sizes trade GPU time
+goodput over the mode's peak), whether every KV block came back afterwards, and what each rate point
+cost in CPU (router, prefill, decode: cores, per request and per output token, and the cluster's
+cores per 1k output tokens/s, read from the processes themselves). On one GPU a 1P1D mode's two
+workers share it (each with half the KV memory); colocated is then one worker. Sizes trade GPU time
 for resolution: ``small`` 4 rates x 8 s, ``medium`` 6 x 12 s, ``full`` the issue's 20 s per rate.
 Writes ``gpu-frontier-<device>-<date>[-TAG].{json,md,png}`` to ``--out``.
 """
@@ -72,7 +75,17 @@ def plan(args: argparse.Namespace, model: str, n_gpus: int, kv_gb: float) -> tup
     return modes, opts, cfg
 
 
+def one_gpu_share_gb() -> float:
+    """KV per worker when two 8B workers (1P1D) share GPU0: each keeps its 16 GB of weights and ~12 GB of
+    activations and graphs, and half of what is left."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory / 1e9
+    return float(max(8, int((total * 0.9 - 2 * 28) / 2)))
+
+
 def markdown(res: dict) -> list[str]:
+    from pdserve.app.loadgen.cpu import format_sweep
     from pdserve.app.loadgen.sweep import table
 
     f = res["frontier"]
@@ -99,6 +112,9 @@ def markdown(res: dict) -> list[str]:
     for mode, r in res["results"].items():
         if "error" in r:
             rows.append(f"\n{mode}: {r['error']}")
+    if cpu_text := format_sweep(res["results"]):
+        rows += ["", "CPU per rate point (each process's own CPU seconds over the point):", "",
+                 "```", cpu_text, "```"]
     return rows
 
 
@@ -118,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="TAG=FLAGS",
                     help="flags every worker of a MODE@TAG gets, e.g. --modes 1p1d-tcp,1p1d-tcp@nochain "
                          "--variant nochain='--kv-rx-chain off' (repeatable)")
+    ap.add_argument("--kv-gb", type=float, default=0.0,
+                    help="KV cache per worker (default: what the GPU holds beside the model; on one GPU, half)")
     ap.add_argument("--dry-run", action="store_true", help="print the clusters and rate points; no GPU")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -145,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     root = "/dev/shm" if shm else "/tmp"  # RAM-backed when it has room for 16 GB
     model = write_checkpoint(Path(os.environ.get("PDSERVE_BENCH_MODEL_DIR", f"{root}/pdserve-llama3-8b")),
                              "llama3-8b")
-    modes, opts, cfg = plan(args, str(model), torch.cuda.device_count(), kv_memory_gb("llama3-8b"))
+    n_gpus = torch.cuda.device_count()
+    # On one GPU a 1P1D cluster's two workers share it: each gets half of what one worker may hold.
+    kv_gb = args.kv_gb or (kv_memory_gb("llama3-8b") if n_gpus >= 2 else one_gpu_share_gb())
+    modes, opts, cfg = plan(args, str(model), n_gpus, kv_gb)
     base = RunConfig(router="", rate=1.0, num_requests=1, input_len=parse_dist(INPUT_LEN),
                      output_len=parse_dist(OUTPUT_LEN), vocab_size=1000, timeout_s=120.0)
     out = Path(args.out)
@@ -154,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {"device": info, "command": bench_command(),
            "date": dt.datetime.now(dt.timezone.utc).isoformat(), "size": args.size, "slo": SLO,
            "workload": {"input_len": INPUT_LEN, "output_len": OUTPUT_LEN},
-           "router_args": list(opts.router_args), "checkpoint_s": time.monotonic() - t0, "results": {}}
+           "router_args": list(opts.router_args), "kv_gb_per_worker": kv_gb,
+           "checkpoint_s": time.monotonic() - t0, "results": {}}
 
     def save(mode: str | None = None, r: dict | None = None) -> None:
         if mode is not None:

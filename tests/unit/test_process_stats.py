@@ -69,3 +69,30 @@ def test_report_per_process_role_and_cluster():
     # 0.7 cores at 1k output tokens/s
     assert rep["cluster"]["cores_per_1k_output_tok_s"] == pytest.approx(0.7)
     assert "cluster CPU cores per 1k output tokens/s: 0.70" in cpu.format_table(rep)
+
+
+def test_every_sweep_point_carries_its_cpu(monkeypatch):
+    """run_point reads every process before and after its load; the sweep's CPU table shows each point."""
+    from pdserve.app.loadgen import sweep as sweep_mod
+    from pdserve.app.loadgen.dist import parse_dist
+    from pdserve.app.loadgen.runner import RunConfig
+    from pdserve.app.loadgen.stats import Sample
+
+    reads = iter([{"router": {"role": "router", "pid": 1, "cpu_seconds": 1.0}},
+                  {"router": {"role": "router", "pid": 1, "cpu_seconds": 1.5}}])
+    monkeypatch.setattr(cpu, "try_read", lambda router, backend, api_key: next(reads))
+
+    async def fake_run(cfg, on_done=None):
+        return [Sample(ok=True, ttft_s=0.01, itl_s=[0.005] * 9, tpot_s=0.005, e2e_s=0.06, output_tokens=10,
+                       prompt_tokens=8) for _ in range(cfg.num_requests)], 2.0
+
+    monkeypatch.setattr(sweep_mod, "run", fake_run)
+    base = RunConfig(router="r", rate=1.0, num_requests=1, input_len=parse_dist("8"),
+                     output_len=parse_dist("10"))
+    point = sweep_mod.run_point(base, sweep_mod.SweepConfig(rates=(5.0,), seconds_per_rate=2.0), 5.0)
+    router = point["cpu"]["processes"]["router"]
+    assert router["cpu_ms_per_request"] == pytest.approx(50.0)  # 0.5 s over 10 requests
+    assert router["cpu_us_per_output_token"] == pytest.approx(5000.0)  # over 100 tokens
+    text = cpu.format_sweep({"m": {"points": [point]}})
+    assert "router 0.25" in text and "5000.0" in text
+    assert cpu.format_sweep({"m": {"points": [{k: v for k, v in point.items() if k != "cpu"}]}}) == ""

@@ -166,6 +166,10 @@ def _sweep(args: argparse.Namespace) -> int:
                            router_args=tuple(shlex.split(args.router_args)))
         results = run_modes(modes, opts, base, cfg, run_dir=args.run_dir, progress=progress)
     print(table(results))
+    from pdserve.app.loadgen.cpu import format_sweep
+
+    if cpu_text := format_sweep(results):
+        print(f"\nCPU (each process's own, over each point)\n{cpu_text}")
     out = {"results": results, "frontier": frontier_summary(results, args.baseline),
            "config": {k: v for k, v in vars(args).items() if k != "func"},
            "command": shlex.join(["pdserve", *sys.argv[1:]]) if sys.argv else "",

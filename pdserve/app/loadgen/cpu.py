@@ -89,3 +89,23 @@ def format_table(cpu: dict) -> str:
     if cpu["not_measured"]:
         lines.append(f"not measured (restarted or gone): {', '.join(cpu['not_measured'])}")
     return "\n".join(lines)
+
+
+def format_sweep(results: dict[str, dict]) -> str:
+    """One row per (mode, rate point) of a sweep: output tokens/s beside the CPU each role kept busy,
+    the router's CPU per request and per output token, and the cluster's cores per 1k tokens/s."""
+    head = (f"{'mode':<20}{'rate':>7}{'out tok/s':>10}{'router us/tok':>14}{'router ms/req':>14}"
+            f"{'cores by role':>44}{'cores/1k tok/s':>16}")
+    lines = [head, "-" * len(head)]
+    for mode, res in results.items():
+        for p in [*res.get("points", ()), *([res["overload"]] if "overload" in res else [])]:
+            c = p.get("cpu")
+            if not c:
+                continue
+            r = c["roles"].get("router", {})
+            roles = " ".join(f"{role} {v['cores']:.2f}" for role, v in sorted(c["roles"].items()))
+            lines.append(f"{mode:<20}{p['rate']:>7g}{p.get('output_token_throughput', 0.0):>10.0f}"
+                         f"{r.get('cpu_us_per_output_token', float('nan')):>14.1f}"
+                         f"{r.get('cpu_ms_per_request', float('nan')):>14.2f}{roles:>44}"
+                         f"{c['cluster']['cores_per_1k_output_tok_s']:>16.2f}")
+    return "\n".join(lines) if len(lines) > 2 else ""

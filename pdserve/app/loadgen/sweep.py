@@ -10,6 +10,8 @@ TTFT and TPOT targets, of all sent: refused and failed ones are misses) is under
 deployment can be sold at. ``peak_goodput_rps`` is the most requests per second served within the
 SLOs at any point. ``overload_factor`` (e.g. 1.5) adds one more point at that multiple of the SLO
 goodput rate: what admission control is for (sheds, the admitted requests' TTFT, goodput kept).
+Each point also carries what it cost in CPU (``cpu``: per process, per request and output token, and
+the cluster's CPU cores per 1k output tokens/s; ``loadgen/cpu.py``), where the cluster serves it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.app.loadgen import cpu
 from pdserve.app.loadgen.runner import RunConfig, run
 from pdserve.app.loadgen.stats import Sample, summarize
 
@@ -80,8 +83,12 @@ def run_point(base: RunConfig, cfg: SweepConfig, rate: float,
     """One open-loop run at ``rate``; the summary plus the rate and its attainment."""
     n = cfg.requests_at(rate)
     run_cfg = dataclasses.replace(base, rate=rate, num_requests=n, seed=point_seed(cfg.label, rate))
+    before = cpu.try_read(base.router, backend=base.backend, api_key=base.api_key)
     samples, duration = asyncio.run(run(run_cfg, on_done))
+    after = cpu.try_read(base.router, backend=base.backend, api_key=base.api_key)
     summary = summarize(samples, duration, ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms)
+    if before and after:  # what the point cost each process of the cluster (loadgen/cpu.py)
+        summary["cpu"] = cpu.report(before, after, summary)
     summary["rate"] = rate
     summary["errors_not_shed"] = sum(v for k, v in summary["errors"].items() if k != "RESOURCE_EXHAUSTED")
     summary["num_shed"] = summary["errors"].get("RESOURCE_EXHAUSTED", 0)
@@ -146,7 +153,7 @@ def point_line(p: dict) -> str:
 def table(results: dict[str, dict]) -> str:
     """One row per (mode, rate): attainment, TTFT and ITL p50/p90/p99, goodput; then the frontier."""
     head = (f"{'mode':<20}{'rate':>7}{'in SLO':>8}{'TTFT p50/p90/p99 ms':>24}{'ITL p50/p90/p99 ms':>22}"
-            f"{'goodput':>9}{'shed':>6}{'err':>5}")
+            f"{'goodput':>9}{'shed':>6}{'err':>5}{'cores/1k tok/s':>16}")
     lines = [head, "-" * len(head)]
     for mode, res in results.items():
         if "points" not in res:
@@ -158,8 +165,9 @@ def table(results: dict[str, dict]) -> str:
             tag = f"{p['rate']:g}" + ("*" if p is res.get("overload") else "")
             ttft = f"{t['p50']:.0f}/{t['p90']:.0f}/{t['p99']:.0f}"
             itl = f"{i['p50']:.1f}/{i['p90']:.1f}/{i['p99']:.1f}"
+            per_1k = p["cpu"]["cluster"]["cores_per_1k_output_tok_s"] if "cpu" in p else float("nan")
             lines.append(f"{mode:<20}{tag:>7}{p['slo_attainment']:>8.0%}{ttft:>24}{itl:>22}"
-                         f"{p['goodput']:>9.2f}{p['num_shed']:>6}{p['errors_not_shed']:>5}")
+                         f"{p['goodput']:>9.2f}{p['num_shed']:>6}{p['errors_not_shed']:>5}{per_1k:>16.2f}")
     lines.append("")
     for mode, res in results.items():
         if "points" in res:
