@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="flags every worker of a MODE@TAG gets, e.g. --modes 1p1d-tcp,1p1d-tcp@nochain "
                          "--variant nochain='--kv-rx-chain off' (repeatable)")
     ap.add_argument("--kv-gb", type=float, default=0.0,
-                    help="KV cache per worker (default: what the GPU holds beside the model; on one GPU, half)")
+                    help="KV cache per worker (default: what the GPU holds beside the model; one GPU: half)")
     ap.add_argument("--dry-run", action="store_true", help="print the clusters and rate points; no GPU")
     args = ap.parse_args(argv)
     if args.dry_run:
