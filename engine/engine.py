@@ -94,7 +94,8 @@ class LLMEngine(LaunchAhead):
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(model, self.rank_kv_layout, num_blocks, device=self.device,
                                   attention_backend=config.attention_backend, seed=config.seed,
-                                  launch_ahead_layers=config.launch_ahead_layers)
+                                  launch_ahead_layers=config.launch_ahead_layers,
+                                  blocking_wait=config.gpu_wait == "blocking")
         if config.cuda_graphs:
             self.runner.enable_cuda_graphs(max_batch=config.max_num_seqs, max_model_len=self.max_model_len)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)

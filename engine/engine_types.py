@@ -10,6 +10,7 @@ import torch
 from engine.errors import KVCacheFull
 from engine.kv_layout import dtype_name
 from engine.model_runner import TokenLogprob
+from pdserve.settings import GPU_WAITS
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # a CPU engine's cache without num_blocks / kv_cache_bytes: at most this
 
@@ -48,6 +49,11 @@ class EngineConfig:
     # decode steps launched before the previous one's tokens are read (engine.step_ahead). None:
     # PDSERVE_OVERLAP_STEPS, else on CUDA at tensor parallel size 1
     overlap_steps: bool | None = None
+    # CUDA: how the host waits for a step's sampled tokens. "blocking": the thread sleeps until the GPU
+    # is done (cudaEventBlockingSync; with steps launched ahead the GPU is busy with the next step
+    # meanwhile, so the wake-up is off the critical path); "spin": it polls, one core busy per worker
+    # for as long as the GPU computes (the CUDA default)
+    gpu_wait: str = "blocking"
 
     def kv_blocks(self, per_block: int, device, max_model_len: int) -> int:
         """How many KV blocks of ``per_block`` bytes this rank's cache holds (see the class docstring)."""
@@ -71,6 +77,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.gpu_wait not in GPU_WAITS:
+            raise ValueError(f"EngineConfig.gpu_wait must be one of {list(GPU_WAITS)}, got {self.gpu_wait!r}")
         if not isinstance(self.launch_ahead_layers, int) or self.launch_ahead_layers < 0:
             raise ValueError(f"EngineConfig.launch_ahead_layers must be an int >= 0, got "
                              f"{self.launch_ahead_layers!r}")

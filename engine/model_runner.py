@@ -94,7 +94,8 @@ class LaunchedStep:
             self._host = parts
             return
         self._host = [None if t is None else _to_host(t) for t in parts]
-        self._done = torch.cuda.Event()
+        # blocking: the wait in result() sleeps instead of spinning a core (EngineConfig.gpu_wait)
+        self._done = torch.cuda.Event(blocking=self._runner.blocking_wait)
         self._done.record()
 
     def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -136,7 +137,7 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, model: CausalLM, layout: KVLayout, num_blocks: int, *, device: torch.device,
                  attention_backend: str = "auto", seed: int | None = None, launch_ahead_layers: int = 0,
-                 ) -> None:
+                 blocking_wait: bool = False) -> None:
         """``layout``: this rank's KV (its heads only under tensor parallelism)."""
         cfg = model.config
         self.tp = model.tp
@@ -146,6 +147,7 @@ class ModelRunner:
         self.layout = layout
         self.last_phases: dict = {}  # the last step's host timings (execute; pdserve.stall_watch)
         self.launch_ahead_layers = launch_ahead_layers if device.type == "cuda" else 0
+        self.blocking_wait = blocking_wait  # the token wait sleeps, not spins (EngineConfig.gpu_wait)
         with BOOT.phase("kv_cache_alloc"):
             self.kv_cache = layout.allocate(num_blocks, device=device)
         geometry = backend_geometry(cfg, block_size=layout.block_size)

@@ -27,6 +27,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ROUTER_MODES = ("disagg", "colocated")
 CONDITIONAL = ("off", "auto")
 ON_OFF = ("on", "off")
+GPU_WAITS = ("blocking", "spin")  # how an engine thread waits for the GPU (EngineConfig.gpu_wait)
 # --admission-drain (router/shedding.py): the drain wait bounds the estimate, replaces the push wait, or
 # is left out
 ADMISSION_DRAIN = ("on", "replace", "off")
@@ -78,6 +79,7 @@ class ServeSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     launch_ahead_layers: int | None = None  # None: the engine's default (EngineConfig)
+    gpu_wait: str = "blocking"  # CUDA: the engine's wait for a step's tokens sleeps or spins (EngineConfig)
     # decode / colocated: a stream message goes out once it holds this many tokens (first and last at once)
     stream_interval: int = 1
     # worker roles: ranks of one worker (engine.tp_worker); on CUDA rank r uses cuda:r of the visible GPUs
@@ -181,6 +183,7 @@ class ServeSettings:
         _one_of("mode", self.mode, ROUTER_MODES)
         _one_of("conditional_disagg", self.conditional_disagg, CONDITIONAL)
         _one_of("kv_stream_layers", self.kv_stream_layers, ON_OFF)
+        _one_of("gpu_wait", self.gpu_wait, GPU_WAITS)
         if self.min_uncached_tokens < 0 or not self.local_prefill_tokens_per_s > 0:
             raise ValueError("--min-uncached-tokens must be >= 0 and --local-prefill-tokens-per-s > 0")
         if (min(self.max_prefill_wait_s, self.local_prefill_burst_s, self.local_prefill_max_stall_s,

@@ -36,6 +36,7 @@ def build_engine(settings: ServeSettings):
     kwargs = dict(model=settings.model, dtype=None if settings.dtype == "auto" else settings.dtype,
                   device=settings.device,
                   block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
+                  gpu_wait=settings.gpu_wait,
                   cuda_graphs=settings.role != "prefill")  # a prefill worker never runs a decode step
     if settings.num_blocks is not None:
         kwargs["num_blocks"] = settings.num_blocks
