@@ -49,10 +49,10 @@ class EngineConfig:
     # decode steps launched before the previous one's tokens are read (engine.step_ahead). None:
     # PDSERVE_OVERLAP_STEPS, else on CUDA at tensor parallel size 1
     overlap_steps: bool | None = None
-    # CUDA: how the host waits for a step's sampled tokens. "blocking": the thread sleeps until the GPU
-    # is done (cudaEventBlockingSync; with steps launched ahead the GPU is busy with the next step
-    # meanwhile, so the wake-up is off the critical path); "spin": it polls, one core busy per worker
-    # for as long as the GPU computes (the CUDA default)
+    # CUDA: how the host waits for a step's sampled tokens and a prefill's layers (the KV push's
+    # events). "blocking": the thread sleeps until the GPU is done (cudaEventBlockingSync; with steps
+    # launched ahead the GPU is busy with the next step meanwhile, so the wake-up is off the critical
+    # path); "spin": it polls, one core busy per waiting thread while the GPU computes (CUDA's default)
     gpu_wait: str = "blocking"
 
     def kv_blocks(self, per_block: int, device, max_model_len: int) -> int:

@@ -38,16 +38,18 @@ class LayerSink(Protocol):
     def abort(self, reason: str) -> None: ...
 
 
-def layer_callback(sinks: Sequence[LayerSink], device: torch.device) -> Callable[[int], None]:
+def layer_callback(sinks: Sequence[LayerSink], device: torch.device,
+                   blocking: bool = False) -> Callable[[int], None]:
     """The ``after_layer`` hook of ``CausalLM.forward`` for one step: tells every sink of the step.
 
     On CUDA one event per layer (shared by the step's sinks) is recorded on the current stream: the
-    engine thread never waits for the GPU; whoever ships the layer waits for the event.
+    engine thread never waits for the GPU; whoever ships the layer waits for the event (``blocking``:
+    that wait sleeps instead of spinning a core for the whole prompt; EngineConfig.gpu_wait).
     """
     sinks = tuple(sinks)
     if device.type == "cuda":
         def after_layer(i: int) -> None:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=blocking)
             event.record()
             for sink in sinks:
                 sink.layer_ready(i, event)

@@ -181,7 +181,7 @@ class ModelRunner:
             return None
         for seq in sinks:
             seq.layer_sink.begin(list(seq.block_table))
-        return layer_callback([seq.layer_sink for seq in sinks], self.device)
+        return layer_callback([seq.layer_sink for seq in sinks], self.device, blocking=self.blocking_wait)
 
     def execute(self, batch: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprob | None]]:
         """Run ``batch``; returns the sampled token (and logprob entry) of each sampling row, in order."""
