@@ -83,9 +83,14 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, *, name: str = "engine") -> None:
+    def __init__(self, engine: Any, *, name: str = "engine", idle_work: bool = True) -> None:
+        """``idle_work=False``: no deferred start-up work (``engine.idle_work``: CUDA graph captures) until
+        ``allow_idle_work()``. A worker holds it back while it sets up its KV plane: a capture is
+        invalidated by any context-wide CUDA call another thread makes meanwhile (UCX opening its CUDA
+        memory domain calls ``cuCtxSetFlags``; measured: the capture failed, the engine thread died)."""
         self.engine = engine
         self._name = name
+        self._idle_allowed = idle_work
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
@@ -107,6 +112,12 @@ class AsyncEngine:
         self._commands.put(None)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+
+    def allow_idle_work(self) -> None:
+        """Start the deferred start-up work held back by ``idle_work=False`` (once the engine is idle)."""
+        if not self._idle_allowed:
+            self._idle_allowed = True
+            self._commands.put(_noop)  # wake a thread waiting for commands
 
     @property
     def alive(self) -> bool:
@@ -306,7 +317,7 @@ class AsyncEngine:
 
     def _has_idle_work(self) -> bool:
         has = getattr(self.engine, "has_idle_work", None)  # engines without idle work (fakes) have none
-        return bool(has is not None and has())
+        return bool(self._idle_allowed and has is not None and has())
 
     def _shutdown_streams(self) -> None:
         err = EngineStopped(f"engine stopped: {self.error or 'shutdown'}")
@@ -366,3 +377,7 @@ def _set_result(fut: asyncio.Future, value: Any) -> None:
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
+
+
+def _noop() -> None:
+    """A command that only wakes the engine thread (``allow_idle_work``)."""

@@ -138,11 +138,13 @@ class _Late:
         return getattr(self.target, name)
 
 
-async def _load_engine(settings: ServeSettings, server: GrpcServer):
+async def _load_engine(settings: ServeSettings, server: GrpcServer, *, idle_work: bool = True):
+    """``idle_work=False``: the engine's deferred CUDA graph captures wait for ``allow_idle_work()``
+    (a worker calls it once its KV plane is up: see ``AsyncEngine``)."""
     from engine.async_engine import AsyncEngine
 
     engine = await asyncio.to_thread(build_engine, settings)
-    aengine = AsyncEngine(engine, name=f"engine-{settings.role}")
+    aengine = AsyncEngine(engine, name=f"engine-{settings.role}", idle_work=idle_work)
     aengine.start()
 
     async def watch() -> None:
@@ -180,8 +182,9 @@ async def _prefill(settings: ServeSettings, server: GrpcServer):
                                                    server.server)
 
     async def finish(settings: ServeSettings) -> None:
-        engine, aengine = await _load_engine(settings, server)
+        engine, aengine = await _load_engine(settings, server, idle_work=False)
         kv = await make_rank_link(settings, engine)  # every rank moves its own KV heads
+        aengine.allow_idle_work()
         worker = PrefillWorker(engine=aengine, kv=kv, worker_id=settings.worker_id,
                                block_size=engine.kv_layout.block_size,
                                stream_layers=settings.kv_stream_layers == "on")
@@ -204,9 +207,10 @@ async def _decode(settings: ServeSettings, server: GrpcServer):
                                                  server.server)
 
     async def finish(settings: ServeSettings) -> None:
-        engine, aengine = await _load_engine(settings, server)
+        engine, aengine = await _load_engine(settings, server, idle_work=False)
         # every rank moves its own KV heads (rank 0's on a loop of its own with --kv-own-loop on)
         kv = await make_rank_link(settings, engine, own_loop=settings.kv_own_loop == "on")
+        aengine.allow_idle_work()  # no capture while the KV plane set up its CUDA memory domain
         worker = DecodeWorker(engine=aengine, kv=kv, worker_id=settings.worker_id,
                               block_size=engine.kv_layout.block_size, default_lease_ms=settings.lease_ms)
         worker.start()

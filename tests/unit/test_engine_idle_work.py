@@ -126,3 +126,25 @@ def test_async_engine_runs_idle_work_only_between_requests_and_never_spins():
             await ae.stop()
 
     asyncio.run(main())
+
+
+def test_idle_work_held_back_until_allowed():
+    """A worker starts its engine with idle work held back while it sets up the KV plane (whose CUDA
+    calls would invalidate a capture); allow_idle_work() starts it on an engine waiting for commands."""
+    async def main():
+        eng = engine()
+        fake = eng.runner.cuda_graphs = FakeGraphs(eng, [4, 2])
+        ae = AsyncEngine(eng, idle_work=False)
+        ae.start()
+        try:
+            await asyncio.sleep(0.2)
+            await ae.call(lambda e: None)  # a command passes; the work still waits
+            assert fake.captured == []
+            ae.allow_idle_work()
+            while await ae.call(lambda e: e.has_idle_work()):
+                await asyncio.sleep(0.01)
+            assert [b for b, _, _ in fake.captured] == [4, 2]
+        finally:
+            await ae.stop()
+
+    asyncio.run(main())
