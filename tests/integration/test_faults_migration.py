@@ -19,7 +19,8 @@ The crash-loop test has its own 1P1D cluster: a decode worker that cannot start 
 restarted at most ``max_restarts`` times, then left down with the reason in state.json, and a request
 that needs it fails with UNAVAILABLE saying what was tried. The liveness test has one too: the only
 decode worker frozen under streams is killed by the launcher's liveness watch and restarted, and the
-streams complete on it token-exact.
+streams complete on it token-exact. The Ray test runs kill -9 and a freeze under ``pdserve up
+--launcher ray``.
 """
 
 from __future__ import annotations
@@ -301,3 +302,86 @@ def test_frozen_only_decode_worker_is_restarted_and_streams_complete(make_checkp
             os.kill(old_pid, 0)  # the frozen process is gone, not left stopped beside its successor
         print(f"\nstreams done {time.monotonic() - frozen_at:.1f}s after the freeze")
         leak_check(c)
+
+
+def test_ray_launcher_restarts_killed_and_frozen_workers(make_checkpoint, tmp_path) -> None:
+    """The same supervision under ``pdserve up --launcher ray`` (each serve process in a Ray actor):
+    ``kill -9`` of the busiest of two decode workers under 16 greedy streams -> every stream completes
+    token-exact and the worker is back under a new incarnation; then the other decode worker is
+    frozen (SIGSTOP) -> the liveness watch kills it through its actor and it is restarted; a request is
+    served after; every block is back."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    model = make_checkpoint("llama")
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - closed in finally
+    cmd = [sys.executable, "-m", "pdserve.app.cli", "up", "--model", str(model), "--prefill", "1",
+           "--decode", "2", "--transport", "tcp", "--num-blocks", "512", "--run-dir", str(run_dir),
+           "--launcher", "ray", "--ray-num-cpus", "2", "--drain-timeout", "10",
+           "--liveness-period-s", "1", "--liveness-failures", "3"]
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    try:
+        router = None
+        for line in up.stdout:
+            if line.startswith("router: "):
+                router = line.split()[1]
+                break
+        assert router, (tmp_path / "up.log").read_text()[-3000:]
+        c = SimpleNamespace(router=router)
+
+        def workers() -> dict[str, SimpleNamespace]:
+            state = json.loads((run_dir / "state.json").read_text())
+            return {w["worker_id"]: SimpleNamespace(**w) for w in state["workers"]}
+
+        start = {wid: get_stats(w.address, w.role).free_blocks for wid, w in workers().items()}
+        prompts = [prompt(500 + i) for i in range(16)]
+        params = [dict(max_tokens=MAX_TOKENS, ignore_eos=True) for _ in prompts]
+        want = reference(model, prompts, params)
+        started = threading.Event()
+        threads, results = stream_all(router, prompts, params, started, min_tokens=1)
+        assert started.wait(240)
+        decode = [w for w in workers().values() if w.role == "decode"]
+        victim = max(decode, key=lambda w: get_stats(w.address, "decode").num_running)
+        old_inc = get_stats(victim.address, "decode").incarnation
+        os.kill(victim.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        for t in threads:
+            t.join(240)
+        errors = [r for r in results if isinstance(r, grpc.RpcError)]
+        assert not errors, [(e.code(), e.details()) for e in errors]
+        assert [ids for ids, _ in results] == want
+        wait_back(c, victim, old_inc)
+        print(f"\nRay: {victim.worker_id} back {time.monotonic() - killed_at:.1f}s after the kill")
+
+        other = next(w for w in decode if w.worker_id != victim.worker_id)
+        os.kill(other.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        while workers()[other.worker_id].pid == other.pid:
+            assert time.monotonic() - frozen_at < 240, "the frozen worker was never restarted"
+            time.sleep(0.2)
+        with pytest.raises(ProcessLookupError):
+            os.kill(other.pid, 0)  # killed, not left stopped
+        print(f"Ray: frozen {other.worker_id} restarted {time.monotonic() - frozen_at:.1f}s after the freeze")
+        with Client(router, timeout=120) as cl:
+            assert cl.generate(prompt_ids=prompts[0], **params[0]).token_ids == want[0]
+        deadline = time.monotonic() + 60
+        while True:
+            now = {wid: get_stats(w.address, w.role) for wid, w in workers().items()}
+            idle = all(s.num_running == 0 and s.num_leased == 0 for s in now.values())
+            if (idle and {w: s.free_blocks for w, s in now.items()} == start) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert {w: s.free_blocks for w, s in now.items()} == start
+        down = subprocess.run([sys.executable, "-m", "pdserve.app.cli", "down", "--run-dir", str(run_dir)],
+                              capture_output=True, text=True, env=env, timeout=180)
+        assert down.returncode == 0, down.stderr
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(30)
+        log.close()
