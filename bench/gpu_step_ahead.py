@@ -138,7 +138,11 @@ def main() -> None:
     ap.add_argument("--serve-rounds", type=int, default=2,
                     help="serving rounds per rate, the configurations' order alternating between rounds")
     ap.add_argument("--cpu-check", action="store_true", help="tiny model on CPU, small shapes")
+    ap.add_argument("--waits", default="blocking",
+                    help="the engine's GPU waits to time (EngineConfig.gpu_wait), e.g. blocking,spin: every "
+                         "decode row then runs each mode with each, alternated")
     args = ap.parse_args()
+    waits = [w for w in args.waits.split(",") if w]
     cpu = args.cpu_check or not torch.cuda.is_available()
     preset = "tiny" if cpu else args.preset
     batches = [1, 4] if cpu else [int(b) for b in args.batches.split(",")]
@@ -153,30 +157,37 @@ def main() -> None:
                                     enable_prefix_caching=False))
     while engine.has_idle_work():  # every decode graph before timing
         engine.idle_work()
-    result: dict = {"preset": preset, "device": "cpu" if cpu else torch.cuda.get_device_name(0),
+    result: dict = {"preset": preset, "waits": waits, "device": "cpu" if cpu else torch.cuda.get_device_name(0),
                     "date": dt.date.today().isoformat(),
                     "command": bench_command(),
                     "steps": steps, "rounds": args.rounds,
                     "identity": identity(engine), "decode": [], "serving": []}
     print(f"identity (greedy + seeded, stopping by length): {result['identity']}", flush=True)
     times: dict = {}
+    # (mode, wait) pairs; a wait other than the first is named in the key ("ahead/spin")
+    configs = [(m, w, m if w == waits[0] else f"{m}/{w}") for w in waits for m in MODES]
     for r in range(args.rounds):
-        order = MODES if r % 2 == 0 else MODES[::-1]
+        order = configs if r % 2 == 0 else configs[::-1]
         for context in contexts:
             for batch in batches:
-                for mode in order:
+                for mode, wait, key in order:
                     engine.overlap_steps = mode == "ahead"
+                    engine.runner.blocking_wait = wait == "blocking"
                     ms = decode_ms(engine, batch, context, steps)
-                    times.setdefault((batch, context), {}).setdefault(mode, []).append(ms)
-    print("\n| batch x context | sync ms/step | ahead ms/step | speed-up | ahead tok/s |")
-    print("|---|---|---|---|---|")
+                    times.setdefault((batch, context), {}).setdefault(key, []).append(ms)
+    engine.runner.blocking_wait = waits[0] == "blocking"
+    others = [key for _, _, key in configs[2:]]
+    print("\n| batch x context | sync ms/step | ahead ms/step | speed-up | ahead tok/s |"
+          + "".join(f" {k} ms/step |" for k in others))
+    print("|---|---|---|---|---|" + "---|" * len(others))
     for (batch, context), by in times.items():
         s, a = statistics.median(by["sync"]), statistics.median(by["ahead"])
         row = {"batch": batch, "context": context, "sync_ms": round(s, 3), "ahead_ms": round(a, 3),
-               "speedup": round(s / a, 3), "ahead_tok_s": round(batch / a * 1e3), "rounds_ms": by}
+               "speedup": round(s / a, 3), "ahead_tok_s": round(batch / a * 1e3), "rounds_ms": by,
+               **{f"{k}_ms": round(statistics.median(by[k]), 3) for k in others}}
         result["decode"].append(row)
-        print(f"| {batch} x {context} | {s:.2f} | {a:.2f} | {s / a:.3f}x | {row['ahead_tok_s']} |",
-              flush=True)
+        print(f"| {batch} x {context} | {s:.2f} | {a:.2f} | {s / a:.3f}x | {row['ahead_tok_s']} |"
+              + "".join(f" {row[k + '_ms']:.2f} |" for k in others), flush=True)
     for k, rate in enumerate(float(x) for x in args.serve_rates.split(",") if x):
         for r in range(args.serve_rounds):  # the order alternates between rounds and between rates
             for mode in (MODES if (r + k) % 2 == 0 else MODES[::-1]):
