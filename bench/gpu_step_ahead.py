@@ -157,7 +157,8 @@ def main() -> None:
                                     enable_prefix_caching=False))
     while engine.has_idle_work():  # every decode graph before timing
         engine.idle_work()
-    result: dict = {"preset": preset, "waits": waits, "device": "cpu" if cpu else torch.cuda.get_device_name(0),
+    result: dict = {"preset": preset, "waits": waits,
+                    "device": "cpu" if cpu else torch.cuda.get_device_name(0),
                     "date": dt.date.today().isoformat(),
                     "command": bench_command(),
                     "steps": steps, "rounds": args.rounds,
