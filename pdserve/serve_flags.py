@@ -52,8 +52,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       "delivered in bursts of N (default 1)")
     a("--launch-ahead-layers", type=int,
       help="CUDA: how many layers a large step may launch ahead of the GPU (0: no limit; default 4)")
-    a("--gpu-wait", choices=GPU_WAITS, help="CUDA: how the engine thread waits for a step's tokens: "
-      "blocking (sleeps; default) or spin (polls: a core busy per worker while the GPU computes)")
+    a("--gpu-wait", choices=GPU_WAITS, help="CUDA: how the engine waits for the GPU: blocking (sleeps), "
+      "spin (polls: a core busy per worker while the GPU computes) or auto (default: blocking where decode "
+      "steps are launched ahead, spin where they are synchronous, as under tensor parallelism)")
     a("--tensor-parallel-size", type=int, help="worker roles: processes (GPUs) per worker, one tensor "
       "parallel rank each (default 1)")
     a("--kv-source-tp", type=int, help="decode: the prefill pool's tensor parallel size when it is larger "

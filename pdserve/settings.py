@@ -27,7 +27,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ROUTER_MODES = ("disagg", "colocated")
 CONDITIONAL = ("off", "auto")
 ON_OFF = ("on", "off")
-GPU_WAITS = ("blocking", "spin")  # how an engine thread waits for the GPU (EngineConfig.gpu_wait)
+GPU_WAITS = ("auto", "blocking", "spin")  # how an engine thread waits for the GPU (EngineConfig.gpu_wait)
 # --admission-drain (router/shedding.py): the drain wait bounds the estimate, replaces the push wait, or
 # is left out
 ADMISSION_DRAIN = ("on", "replace", "off")
@@ -79,7 +79,7 @@ class ServeSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     launch_ahead_layers: int | None = None  # None: the engine's default (EngineConfig)
-    gpu_wait: str = "blocking"  # CUDA: the engine's wait for a step's tokens sleeps or spins (EngineConfig)
+    gpu_wait: str = "auto"  # CUDA: the engine's waits for the GPU sleep or spin (EngineConfig.gpu_wait)
     # decode / colocated: a stream message goes out once it holds this many tokens (first and last at once)
     stream_interval: int = 1
     # worker roles: ranks of one worker (engine.tp_worker); on CUDA rank r uses cuda:r of the visible GPUs

@@ -339,3 +339,14 @@ def test_a_throttled_step_is_not_launched_before_the_one_in_flight_is_read(make,
     engine._launch_ahead = watched
     assert summary(drive(engine, requests, arrivals=late)) == sync
     assert not big_ahead and len(small_ahead) > 10
+
+
+def test_gpu_wait_auto_sleeps_only_where_steps_go_ahead(make):
+    """auto: a blocking wait where decode steps are launched ahead (the wake-up hides behind the next
+    step), a spinning one on synchronous steps; blocking and spin are taken as given."""
+    assert make(True).runner.blocking_wait is True
+    assert make(False).runner.blocking_wait is False
+    assert make(False, gpu_wait="blocking").runner.blocking_wait is True
+    assert make(True, gpu_wait="spin").runner.blocking_wait is False
+    with pytest.raises(ValueError, match="gpu_wait"):
+        EngineConfig(model="m", gpu_wait="sometimes")
