@@ -110,8 +110,8 @@ class LLMEngine(LaunchAhead):
         self.stats = _Counters()
         self._closed = False
         log.info("engine ready: %s on %s, %d KV blocks (%s), backend %s, steps %s, GPU waits %s",
-                 cfg.architecture, self.device, num_blocks, self.kv_layout.describe(), self.runner.backend.name,
-                 "launched ahead" if self.overlap_steps else "synchronous",
+                 cfg.architecture, self.device, num_blocks, self.kv_layout.describe(),
+                 self.runner.backend.name, "launched ahead" if self.overlap_steps else "synchronous",
                  "blocking" if self.runner.blocking_wait else "spinning")
 
     # ---- properties ---------------------------------------------------------------------------
