@@ -128,6 +128,15 @@ def stream_all(router: str, prompts, params, started: threading.Event, min_token
     return threads, results
 
 
+def joined(threads, results, timeout: float) -> list:
+    """Wait for every stream; none may have failed. Returns the results (token ids, final) in order."""
+    for t in threads:
+        t.join(timeout)
+    errors = [r for r in results if isinstance(r, grpc.RpcError)]
+    assert not errors, [(e.code(), e.details()) for e in errors]
+    return results
+
+
 def streams_on_the_busiest(c, prompts, params):
     """Start every stream, wait until each has its first token: (threads, results, the decode worker
     running the most of them)."""
@@ -151,10 +160,7 @@ def test_decode_worker_killed_mid_stream_streams_continue_token_exact(cluster) -
     old_inc = get_stats(victim.address, "decode").incarnation
     cluster.kill(victim)  # SIGKILL: no drain
     killed_at = time.monotonic()
-    for t in threads:
-        t.join(180)
-    errors = [r for r in results if isinstance(r, grpc.RpcError)]
-    assert not errors, [(e.code(), e.details()) for e in errors]
+    joined(threads, results, 180)
     for (ids, final), w in zip(results, want, strict=True):
         assert ids == w
         assert final.usage.completion_tokens == MAX_TOKENS and final.finish_reason == "length"
@@ -192,11 +198,7 @@ def test_decode_worker_frozen_mid_stream_streams_move_on_and_new_requests_are_se
     try:
         with Client(cluster.router, timeout=120) as c:
             assert c.generate(prompt_ids=late, **late_params).token_ids == want[-1]
-        for t in threads:
-            t.join(180)
-        errors = [r for r in results if isinstance(r, grpc.RpcError)]
-        assert not errors, [(e.code(), e.details()) for e in errors]
-        assert [ids for ids, _ in results] == want[:-1]
+        assert [ids for ids, _ in joined(threads, results, 180)] == want[:-1]
         after = scrape(cluster.metrics_port)
         key = "pdserve_router_decode_mux_abandoned_total"
         assert after.get(key, 0) - before.get(key, 0) >= 1, "the frozen worker's call was not given up"
@@ -228,11 +230,7 @@ def test_only_prefill_worker_killed_requests_complete_after_restart(cluster) -> 
     for t in threads:
         t.start()
         time.sleep(0.05)
-    for t in threads:
-        t.join(150)
-    errors = [r for r in results if isinstance(r, grpc.RpcError)]
-    assert not errors, [(e.code(), e.details()) for e in errors]
-    assert results == want
+    assert joined(threads, results, 150) == want
     wait_back(cluster, victim, old_inc)
     leak_check(cluster)
 
@@ -291,11 +289,7 @@ def test_frozen_only_decode_worker_is_restarted_and_streams_complete(make_checkp
         old_inc, old_pid = get_stats(victim.address, "decode").incarnation, victim.pid
         os.kill(victim.pid, signal.SIGSTOP)
         frozen_at = time.monotonic()
-        for t in threads:
-            t.join(240)
-        errors = [r for r in results if isinstance(r, grpc.RpcError)]
-        assert not errors, [(e.code(), e.details()) for e in errors]
-        assert [ids for ids, _ in results] == want
+        assert [ids for ids, _ in joined(threads, results, 240)] == want
         assert victim.pid != old_pid and victim.restarts >= 1
         assert get_stats(victim.address, "decode").incarnation != old_inc
         with pytest.raises(ProcessLookupError):
@@ -350,11 +344,7 @@ def test_ray_launcher_restarts_killed_and_frozen_workers(make_checkpoint, tmp_pa
         old_inc = get_stats(victim.address, "decode").incarnation
         os.kill(victim.pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        for t in threads:
-            t.join(240)
-        errors = [r for r in results if isinstance(r, grpc.RpcError)]
-        assert not errors, [(e.code(), e.details()) for e in errors]
-        assert [ids for ids, _ in results] == want
+        assert [ids for ids, _ in joined(threads, results, 240)] == want
         wait_back(c, victim, old_inc)
         print(f"\nRay: {victim.worker_id} back {time.monotonic() - killed_at:.1f}s after the kill")
 
