@@ -66,13 +66,11 @@ LAUNCH_THROTTLE_MIN_TOKENS = 512
 _THROTTLE_NAP_S = 5e-5
 
 
-def launch_throttle(ahead: int, blocking: bool = False) -> Callable[[int], None]:
+def launch_throttle(ahead: int) -> Callable[[int], None]:
     """An ``after_layer`` hook that keeps the host at most ``ahead`` layers in front of the GPU.
 
-    Each layer records an event; once more than ``ahead`` are outstanding the engine thread waits for
-    the oldest: ``blocking`` (EngineConfig.gpu_wait) sleeps in a blocking event's ``synchronize``
-    (the GIL released; a wake-up of tens of us hides behind the ``ahead`` layers still queued),
-    else it polls (``query`` plus a short ``time.sleep``: the GIL is free meanwhile). The
+    Each layer records an event; once more than ``ahead`` are outstanding the engine thread polls the
+    oldest (``query`` plus a short ``time.sleep``: the GIL is free meanwhile) until it completed. The
     GPU keeps ``ahead`` layers of work queued, so it never idles on the host, while the device's launch
     queue never fills: other threads' CUDA calls (NIXL/UCX posting a KV copy) go through at once
     instead of waiting for the whole forward to drain."""
@@ -82,14 +80,11 @@ def launch_throttle(ahead: int, blocking: bool = False) -> Callable[[int], None]
     pending: collections.deque = collections.deque()
 
     def after_layer(_i: int) -> None:
-        event = torch.cuda.Event(blocking=blocking)
+        event = torch.cuda.Event()
         event.record()
         pending.append(event)
         while len(pending) > ahead:
             oldest = pending.popleft()
-            if blocking:
-                oldest.synchronize()
-                continue
             while not oldest.query():
                 time.sleep(_THROTTLE_NAP_S)
 

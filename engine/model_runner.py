@@ -215,8 +215,7 @@ class ModelRunner:
             fed = {"fed_dst": prev.dst, "fed_src": prev.src} if prev is not None else {}
             sent = send_step(self.tp, StepPlan(input_ids=input_ids, spec=spec, rows=rows, flags=flags, **fed))
         t0 = time.monotonic()
-        throttle = (launch_throttle(self.launch_ahead_layers, blocking=self.blocking_wait)
-                    if self.throttles(len(input_ids)) else None)
+        throttle = launch_throttle(self.launch_ahead_layers) if self.throttles(len(input_ids)) else None
         hook = chain(after_layer, throttle)
         patch = prev.patch if prev is not None else None
         if replay:

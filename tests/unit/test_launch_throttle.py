@@ -10,7 +10,7 @@ class FakeEvent:
     log: list = []
     done_after = 2  # each event completes on its 2nd query
 
-    def __init__(self, blocking=False):
+    def __init__(self):
         self.n = len(FakeEvent.log)
         self.queries = 0
         FakeEvent.log.append(("new", self.n))
@@ -45,28 +45,3 @@ def test_chain_calls_every_hook_in_order():
     both = layer_sink.chain(lambda i: seen.append(("a", i)), None, lambda i: seen.append(("b", i)))
     both(1)
     assert seen == [("a", 0), ("a", 1), ("b", 1)]
-
-
-def test_blocking_throttle_sleeps_on_the_oldest_layer(monkeypatch):
-    """With blocking waits the host synchronizes on the oldest event (a blocking one) instead of polling."""
-    made, synced = [], []
-
-    class BlockingEvent:
-        def __init__(self, blocking=False):
-            self.blocking, self.n = blocking, len(made)
-            made.append(self)
-
-        def record(self):
-            pass
-
-        def synchronize(self):
-            synced.append(self.n)
-
-        def query(self):
-            raise AssertionError("a blocking throttle does not poll")
-
-    monkeypatch.setattr(torch.cuda, "Event", BlockingEvent)
-    hook = layer_sink.launch_throttle(2, blocking=True)
-    for i in range(5):
-        hook(i)
-    assert synced == [0, 1, 2] and all(e.blocking for e in made)
