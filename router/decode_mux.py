@@ -34,6 +34,8 @@ Lifecycle of a call (``_Call``)::
                 UNAVAILABLE (``_call_status``; CANCELLED and UNIMPLEMENTED as they are), so the router
                 places it again or migrates it; the next request opens a new call, to whatever
                 incarnation answers now
+    no call     (``--decode-mux off``, an older worker) a held request is lost when the worker fails a
+                health poll while it has been held ``UNRESPONSIVE_S`` or more (``unresponsive``)
     abandoned   the worker stopped answering its health polls while requests wait on a call that has
                 carried nothing for ``UNRESPONSIVE_S`` (``DecodeStreams.unresponsive``, from the
                 directory): a frozen process (SIGSTOP, a hung driver call) keeps its TCP connection,
@@ -267,14 +269,18 @@ def _merged(msgs: list[decode_pb2.DecodeResponse]) -> decode_pb2.DecodeResponse:
 
 
 class Hold:
-    """A request held on a DecodeMany call while it prefills elsewhere (``DecodeStreams.hold``)."""
+    """A request held on a decode worker while it prefills elsewhere (``DecodeStreams.hold``): in
+    ``table``: a DecodeMany call's ``held`` (which maps it to ``lost``), or without a call the worker's
+    own table (which maps it to this Hold: ``own``)."""
 
-    def __init__(self, call: _Call, request_id: str, lost: asyncio.Future) -> None:
-        self._call, self._rid, self.lost = call, request_id, lost
+    def __init__(self, table: dict, request_id: str, lost: asyncio.Future, *, own: bool = False) -> None:
+        self._table, self._rid, self.lost = table, request_id, lost
+        self._key = self if own else lost
+        self.since = time.monotonic()
 
     def release(self) -> None:
-        if self._call.held.get(self._rid) is self.lost:
-            del self._call.held[self._rid]
+        if self._table.get(self._rid) is self._key:
+            del self._table[self._rid]
 
 
 class DecodeStreams:
@@ -286,6 +292,7 @@ class DecodeStreams:
         self.enabled = enabled
         self.metrics = metrics if metrics is not None else MuxMetrics()
         self._call: _Call | None = None
+        self._holds: dict[str, Hold] = {}  # held without a DecodeMany call (``hold``)
 
     async def stream(self, request: decode_pb2.DecodeRequest,
                      timeout: float | None) -> AsyncIterator[decode_pb2.DecodeResponse]:
@@ -364,15 +371,19 @@ class DecodeStreams:
             raise _status_error(result.code, result.message)
         return result.response
 
-    def hold(self, request_id: str) -> Hold | None:
+    def hold(self, request_id: str) -> Hold:
         """Mark ``request_id`` as waiting on this worker while its prefill runs elsewhere (its Allocate
-        was answered on the open call); ``Hold.lost`` resolves with the call's status if the call
-        breaks or is given up meanwhile. None without DecodeMany (``--decode-mux off``, older worker):
-        there a dead receiver is found by the push itself."""
-        if not self.enabled or self._call is None:
-            return None
+        was answered); ``Hold.lost`` resolves with an UNAVAILABLE status if the worker is lost meanwhile:
+        its DecodeMany call breaks or is given up, or, without a call (``--decode-mux off``, an older
+        worker), the worker fails a health poll while the hold is ``UNRESPONSIVE_S`` old
+        (``unresponsive``): a dead receiver would be found by the push itself, a frozen one only by the
+        push's stall timeout."""
         call = self._call
-        return Hold(call, request_id, call.hold(request_id))
+        if self.enabled and call is not None:
+            return Hold(call.held, request_id, call.hold(request_id))
+        hold = Hold(self._holds, request_id, asyncio.get_running_loop().create_future(), own=True)
+        self._holds[request_id] = hold
+        return hold
 
     def _unsupported(self) -> None:
         """The worker answered DecodeMany with UNIMPLEMENTED (an older build): calls from now on."""
@@ -403,7 +414,23 @@ class DecodeStreams:
         """The worker failed a health poll: give up the open call if requests wait on it and it has
         carried nothing for ``UNRESPONSIVE_S`` (its requests get UNAVAILABLE, so streams migrate and
         Allocates are placed again). A worker merely slow to answer a poll while its streams flow
-        keeps them. True when the call was given up."""
+        keeps them. Holds without a call that are ``UNRESPONSIVE_S`` old are given up too. True when
+        anything was given up."""
+        now = time.monotonic()
+        stale = [h for h in self._holds.values() if now - h.since >= UNRESPONSIVE_S]
+        for h in stale:
+            h.release()
+            if not h.lost.done():
+                h.lost.set_result(rpc_error(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.name} stopped "
+                                            f"answering ({why}) with a prefill pushing here for "
+                                            f"{now - h.since:.1f}s"))
+        if stale:
+            log.warning("decode worker %s failed its health poll (%s): %d prefill(s) pushing here for %.1fs "
+                        "or more are given up", self.name, why, len(stale), UNRESPONSIVE_S)
+            self.metrics.abandoned.inc()
+        return self._give_up_call(why) or bool(stale)
+
+    def _give_up_call(self, why: str) -> bool:
         call = self._call
         if call is None or call.broken is not None:
             return False

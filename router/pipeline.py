@@ -266,8 +266,9 @@ class Pipeline:
                                 f"decode {list(alloc.transports)}")
             raise err
         f.transport, f.fallback, f.fallback_reason = transport, bool(fallback), fallback
-        # D's DecodeMany call may break (D died) or be given up (D froze) while P pushes to it: then the
-        # Prefill is cancelled and the request placed again, rather than waiting for the push to fail
+        # D's DecodeMany call may break (D died) or be given up (D froze; without a call, D failing a
+        # poll under a long push) while P pushes to it: then the Prefill is cancelled and the request
+        # placed again, rather than waiting for the push to fail
         hold = d.decode.hold(req.request_id) if d.decode is not None else None
         try:
             call = p.stub.Prefill(prefill_pb2.PrefillRequest(

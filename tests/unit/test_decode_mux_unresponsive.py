@@ -205,3 +205,26 @@ def test_the_prefill_is_cancelled_when_its_decode_worker_is_lost_first():
         assert call.cancelled
 
     asyncio.run(main())
+
+
+def test_without_a_call_a_hold_is_given_up_once_old_and_the_worker_fails_a_poll(monkeypatch):
+    """``--decode-mux off`` (or an older worker): no call whose silence would tell, so a hold counts as
+    lost when the worker fails a health poll while the hold is UNRESPONSIVE_S old; a young hold and a
+    released one are left alone."""
+    monkeypatch.setattr(decode_mux, "UNRESPONSIVE_S", 5.0)
+
+    async def main():
+        streams = decode_mux.DecodeStreams(None, "d1", enabled=False)
+        old, young, done = streams.hold("old"), streams.hold("young"), streams.hold("done")
+        old.since -= 10.0  # as if its prefill had pushed here for 10 s (no sleeping)
+        done.since -= 10.0
+        done.release()
+        assert streams.unresponsive("GetStats DEADLINE_EXCEEDED")
+        err = old.lost.result()
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "stopped answering" in err.details()
+        assert not young.lost.done() and not done.lost.done()
+        assert not streams.unresponsive("again")  # given up once, the young one still too young
+        young.release()
+        assert streams._holds == {} and streams.metrics.abandoned._value.get() == 1
+
+    asyncio.run(main())
