@@ -84,6 +84,7 @@ class GrpcServer:
         # them and end them once idle, so the grace period is not waited out
         self.draining = asyncio.Event()
         self.serving = False  # what health says; the router's HTTP door reports the same
+        self.exit_status = 0  # 1 once ``fail`` ended the process's serving (an error to restart on)
 
     async def start(self) -> int:
         if self.credentials is not None:
@@ -115,6 +116,14 @@ class GrpcServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._stopping.set)
+
+    def fail(self, why: str) -> None:
+        """Stop serving for good: drain and exit with status 1, so that the launcher's supervisor (or
+        the kubelet) starts the process again. For a worker whose engine thread died: it would
+        otherwise stay up NOT_SERVING, a pool member short, until someone restarts it."""
+        log.error("%s: stopping, to exit with status 1", why)
+        self.exit_status = 1
+        self._stopping.set()
 
     async def serve_until_signal(self) -> None:
         self.install_signal_handlers()

@@ -71,7 +71,8 @@ def close_engine(engine) -> None:
         ranks.stop()
 
 
-async def run_role(settings: ServeSettings) -> None:
+async def run_role(settings: ServeSettings) -> int:
+    """Serve one role until a signal (or a fatal error: ``GrpcServer.fail``); returns the exit status."""
     public = settings.role in ("router", "colocated")  # serves the client-facing API
     keys = _api_keys(settings)
     server = GrpcServer(host=settings.host, port=settings.port,
@@ -92,6 +93,7 @@ async def run_role(settings: ServeSettings) -> None:
     print(f"pdserve {settings.role} {settings.worker_id} listening on {settings.advertise_host}:{port}",
           flush=True)
     await server.serve_until_signal()
+    return server.exit_status
 
 
 def _api_keys(settings: ServeSettings):
@@ -154,6 +156,7 @@ async def _load_engine(settings: ServeSettings, server: GrpcServer, *, idle_work
             await asyncio.sleep(1.0)
         log.error("engine thread died (%s): NOT_SERVING", aengine.error)
         await server.set_serving(False)
+        server.fail(f"engine thread died ({type(aengine.error).__name__})")
 
     task = asyncio.get_running_loop().create_task(watch())
 

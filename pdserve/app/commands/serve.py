@@ -42,8 +42,9 @@ def _serve(args: argparse.Namespace) -> int:
             compile_key.start()
     from pdserve.app.roles import run_role
 
+    status = 0
     try:
-        asyncio.run(run_role(settings))
+        status = asyncio.run(run_role(settings))
     except KeyboardInterrupt:
         pass
     # Every stop callback has run (drained, transport closed, engine thread joined): skip the slow
@@ -51,4 +52,4 @@ def _serve(args: argparse.Namespace) -> int:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
