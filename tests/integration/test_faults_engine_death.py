@@ -48,8 +48,8 @@ def test_a_worker_whose_engine_thread_died_exits_with_status_1(make_checkpoint, 
                 await asyncio.sleep(0.2)
             monkeypatch.setattr(LLMEngine, "step", crash)
             stub = router_pb2_grpc.RouterStub(ch)
+            request = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[5, 6, 7]), max_tokens=4)
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                request = router_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[5, 6, 7]), max_tokens=4)
                 async for _ in stub.Generate(request, timeout=60):
                     pass
             assert info.value.code() != grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
