@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve import process_stats
 from pdserve.app.roles import run_role
 from pdserve.probe import free_port
 from pdserve.settings import ServeSettings
@@ -27,6 +28,10 @@ def test_a_worker_whose_engine_thread_died_exits_with_status_1(make_checkpoint, 
 
     model = make_checkpoint("llama")
     port = free_port()
+    # the role marks this (the test's) process SERVING in its boot record: put it back afterwards, for
+    # the tests that read the record of a process that never served
+    monkeypatch.setattr(process_stats.BOOT, "serving_after_s", process_stats.BOOT.serving_after_s)
+    monkeypatch.setattr(process_stats.BOOT, "_phases", list(process_stats.BOOT._phases))
 
     def crash(self):
         raise RuntimeError("injected: the device fell off the bus")
