@@ -88,6 +88,19 @@ def test_a_restarted_process_starts_its_count_again() -> None:
     assert c.killed == [("decode-1", 101)]
 
 
+def test_a_probe_that_cannot_be_made_counts_as_an_answer() -> None:
+    a = FakeHandle("decode-1", 100)
+    c = FakeCluster(a)
+
+    def broken(h, timeout):
+        raise OSError("no such certificate")
+
+    c.answers = broken
+    w = watch(c, failures=1)
+    w.check()
+    assert c.killed == []
+
+
 def test_processes_not_alive_are_not_probed() -> None:
     a = FakeHandle("decode-1", 100)
     a.live = False  # exited: the supervisor's, not the watch's

@@ -74,7 +74,7 @@ class LivenessWatch:
     def check(self) -> None:
         """One round: probe every live process at once, count the silent ones, kill those at the limit."""
         live = [h for h in self.cluster.supervised() if h.alive()]
-        replies = list(self._pool.map(lambda h: self.cluster.answers(h, self.timeout_s), live))
+        replies = list(self._pool.map(self._probe, live))
         seen = set()
         for h, ok in zip(live, replies, strict=True):
             key = (h.worker_id, h.pid)
@@ -87,6 +87,15 @@ class LivenessWatch:
             elif n >= self.failures and not self._stop.is_set():
                 self._kill(h, n)
         self._silent = {k: v for k, v in self._silent.items() if k in seen}
+
+    def _probe(self, h: WorkerHandle) -> bool:
+        """One check; a probe that could not be made (a channel refused locally) counts as an answer:
+        only a process seen silent is ever killed."""
+        try:
+            return self.cluster.answers(h, self.timeout_s)
+        except Exception:
+            log.warning("liveness check of %s could not be made", h.worker_id, exc_info=True)
+            return True
 
     def _kill(self, h: WorkerHandle, n: int) -> None:
         why = (f"did not answer {n} health checks in a row ({self.period_s:g}s apart, {self.timeout_s:g}s "
