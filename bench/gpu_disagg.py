@@ -255,15 +255,17 @@ def bench_disagg(out: str | Path, *, quick: bool = False, preset: str = "llama3-
     return res
 
 
-def kv_memory_gb(preset: str) -> float:
+def kv_memory_gb(preset: str, workers_per_gpu: int = 1) -> float:
     """KV cache per worker: what the GPU holds beside the 8B weights (16 GB) and ~12 GB of activations,
     CUDA graphs and allocator slack, at most 80 GB (H200: 80, H100: ~44). The same for every role and
     mode. A fixed 30 GB held 56 requests of 4k+256 tokens, which the decode GPU of a 1P1D cluster
-    outgrew at 10 req/s (its Allocate refused; colocated workers hold half the load each)."""
+    outgrew at 10 req/s (its Allocate refused; colocated workers hold half the load each).
+    ``workers_per_gpu`` workers sharing the GPU (1P1D on one GPU) each keep their own weights and
+    activations and get an equal share of the rest."""
     if preset != "llama3-8b":
         return 4.0
     total = torch.cuda.get_device_properties(0).total_memory / 1e9
-    return float(max(8, min(80, int(total * 0.9 - 28))))
+    return float(max(8, min(80, int((total * 0.9 - 28 * workers_per_gpu) / workers_per_gpu))))
 
 
 async def _warm(address: str, vocab: int) -> None:

@@ -75,15 +75,6 @@ def plan(args: argparse.Namespace, model: str, n_gpus: int, kv_gb: float) -> tup
     return modes, opts, cfg
 
 
-def one_gpu_share_gb() -> float:
-    """KV per worker when two 8B workers (1P1D) share GPU0: each keeps its 16 GB of weights and ~12 GB of
-    activations and graphs, and half of what is left."""
-    import torch
-
-    total = torch.cuda.get_device_properties(0).total_memory / 1e9
-    return float(max(8, int((total * 0.9 - 2 * 28) / 2)))
-
-
 def markdown(res: dict) -> list[str]:
     from pdserve.app.loadgen.cpu import format_sweep
     from pdserve.app.loadgen.sweep import table
@@ -165,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                              "llama3-8b")
     n_gpus = torch.cuda.device_count()
     # On one GPU a 1P1D cluster's two workers share it: each gets half of what one worker may hold.
-    kv_gb = args.kv_gb or (kv_memory_gb("llama3-8b") if n_gpus >= 2 else one_gpu_share_gb())
+    kv_gb = args.kv_gb or kv_memory_gb("llama3-8b", workers_per_gpu=1 if n_gpus >= 2 else 2)
     modes, opts, cfg = plan(args, str(model), n_gpus, kv_gb)
     base = RunConfig(router="", rate=1.0, num_requests=1, input_len=parse_dist(INPUT_LEN),
                      output_len=parse_dist(OUTPUT_LEN), vocab_size=1000, timeout_s=120.0)

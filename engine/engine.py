@@ -102,10 +102,7 @@ class LLMEngine(LaunchAhead):
         self._pending: list[StepOutput] = []  # outputs decided outside step() (abort, commit)
         self._inflight: InFlight | None = None  # a decode step launched, tokens not read (step_ahead)
         self.overlap_steps = overlap_by_default(config.overlap_steps, self.device, tp)
-        # auto: sleep where steps are launched ahead (the wake-up is hidden behind the next step), spin
-        # where the wait is on the step's critical path (synchronous steps: +0.15-0.3 ms a step asleep)
-        self.runner.blocking_wait = config.gpu_wait == "blocking" or (config.gpu_wait == "auto"
-                                                                       and self.overlap_steps)
+        self.runner.blocking_wait = config.blocking_wait(self.overlap_steps)
         self._arrivals = 0
         self.stats = _Counters()
         self._closed = False

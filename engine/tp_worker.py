@@ -146,7 +146,7 @@ class TPFollower:
         self.runner = ModelRunner(model, rank_layout(self.kv_layout, model), num_blocks, device=self.device,
                                   attention_backend=config.attention_backend, seed=config.seed,
                                   launch_ahead_layers=config.launch_ahead_layers,
-                                  blocking_wait=config.gpu_wait == "blocking")  # auto: synchronous TP
+                                  blocking_wait=config.blocking_wait(overlap_steps=False))  # synchronous
         # the same buckets as rank 0's, captured in the same order (LLMEngine.__init__ does this right after
         # the block count too): each capture's forward carries the all-reduces
         cfg = model.config

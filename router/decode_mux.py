@@ -99,6 +99,21 @@ def _status_error(code: int, message: str) -> grpc.aio.AioRpcError:
     return rpc_error(_CODES.get(code, grpc.StatusCode.UNKNOWN), message)
 
 
+class Hold:
+    """A request held on a decode worker while it prefills elsewhere (``DecodeStreams.hold``), in the
+    table it waits in: its DecodeMany call's ``held``, or without a call the worker's own. ``lost``
+    gets an UNAVAILABLE status if the worker is lost meanwhile."""
+
+    def __init__(self, table: dict[str, Hold], request_id: str) -> None:
+        self._table, self._rid = table, request_id
+        self.lost: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.since = time.monotonic()
+
+    def release(self) -> None:
+        if self._table.get(self._rid) is self:
+            del self._table[self._rid]
+
+
 class _Call:
     """One DecodeMany call and the requests allocating and streaming on it."""
 
@@ -109,7 +124,7 @@ class _Call:
         self.call = stub.DecodeMany()
         self.queues: dict[str, asyncio.Queue] = {}
         self.allocs: dict[str, asyncio.Future] = {}
-        self.held: dict[str, asyncio.Future] = {}  # prefilling elsewhere, KV coming here (``hold``)
+        self.held: dict[str, Hold] = {}  # prefilling elsewhere, KV coming here (``hold``)
         self.allocates: list[decode_pb2.AllocateCall] = []
         self.starts: list[decode_pb2.DecodeStart] = []
         self.cancels: list[str] = []
@@ -128,15 +143,15 @@ class _Call:
     def _busy(self) -> bool:
         return bool(self.queues or self.allocs or self.held)
 
-    def hold(self, request_id: str) -> asyncio.Future:
-        """A future that gets this call's status if it breaks while ``request_id`` is held."""
-        fut = asyncio.get_running_loop().create_future()
+    def hold(self, request_id: str) -> Hold:
+        """``request_id`` held on this call: its ``lost`` gets the call's status if the call breaks."""
+        hold = Hold(self.held, request_id)
         if self.broken is not None:
-            fut.set_result(self.broken)
-            return fut
+            hold.lost.set_result(self.broken)
+            return hold
         self._waiting()
-        self.held[request_id] = fut
-        return fut
+        self.held[request_id] = hold
+        return hold
 
     def start(self, request: decode_pb2.DecodeRequest, timeout: float | None) -> asyncio.Queue:
         self._waiting()
@@ -227,7 +242,7 @@ class _Call:
             log.info("DecodeMany call to %s ended: %s %s", self.name, err.code().name, err.details())
         for queue in self.queues.values():
             queue.put_nowait(err)
-        for fut in [*self.allocs.values(), *self.held.values()]:
+        for fut in [*self.allocs.values(), *(h.lost for h in self.held.values())]:
             if not fut.done():
                 fut.set_result(err)
 
@@ -266,21 +281,6 @@ def _merged(msgs: list[decode_pb2.DecodeResponse]) -> decode_pb2.DecodeResponse:
     out.completion_tokens = msgs[-1].completion_tokens
     out.finish_reason = msgs[-1].finish_reason
     return out
-
-
-class Hold:
-    """A request held on a decode worker while it prefills elsewhere (``DecodeStreams.hold``): in
-    ``table``: a DecodeMany call's ``held`` (which maps it to ``lost``), or without a call the worker's
-    own table (which maps it to this Hold: ``own``)."""
-
-    def __init__(self, table: dict, request_id: str, lost: asyncio.Future, *, own: bool = False) -> None:
-        self._table, self._rid, self.lost = table, request_id, lost
-        self._key = self if own else lost
-        self.since = time.monotonic()
-
-    def release(self) -> None:
-        if self._table.get(self._rid) is self._key:
-            del self._table[self._rid]
 
 
 class DecodeStreams:
@@ -380,9 +380,8 @@ class DecodeStreams:
         push's stall timeout."""
         call = self._call
         if self.enabled and call is not None:
-            return Hold(call.held, request_id, call.hold(request_id))
-        hold = Hold(self._holds, request_id, asyncio.get_running_loop().create_future(), own=True)
-        self._holds[request_id] = hold
+            return call.hold(request_id)
+        hold = self._holds[request_id] = Hold(self._holds, request_id)
         return hold
 
     def _unsupported(self) -> None:

@@ -154,9 +154,8 @@ async def _load_engine(settings: ServeSettings, server: GrpcServer, *, idle_work
         # orchestrator stop sending work here.
         while aengine.alive or aengine.error is None:
             await asyncio.sleep(1.0)
-        log.error("engine thread died (%s): NOT_SERVING", aengine.error)
-        await server.set_serving(False)
-        server.fail(f"engine thread died ({type(aengine.error).__name__})")
+        log.error("engine thread died (%s)", aengine.error)
+        server.fail(f"engine thread died ({type(aengine.error).__name__})")  # NOT_SERVING, drain, exit 1
 
     task = asyncio.get_running_loop().create_task(watch())
 

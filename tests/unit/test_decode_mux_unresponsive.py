@@ -147,7 +147,7 @@ def test_a_request_held_while_it_prefills_elsewhere_learns_when_the_call_is_give
             err = await asyncio.wait_for(h1.lost, 5)
             assert err.code() == grpc.StatusCode.UNAVAILABLE and "stopped answering" in err.details()
             assert not h2.lost.done()
-            late = streams._call.hold("p3")  # the broken call itself: lost at once
+            late = streams._call.hold("p3").lost  # the broken call itself: lost at once
             assert late.done() and late.result().code() == grpc.StatusCode.UNAVAILABLE
             assert await collect(streams, "ok") == [1]  # a new call
             fresh = streams.hold("p4")  # on the new call
