@@ -28,7 +28,9 @@ _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
 
-def _compute() -> None:
+def compute() -> None:
+    """The key, on this thread (memoised by Triton: later calls in this process, or in a child forked
+    after it, return at once)."""
     try:
         from triton.runtime.cache import triton_key
     except ImportError:  # a Triton without it: the first launch computes what it needs
@@ -46,7 +48,7 @@ def start() -> threading.Thread | None:
         if _thread is None:
             if importlib.util.find_spec("triton") is None:
                 return None
-            _thread = threading.Thread(target=_compute, name="triton-key", daemon=True)
+            _thread = threading.Thread(target=compute, name="triton-key", daemon=True)
             _thread.start()
         return _thread
 

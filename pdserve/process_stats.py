@@ -55,6 +55,12 @@ class BootRecord:
         self._phases: list[Phase] = []
         self.serving_after_s = 0.0
 
+    def restart(self) -> None:
+        """In a forked child (a worker forked by the zygote, launcher/zygote.py): a new process whose start
+        is the fork, with nothing of the parent's record."""
+        self.__init__()
+        self.t0 = time.monotonic()
+
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.monotonic()
@@ -93,6 +99,7 @@ class BootRecord:
 
 
 BOOT = BootRecord()
+os.register_at_fork(after_in_child=BOOT.restart)
 
 
 def cpu_seconds() -> float:

@@ -60,6 +60,7 @@ class WorkerView:
         self.workers: dict[str, WorkerInfo] = {}
         self.loads: dict[str, WorkerLoad] = {}
         self._unhealthy_until: dict[str, float] = {}
+        self._incarnation: dict[str, str] = {}  # worker -> the incarnation last listed, also once it left
         self.version = 0  # bumps on every membership change; pool caches key on it
         self._pools: dict[str, list[WorkerInfo]] = {}
         # (others' requests on the worker beyond ours at report time, free or -1, total, at)
@@ -86,6 +87,12 @@ class WorkerView:
             self._rep.pop(k, None)
             # A new incarnation is a fresh process: a failure of its predecessor says nothing about it.
             self._unhealthy_until.pop(k, None)
+        for k in added:
+            # Back after it left the view (its process died, polls failed meanwhile and marked it): a
+            # restarted process is placeable at once; the same process back keeps its cooldown.
+            if self._incarnation.get(k) != new[k].incarnation:
+                self._unhealthy_until.pop(k, None)
+        self._incarnation.update((k, w.incarnation) for k, w in new.items())
         if added or removed or reinc or new != old:
             self.version += 1
         self.workers = new

@@ -178,6 +178,29 @@ def test_failed_outcome_marks_worker_unhealthy_and_cooldown_expires():
     finish(pl)
 
 
+def test_worker_back_under_a_new_incarnation_is_placeable_at_once():
+    # A worker killed -9 leaves the view (its poll failed), polls keep failing and marking it while it
+    # is down, then its restarted process answers: placeable at once, not after the cooldown. The same
+    # process back (a network blip) keeps the cooldown its failures earned.
+    clock = Clock(1000.0)
+    pl = make("prefix", clock=clock, unhealthy_cooldown_s=5.0)
+    everyone = workers(2, 3)
+    d = everyone[-1].worker_id
+    pl.mark_unhealthy(d)
+    pl.update_workers([w for w in everyone if w.worker_id != d])
+    pl.mark_unhealthy(d)  # a later poll of the dead process
+    clock.t += 1
+    pl.update_workers([dataclasses.replace(w, incarnation="i2") if w.worker_id == d else w for w in everyone])
+    assert pl.view.healthy(d) and d in {w.worker_id for w in pl.view.pool("decode")}
+    pl.mark_unhealthy(d)
+    pl.update_workers([w for w in pl.view.workers.values() if w.worker_id != d])
+    pl.mark_unhealthy(d)
+    pl.update_workers([dataclasses.replace(w, incarnation="i2") if w.worker_id == d else w for w in everyone])
+    assert not pl.view.healthy(d)
+    clock.t += 6
+    assert pl.view.healthy(d)
+
+
 def test_overloaded_bound_worker_moves_session():
     pl = make("session+prefix", session_epsilon=0.5)
     r = request("a", toks(64), session_id="s")

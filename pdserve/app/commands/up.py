@@ -71,9 +71,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "over TLS, mutual TLS on every worker port and internal channel (default: plaintext)")
     p.add_argument("--host", help="every listener of the cluster binds this address (default: 127.0.0.1 for "
                    "--launcher process, each Ray node's IP for ray)")
+    p.add_argument("--zygote", choices=["on", "off"], default="on",
+                   help="fork every process from one that imported torch and pdserve already, so restarts "
+                        "and scale-ups skip the imports (one per host for --launcher process, one per Ray "
+                        "actor); off: a fresh interpreter each time (default on)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="restart a process that exits unexpectedly at most this often within 5 minutes, then "
                         "leave it down (crash loop); 0 = never restart (default 5)")
+    p.add_argument("--restart-backoff-s", type=float, default=1.0, metavar="S",
+                   help="wait before the first restart of a process; each further death within 5 minutes "
+                        "doubles it, up to 30 s (default 1)")
     p.add_argument("--liveness-failures", type=int, default=6, metavar="N",
                    help="kill (and so restart) a process that is alive but has not answered N health "
                         "checks in a row, --liveness-period-s apart (a frozen or hung worker); 0 = never "
@@ -127,6 +134,7 @@ def _run(args: argparse.Namespace) -> int:
                            tls_dir=str(Path(args.tls_dir).resolve()) if args.tls_dir else "",
                            restart=RestartPolicy(enabled=args.max_restarts > 0,
                                                  max_restarts=max(args.max_restarts, 0),
+                                                 backoff_s=args.restart_backoff_s,
                                                  liveness_failures=args.liveness_failures,
                                                  liveness_period_s=args.liveness_period_s,
                                                  liveness_timeout_s=min(5.0, args.liveness_period_s)),
@@ -141,9 +149,10 @@ def _run(args: argparse.Namespace) -> int:
     process_env = environ()
     env = {k: process_env[k] for k in _PASS_ENV if k in process_env}
     if args.launcher == "ray":
-        backend = RayBackend(run_dir, env=env, address=args.ray_address, num_cpus=args.ray_num_cpus)
+        backend = RayBackend(run_dir, env=env, address=args.ray_address, num_cpus=args.ray_num_cpus,
+                             zygote=args.zygote == "on")
     else:
-        backend = ProcessBackend(run_dir, env=env)
+        backend = ProcessBackend(run_dir, env=env, zygote=args.zygote == "on")
     if args.host:
         backend.host = args.host
     cluster = Cluster(spec=spec, backend=backend, run_dir=run_dir)

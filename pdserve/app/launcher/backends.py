@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pdserve.app.launcher.procs import ServeProcess, spawn
+from pdserve.app.launcher.zygote import Zygote, ZygoteUnusable
+from pdserve.settings import environ
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +59,45 @@ def device_env(env: dict[str, str], devices: tuple[str, ...]) -> dict[str, str]:
 
 
 class ProcessBackend:
+    """Plain processes on this host; with ``zygote`` (the default of ``pdserve up``) each is forked from
+    one process that imported torch and pdserve once (launcher/zygote.py), so a restart or a scale-up
+    skips the imports. The zygote starts with the first process and is started again if it died."""
+
     name = "process"
     host = "127.0.0.1"  # every listener of the cluster binds this (`pdserve up --host`)
 
-    def __init__(self, run_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, run_dir: Path, env: dict[str, str] | None = None, *, zygote: bool = False) -> None:
         self.run_dir = run_dir
         self.env = env or {}
+        self.use_zygote = zygote
+        self._zygote: Zygote | None = None
+        self._zygote_lock = threading.Lock()
+
+    def zygote(self) -> Zygote | None:
+        """The running zygote, started now if there is none (None: off, or it cannot run here)."""
+        with self._zygote_lock:
+            if not self.use_zygote:
+                return None
+            if self._zygote is None or not self._zygote.alive():
+                if self._zygote is not None:
+                    log.warning("the zygote exited with status %s; starting it again",
+                                self._zygote.proc.returncode)
+                try:
+                    self._zygote = Zygote.start({**environ(), **self.env},
+                                                log_path=self.run_dir / "logs" / "zygote.log")
+                except ZygoteUnusable as exc:  # plain processes from now on
+                    log.warning("%s; starting plain processes instead", exc)
+                    self.use_zygote, self._zygote = False, None
+                    return None
+                log.info("zygote %d ready: %s", self._zygote.proc.pid, self._zygote.ready.get("modules"))
+            return self._zygote
 
     def start(self, role: str, args: list[str], name: str, *, devices: tuple[str, ...] = (),
               num_gpus: int = 0) -> WorkerHandle:
         env = device_env(self.env, devices)
-        p = spawn(role, args, self.run_dir / "logs" / f"{name}.log", env=env, host=self.host)
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        p = spawn(role, args, log_path, env=env, host=self.host, zygote=self.zygote())
         return WorkerHandle(role=role, worker_id=p.worker_id, address=p.address, pid=p.pid, backend=self,
                             ref=p, devices=",".join(devices))
 
@@ -80,13 +111,16 @@ class ProcessBackend:
         h.ref.kill(group=True)
 
     def exit_status(self, h: WorkerHandle) -> int | None:
-        return h.ref.proc.poll()
+        return h.ref.exit_status()
 
     def restart(self, h: WorkerHandle, role: str, args: list[str]) -> WorkerHandle:
         return self.start(role, args, h.worker_id, devices=tuple(d for d in h.devices.split(",") if d))
 
     def close(self) -> None:
-        return None
+        with self._zygote_lock:
+            if self._zygote is not None:
+                self._zygote.close()
+                self._zygote = None
 
 
 PLACEMENT_TIMEOUT_S = 120.0
@@ -97,12 +131,13 @@ class RayBackend:
     host = ""  # bind address of every process; "" = its node's IP (one interface, reachable by the others)
 
     def __init__(self, run_dir: Path, env: dict[str, str] | None = None, address: str | None = None,
-                 num_cpus: int = 2) -> None:
+                 num_cpus: int = 2, *, zygote: bool = False) -> None:
         import ray
 
         self.ray = ray
         self.run_dir = run_dir
         self.env = env or {}
+        self.zygote = zygote  # each actor forks its process from a zygote of its own (ServeActor)
         if not ray.is_initialized():
             if address:
                 ray.init(address=address, namespace="pdserve", log_to_driver=False)
@@ -124,7 +159,7 @@ class RayBackend:
             options["scheduling_strategy"] = self.gpu_bundle(name, num_gpus)
         actor = self._actor_cls.options(**options).remote()
         info = self.ray.get(actor.start.remote(role, args, str(self.run_dir / "logs" / f"{name}.log"), env,
-                                                host=self.host))
+                                                host=self.host, zygote=self.zygote))
         return WorkerHandle(role=role, worker_id=info["worker_id"], address=info["address"], pid=info["pid"],
                             backend=self, ref=actor,
                             devices=info.get("devices") or ",".join(devices))
@@ -175,7 +210,8 @@ class RayBackend:
         """A new process in the same actor (same node, same GPUs); a new actor if the actor is gone."""
         try:
             log_path = str(self.run_dir / "logs" / f"{h.worker_id}.log")
-            info = self.ray.get(h.ref.start.remote(role, args, log_path, dict(self.env), host=self.host))
+            info = self.ray.get(h.ref.start.remote(role, args, log_path, dict(self.env), host=self.host,
+                                                   zygote=self.zygote))
         except Exception:
             log.warning("actor of %s is gone; starting a new one", h.worker_id, exc_info=True)
             with contextlib.suppress(Exception):
@@ -193,18 +229,33 @@ class ServeActor:
 
     def __init__(self) -> None:
         self.proc: ServeProcess | None = None
+        self._zygote: Zygote | None = None
+        self._no_zygote = False  # it could not start here once: plain processes from then on
 
-    def start(self, role: str, args: list[str], log_path: str, env: dict[str, str], host: str = "") -> dict:
+    def _zygote_for(self, env: dict[str, str], log_path: str) -> Zygote | None:
+        if self._no_zygote:
+            return None
+        if self._zygote is None or not self._zygote.alive():
+            try:
+                self._zygote = Zygote.start({**environ(), **env},
+                                            log_path=str(Path(log_path).with_suffix(".zygote.log")))
+            except ZygoteUnusable as exc:
+                log.warning("%s; starting a plain process instead", exc)
+                self._no_zygote, self._zygote = True, None
+        return self._zygote
+
+    def start(self, role: str, args: list[str], log_path: str, env: dict[str, str], host: str = "",
+              zygote: bool = False) -> dict:
         import ray
 
         # Bind the node's IP (not every interface) unless told otherwise, advertise what others dial:
         # pools may live on different Ray nodes.
         node_ip = ray.util.get_node_ip_address()
         bind = host or node_ip
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self.proc = spawn(role, args, log_path, env=env, host=bind,
-                          advertise_host=node_ip if bind in ("0.0.0.0", "::") else bind)
-        from pdserve.settings import environ
-
+                          advertise_host=node_ip if bind in ("0.0.0.0", "::") else bind,
+                          zygote=self._zygote_for(env, log_path) if zygote else None)
         return {"worker_id": self.proc.worker_id, "address": self.proc.address, "pid": self.proc.pid,
                 "devices": env.get("CUDA_VISIBLE_DEVICES", environ().get("CUDA_VISIBLE_DEVICES", ""))}
 
@@ -219,4 +270,4 @@ class ServeActor:
             self.proc.kill(group=True)
 
     def exit_status(self) -> int | None:
-        return self.proc.proc.poll() if self.proc else None
+        return self.proc.exit_status() if self.proc else None

@@ -5,11 +5,16 @@ process group, waits for the line ``pdserve <role> <id> listening on HOST:PORT``
 prints once it is SERVING, and returns a ``ServeProcess``. ``stop()`` sends SIGTERM (graceful
 drain) and escalates to SIGKILL after a timeout. Used directly by the process launcher and the
 tests, and inside each Ray actor by the Ray launcher.
+
+With a ``zygote`` (launcher/zygote.py) the process is forked from it instead, its imports already
+done; where the zygote cannot fork it (``ZygoteUnusable``: gone, or an environment it cannot give),
+the process is started the plain way and the reason logged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -20,8 +25,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.app.launcher.zygote import ForkedProcess, Zygote, ZygoteUnusable
 from pdserve.settings import environ
 
+log = logging.getLogger(__name__)
 _READY = re.compile(r"^pdserve (\w+) (\S+) listening on (\S+):(\d+)\s*$")
 
 
@@ -36,15 +43,23 @@ class ServeProcess:
     role: str
     worker_id: str
     address: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     log_path: str
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def forked(self) -> bool:
+        """Forked from a zygote (launcher/zygote.py) rather than started as a fresh interpreter."""
+        return isinstance(self.proc, ForkedProcess)
+
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def exit_status(self) -> int | None:
+        return self.proc.poll()
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -62,26 +77,42 @@ class ServeProcess:
             if group:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: pgid == pid
-            else:
-                self.proc.kill()
+            self.proc.kill()  # also when a child just forked has no session of its own yet
             self.proc.wait(10)
+
+
+def _start(argv: list[str], env: dict[str, str], log_path: Path,
+           zygote: Zygote | None) -> subprocess.Popen | ForkedProcess:
+    """The process, its stdout a pipe to read and its stderr the log: forked if ``zygote`` can."""
+    with open(log_path, "ab") as log_file:
+        if zygote is not None:
+            read, write = os.pipe()
+            try:
+                proc = zygote.fork(argv, env, stdout=write, stderr=log_file.fileno())
+            except ZygoteUnusable as exc:
+                os.close(read)
+                log.warning("starting %s without the zygote: %s", " ".join(argv[3:7]), exc)
+            else:
+                proc.stdout = os.fdopen(read, "rb")
+                return proc
+            finally:
+                os.close(write)
+        return subprocess.Popen([sys.executable, "-m", "pdserve.app.cli", *argv], stdout=subprocess.PIPE,
+                                stderr=log_file, env=env, start_new_session=True)
 
 
 def spawn(role: str, args: list[str], log_path: str | Path, *, host: str = "127.0.0.1",
           advertise_host: str | None = None, env: dict[str, str] | None = None,
-          timeout: float = 180.0) -> ServeProcess:
-    cmd = [sys.executable, "-m", "pdserve.app.cli", "--log-level", "INFO", "serve", "--role", role,
-           "--host", host, "--advertise-host", advertise_host or host, *args]
+          timeout: float = 180.0, zygote: Zygote | None = None) -> ServeProcess:
+    argv = ["--log-level", "INFO", "serve", "--role", role, "--host", host,
+            "--advertise-host", advertise_host or host, *args]
     if "--port" not in args:
-        cmd += ["--port", "0"]
+        argv += ["--port", "0"]
     full_env = {**environ(), **(env or {})}
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_file = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, env=full_env,
-                            start_new_session=True)
-    log_file.close()
+    proc = _start(argv, full_env, log_path, zygote)
     found: list[re.Match] = []
     done = threading.Event()
 

@@ -1,0 +1,389 @@
+"""A zygote: one process that has imported torch and pdserve already, forking `pdserve serve` processes.
+
+Why: a worker spends its first seconds importing (``import torch`` alone is 3-4 s on a GPU host,
+~1 s on a small CPU box; docs/gpu.md "Boot"), before it reads a byte of its checkpoint. Under
+``pdserve up --launcher process`` that is paid again by every restart after a crash and by every
+``pdserve scale`` step. Forked from a process that paid it once, a worker starts with its modules in
+place and goes straight to its weights: failover and scale-up are only as fast as that start.
+
+How: ``Zygote.start(env)`` runs ``python -m pdserve.app.launcher.zygote`` in its own session with a
+``SOCK_SEQPACKET`` socketpair as its control channel. The zygote imports ``PRELOAD`` (and, on a host
+with flashinfer / Triton, their attention modules and Triton's compiler key), checks that it is still
+safe to fork (one thread, CUDA not initialised: the driver cannot be used in a child of a process
+that initialised it), freezes its objects out of the garbage collector (so children share its pages
+instead of copying them as refcounts change) and says ready. ``fork(argv, env, stdout, stderr)``
+sends one JSON request with the two descriptors (SCM_RIGHTS); the zygote forks, and the child starts
+a session of its own (``killpg`` reaches it and whatever it starts), takes the descriptors as 1 and
+2, takes the request's environment and working directory, restarts its boot clock (process_stats
+registers that at fork) and runs ``pdserve.app.cli.main(argv)``. The zygote answers with the pid
+and a pidfd of the child (signals reach exactly that process, never a reused pid), then reaps it
+when it exits and reports the exit status.
+
+A fork is refused (``ZygoteUnusable``; the caller starts a plain process instead) when the child's
+environment differs from the zygote's in anything but ``FORK_ENV``'s names (read only after the
+fork: by the CUDA driver, UCX, NCCL and pdserve's settings), since a library imported here may have
+read the rest at load (OpenMP's thread count, a preloaded library path), or when the zygote is gone.
+A child whose zygote died goes on running; its exit is then seen through its pidfd, with no status
+(``ForkedProcess.returncode`` ``UNKNOWN_STATUS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import contextlib
+import gc
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+PRELOAD = ("torch", "pdserve.app.cli", "pdserve.app.roles")
+# Names a child's environment may set differently from the zygote's: each is read after the fork.
+FORK_ENV = ("CUDA_VISIBLE_DEVICES", "PDSERVE_", "UCX_", "NCCL_", "PYTHONUNBUFFERED")
+UNKNOWN_STATUS = 255  # a child's exit status when its zygote was gone before reporting it
+_MAX_MSG = 1 << 20
+READY_TIMEOUT_S = 120.0
+
+
+class ZygoteUnusable(RuntimeError):
+    """This zygote cannot fork the process asked for; start it the plain way."""
+
+
+def env_difference(zygote_env: dict[str, str], child_env: dict[str, str]) -> list[str]:
+    """Variables the child would see differently from the zygote, other than ``FORK_ENV``'s."""
+    names = set(zygote_env) | set(child_env)
+    return sorted(n for n in names if zygote_env.get(n) != child_env.get(n) and not n.startswith(FORK_ENV))
+
+
+# -- the owner's side ---------------------------------------------------------------------------------
+class ForkedProcess:
+    """What ``subprocess.Popen`` offers the launcher (pid, poll, wait, signals, stdout), for a child of
+    the zygote: its exit status comes from the zygote, its signals go through a pidfd."""
+
+    def __init__(self, pid: int, pidfd: int, stdout, zygote: Zygote) -> None:
+        self.pid = pid
+        self.stdout = stdout
+        self.returncode: int | None = None
+        self._pidfd = pidfd
+        self._zygote = zygote
+        self._done = threading.Event()
+
+    def _exited(self, status: int) -> None:
+        if self.returncode is None:
+            self.returncode = status
+        self._done.set()
+        fd, self._pidfd = self._pidfd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._zygote.alive() and self._pidfd >= 0:
+            # No zygote to report it: the pidfd turns readable once the process has exited.
+            if select.select([self._pidfd], [], [], 0)[0]:
+                self._exited(UNKNOWN_STATUS)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+            self._done.wait(0.1 if left is None else min(0.1, left))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None and self._pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(self._pidfd, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    def __init__(self, proc: subprocess.Popen, ctrl: socket.socket, env: dict[str, str], ready: dict) -> None:
+        self.proc = proc
+        self.env = env
+        self.ready = ready  # what it preloaded and how long that took
+        self._ctrl = ctrl
+        self._lock = threading.Lock()  # one request at a time
+        self._replies: list[tuple[dict, list[int]]] = []
+        self._reply = threading.Condition()
+        self._children: dict[int, ForkedProcess] = {}
+        self._early_exits: dict[int, int] = {}
+        threading.Thread(target=self._read, daemon=True, name="zygote-reader").start()
+
+    @classmethod
+    def start(cls, env: dict[str, str], *, preload: tuple[str, ...] = PRELOAD,
+              log_path: str | Path | None = None, timeout: float = READY_TIMEOUT_S) -> Zygote:
+        """Start a zygote with this environment and wait until it has imported ``preload``."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**env, "PYTHONUNBUFFERED": "1"}  # its children's stdout reaches the launcher at once
+        root = str(Path(__file__).resolve().parents[3])
+        log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pdserve.app.launcher.zygote", "--ctrl-fd", str(theirs.fileno()),
+                 "--preload", ",".join(preload)],
+                pass_fds=(theirs.fileno(),), env=env, cwd=root, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=log, start_new_session=True)
+        finally:
+            theirs.close()
+            if log_path:
+                log.close()
+        mine.settimeout(timeout)
+        try:
+            msg, _ = _recv(mine)
+        except (OSError, ValueError) as exc:
+            proc.kill()
+            proc.wait(10)
+            mine.close()
+            raise ZygoteUnusable(f"the zygote did not start: {exc}") from exc
+        mine.settimeout(None)
+        if not msg.get("ready"):
+            proc.wait(10)
+            mine.close()
+            raise ZygoteUnusable(f"the zygote cannot fork workers: {msg.get('error', msg)}")
+        return cls(proc, mine, env, msg)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def fork(self, argv: list[str], env: dict[str, str], *, stdout: int, stderr: int, cwd: str | None = None,
+             timeout: float = 30.0) -> ForkedProcess:
+        """Fork ``pdserve <argv>`` with this environment; ``stdout``/``stderr``: descriptors it takes."""
+        differ = env_difference(self.env, env)
+        if differ:
+            raise ZygoteUnusable(f"the worker's environment differs from the zygote's in {', '.join(differ)}")
+        if not self.alive():
+            raise ZygoteUnusable(f"the zygote exited with status {self.proc.returncode}")
+        request = json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd()}).encode()
+        with self._lock:
+            try:
+                self._ctrl.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                array.array("i", [stdout, stderr]))])
+            except OSError as exc:
+                raise ZygoteUnusable(f"the zygote is gone: {exc}") from exc
+            msg, fds = self._next_reply(timeout)
+        if "pid" not in msg or not fds:
+            for fd in fds:
+                os.close(fd)
+            raise ZygoteUnusable(f"the zygote did not fork: {msg.get('error', msg)}")
+        return self._watch(ForkedProcess(msg["pid"], fds[0], None, self))
+
+    def _watch(self, child: ForkedProcess) -> ForkedProcess:
+        """Deliver this child's exit to it (an exit reported before it was registered included)."""
+        with self._reply:
+            self._children[child.pid] = child
+            status = self._early_exits.pop(child.pid, None)
+        if status is not None:
+            child._exited(status)
+        return child
+
+    def _next_reply(self, timeout: float) -> tuple[dict, list[int]]:
+        deadline = time.monotonic() + timeout
+        with self._reply:
+            while not self._replies:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.alive():
+                    raise ZygoteUnusable("the zygote did not answer a fork request")
+                self._reply.wait(min(left, 0.2))
+            return self._replies.pop(0)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg, fds = _recv(self._ctrl)
+            except (OSError, ValueError):
+                break
+            if "exit" in msg:
+                with self._reply:
+                    child = self._children.pop(msg["exit"], None)
+                    if child is None:
+                        self._early_exits[msg["exit"]] = msg["status"]
+                if child is not None:
+                    child._exited(msg["status"])
+            else:
+                with self._reply:
+                    self._replies.append((msg, fds))
+                    self._reply.notify_all()
+        with self._reply:
+            self._reply.notify_all()
+
+    def close(self) -> None:
+        """Stop the zygote (its children run on: they are the cluster's processes)."""
+        with contextlib.suppress(OSError):
+            self._ctrl.shutdown(socket.SHUT_RDWR)
+        self._ctrl.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
+    fds = array.array("i")
+    data, ancdata, _, _ = sock.recvmsg(_MAX_MSG, socket.CMSG_SPACE(8 * fds.itemsize))
+    if not data:
+        raise ValueError("control socket closed")
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return json.loads(data), list(fds)
+
+
+# -- the zygote process -------------------------------------------------------------------------------
+def _preload(modules: list[str]) -> dict[str, float]:
+    took: dict[str, float] = {}
+    for name in modules:
+        t = time.monotonic()
+        importlib.import_module(name)
+        took[name] = round(time.monotonic() - t, 3)
+    from pdserve.app.cli import build_parser
+
+    build_parser()  # every command module imported, as main() will do in the child
+    if "torch" in sys.modules:
+        from engine.fork_preload import preload
+
+        took.update(preload())
+    return took
+
+
+def _unsafe_to_fork() -> str:
+    """Why a child of this process could not run as a fresh process would, or ""."""
+    # Python threads only: a library's native pool may run (OpenBLAS starts one at numpy's import and
+    # re-creates it in a forked child through its own at-fork handlers).
+    if threading.active_count() != 1:
+        return f"{threading.active_count()} Python threads run in the zygote after its imports"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialised by an import"
+    return ""
+
+
+def _child(req: dict, out_fd: int, err_fd: int, ctrl: socket.socket) -> None:
+    """In the forked child: become the requested `pdserve` process. Never returns."""
+    status = 1
+    try:
+        os.setsid()
+        ctrl.close()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        for fd in (null, out_fd, err_fd):
+            if fd > 2:
+                os.close(fd)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        os.chdir(req["cwd"])
+        sys.argv = ["pdserve", *req["argv"]]
+        gc.unfreeze()
+        from pdserve.app.cli import main
+
+        status = main(req["argv"])
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported on the child's stderr, then it exits
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(status)
+
+
+def _send(ctrl: socket.socket, msg: dict, fds: list[int] = ()) -> None:
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    ctrl.sendmsg([json.dumps(msg).encode()], anc)
+
+
+def _serve(ctrl: socket.socket) -> None:
+    children: set[int] = set()
+    while True:
+        readable = select.select([ctrl], [], [], 0.05)[0]
+        while children:  # reap (and report) whatever exited
+            try:
+                pid, wstatus = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            with contextlib.suppress(OSError):
+                _send(ctrl, {"exit": pid, "status": os.waitstatus_to_exitcode(wstatus)})
+        if not readable:
+            continue
+        try:
+            req, fds = _recv(ctrl)
+        except (OSError, ValueError):
+            return  # the launcher closed the channel (or died): the children run on
+        if len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            _send(ctrl, {"error": "a fork request carries exactly two descriptors (stdout, stderr)"})
+            continue
+        why = _unsafe_to_fork()
+        if why:
+            for fd in fds:
+                os.close(fd)
+            _send(ctrl, {"error": why})
+            continue
+        pid = os.fork()
+        if pid == 0:
+            _child(req, fds[0], fds[1], ctrl)
+        for fd in fds:
+            os.close(fd)
+        children.add(pid)
+        pidfd = os.pidfd_open(pid)
+        try:
+            _send(ctrl, {"pid": pid}, [pidfd])
+        finally:
+            os.close(pidfd)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.app.launcher.zygote")
+    parser.add_argument("--ctrl-fd", type=int, required=True)
+    parser.add_argument("--preload", default=",".join(PRELOAD))
+    args = parser.parse_args()
+    ctrl = socket.socket(fileno=args.ctrl_fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when it ends (its channel closes)
+    t = time.monotonic()
+    try:
+        took = _preload([m for m in args.preload.split(",") if m])
+    except Exception as exc:  # noqa: BLE001 - told to the launcher, which then starts plain processes
+        _send(ctrl, {"ready": False, "error": f"preload failed: {exc!r}"})
+        return
+    why = _unsafe_to_fork()
+    if why:
+        _send(ctrl, {"ready": False, "error": why})
+        return
+    gc.collect()
+    gc.freeze()
+    print(f"zygote {os.getpid()} ready in {time.monotonic() - t:.2f}s: {took}", flush=True)
+    _send(ctrl, {"ready": True, "preload_s": round(time.monotonic() - t, 3), "modules": took,
+                 "pid": os.getpid(), "native_threads": len(os.listdir("/proc/self/task"))})
+    _serve(ctrl)
+    os._exit(0)  # nothing to tear down: the interpreter's teardown of torch / Triton only takes time
+
+
+if __name__ == "__main__":
+    main()
