@@ -11,6 +11,8 @@
 #   bench  python3 bench/gpu.py (writes bench/results/gpu-<device>-<date>.json)
 #   boot   process start -> SERVING on one GPU, 8B shape from tmpfs and disk, each phase (bench/gpu_boot.py)
 #   boot-cold  the colocated --variant boots of `boot` from a cold disk (args after -- as for boot)
+#   zygote     workers forked from a zygote: the GPU test, colocated 8B boots forked vs fresh (page cache, rounds
+#              alternated), kill -9 -> healthy under pdserve up with --zygote on / off (bench.restart_time)
 #   early-upload  what the early upload costs the imports beside it, off / read / register (bench/early_upload_probe.py)
 #   boot-profile  a worker's start step by step (imports, CUDA init, build_engine under cProfile), 8B, twice
 #   stream-8b  layer-wise KV push on vs off, llama3-8b shape, NIXL and TCP (bench.prefill_stream)
@@ -130,6 +132,15 @@ from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve
         boot-cold)  # the colocated --variant boots only, each from a cold disk (evicted before it), into $OUT/cold
             python3 bench/gpu_boot.py --out "$OUT/cold" "${extra[@]}" --layouts "" --skip-roofline --no-first-start \
                 --variant-source disk-cold 2>&1 | tee "$OUT/boot-cold.log"; rc=$(( rc | ${PIPESTATUS[0]} )) ;;
+        zygote)
+            python3 -m pytest -q -m gpu tests/gpu/test_zygote_gpu.py -p no:cacheprovider -o addopts="" -rs -s \
+                --timeout 600 2>&1 | tee "$OUT/zygote-tests.log"; rc=$(( rc | ${PIPESTATUS[0]} ))
+            python3 bench/gpu_boot.py --out "$OUT" --layouts "" --skip-roofline --zygote "${extra[@]}" 2>&1 \
+                | tee "$OUT/boot-zygote.log"; rc=$(( rc | ${PIPESTATUS[0]} ))
+            python3 -m bench.restart_time --model /var/tmp/pdserve-boot --role decode --rounds 3 \
+                --up-args "--colocated 1 --device cuda --decode-args '--kv-memory-gb 8'" \
+                --run-dir /tmp/restart-bench --json "$OUT/restart-gpu.json" 2>&1 | tee "$OUT/restart.log"
+            rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         early-upload)  # the early upload beside the imports, per way (off / read / register), page cache then cold
             python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; \
 from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve-llama3-8b'), 'llama3-8b')"

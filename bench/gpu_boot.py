@@ -123,8 +123,10 @@ def settled_stats(address: str, quiet_s: float = 1.0, limit_s: float = 15.0) -> 
     return stats
 
 
-def boot(model: Path, layout: str, logs: Path, kv_gb: float, gpu: str, extra_env: dict | None = None) -> dict:
-    """Start the layout's workers at once on one GPU; seconds until every one is SERVING."""
+def boot(model: Path, layout: str, logs: Path, kv_gb: float, gpu: str, extra_env: dict | None = None,
+         zygote=None) -> dict:
+    """Start the layout's workers at once on one GPU; seconds until every one is SERVING. With ``zygote``
+    they are forked from it (already started: the restart and scale-up case)."""
     roles = ["colocated"] if layout == "colocated" else ["prefill", "decode"]
     env = {"CUDA_VISIBLE_DEVICES": gpu, **(extra_env or {})}
     args = ["--model", str(model), "--device", "cuda", "--kv-memory-gb", str(kv_gb)]
@@ -133,7 +135,7 @@ def boot(model: Path, layout: str, logs: Path, kv_gb: float, gpu: str, extra_env
 
     def start(role: str):
         p = spawn(role, [*args, *(["--transport", "tcp"] if role != "colocated" else [])],
-                  logs / f"{layout}-{role}-{int(t0)}.log", env=env, timeout=300)
+                  logs / f"{layout}-{role}-{int(t0)}.log", env=env, timeout=300, zygote=zygote)
         procs.append(p)
         return p
 
@@ -173,6 +175,9 @@ def main() -> None:
                     help="colocated boots from the page cache with these worker environment variables, "
                     "beside the same boot without them, rounds interleaved (e.g. "
                     "nograph=PDSERVE_CUDA_GRAPHS=0)")
+    ap.add_argument("--zygote", action="store_true",
+                    help="add the variant `zygote`: colocated boots forked from a zygote started once before "
+                    "the rounds (launcher/zygote.py; what a restart or scale-up under pdserve up does)")
     ap.add_argument("--variant-rounds", type=int, default=3)
     ap.add_argument("--variant-source", choices=("disk-page-cache", "disk-cold"), default="disk-page-cache",
                     help="where the variants' checkpoint is read from (disk-cold: evicted before each boot)")
@@ -231,11 +236,22 @@ def main() -> None:
             result["boots"].append(r)
             (out / "boot.json").write_text(json.dumps(result, indent=1))
             print(f"  {layout:<10} {label:<16} {_line(r)}", flush=True)
-    if args.variant:
+    zygote = None
+    if args.variant or args.zygote:
         variants = {"default": {}}
         for text in args.variant:
             vname, _, rest = text.partition("=")
             variants[vname] = dict(item.split("=", 1) for item in rest.split(",") if item)
+        if args.zygote:
+            from pdserve.app.launcher.zygote import Zygote
+            from pdserve.settings import environ
+
+            t = time.monotonic()
+            zygote = Zygote.start(environ(), log_path=logs / "zygote.log")
+            result["zygote"] = {"ready_s": round(time.monotonic() - t, 3), **zygote.ready}
+            print(f"  zygote ready in {result['zygote']['ready_s']:.2f}s: {zygote.ready['modules']}",
+                  flush=True)
+            variants["zygote"] = {}
         cold = args.variant_source == "disk-cold"
         raw_read(disk)  # in the page cache (evicted again before each boot when cold)
         result["variant_source"] = args.variant_source
@@ -245,7 +261,8 @@ def main() -> None:
                 if cold:
                     evict(disk)
                 try:
-                    r = boot(disk, "colocated", logs, args.kv_gb, args.gpu, extra)
+                    r = boot(disk, "colocated", logs, args.kv_gb, args.gpu, extra,
+                             zygote=zygote if vname == "zygote" else None)
                 except Exception as exc:
                     r = {"error": str(exc)}
                 r.update(variant=vname, env=extra)
@@ -253,6 +270,8 @@ def main() -> None:
                     r["vs_raw_cold_read"] = r["wall_s"] / raw_cold["seconds"]
                 result["variants"][vname].append(r)
                 print(f"  variant {vname:<12} {_line(r)}", flush=True)
+        if zygote is not None:
+            zygote.close()
         for vname, rs in result["variants"].items():
             walls = sorted(r["wall_s"] for r in rs if "wall_s" in r)
             if walls:
