@@ -1,7 +1,7 @@
 """Workers forked from a zygote on a GPU host (pdserve/app/launcher/zygote.py, engine/fork_preload.py).
 
-The zygote imports torch, pdserve, flashinfer's attention modules and computes Triton's compiler key,
-all without initialising CUDA; a colocated worker forked from it on the GPU (bf16: flashinfer and the
+The zygote imports torch and pdserve and computes Triton's compiler key, without initialising CUDA (a
+probe child checks it); a colocated worker forked from it on the GPU (bf16: flashinfer and the
 CUDA graphs) answers greedy requests token-identically to one started as a fresh interpreter, and its
 own boot record starts at the fork.
 """
@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 
 import grpc
+import pytest
 
 from pdserve.app.launcher.procs import spawn
-from pdserve.app.launcher.zygote import Zygote
+from pdserve.app.launcher.zygote import Zygote, ZygoteUnusable
 from pdserve.client import Client
 from pdserve.settings import environ
 from pdserve.v1 import process_pb2, process_pb2_grpc
@@ -32,11 +33,18 @@ def _boot(address: str):
         return process_pb2_grpc.ProcessStub(ch).GetProcessStats(process_pb2.ProcessStatsRequest(), timeout=10)
 
 
+def test_flashinfer_imported_in_a_zygote_is_refused(tmp_path):
+    # Its import initialises CUDA (the probe child finds the fork poisoned): the launcher then starts
+    # plain processes rather than workers that fail at their first CUDA call.
+    with pytest.raises(ZygoteUnusable, match="initialised CUDA"):
+        Zygote.start({**environ(), **ENV}, preload=("torch", "flashinfer.jit"))
+
+
 def test_a_worker_forked_on_the_gpu_serves_like_a_fresh_one(make_checkpoint, tmp_path):
     model = make_checkpoint(preset="small", dtype="bfloat16")
     z = Zygote.start({**environ(), **ENV}, log_path=tmp_path / "zygote.log")
     try:
-        assert {"torch", "flashinfer", "triton_key"} <= set(z.ready["modules"]), z.ready
+        assert {"torch", "triton_key"} <= set(z.ready["modules"]), z.ready
         args = ["--model", str(model), "--device", "cuda", "--kv-memory-gb", "2"]
         forked = spawn("colocated", args, tmp_path / "forked.log", env=ENV, zygote=z, timeout=300)
         plain = spawn("colocated", args, tmp_path / "plain.log", env=ENV, timeout=300)

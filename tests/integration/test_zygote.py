@@ -4,8 +4,8 @@
   starts at the fork (its uptime is shorter than the zygote's age), in a session of its own;
 - exit statuses come back (kill -9: -9; SIGTERM: a drain, 0), a group kill reaches it;
 - an environment the zygote cannot give (a variable read at library load) starts a plain process;
-- a zygote that cannot fork safely (a Python thread left running by a preload) is refused at start,
-  and the process backend then starts plain processes;
+- a zygote that cannot fork safely (a Python thread left running by a preload, a preload that leaves
+  CUDA unusable in a child) is refused at start, and the process backend then starts plain processes;
 - the zygote killed: its children run on, a child's exit is still seen (with no status), and the
   backend starts a new zygote for the next process;
 - ``pdserve up --launcher process`` forks every process, and a worker killed -9 comes back forked.
@@ -124,6 +124,11 @@ def test_a_preload_that_leaves_a_thread_is_refused(tmp_path) -> None:
         Zygote.start(env, preload=("threaded_preload",))
     with pytest.raises(ZygoteUnusable, match="preload failed"):
         Zygote.start(env, preload=("no_such_module_here",))
+    # What an import that initialises CUDA leaves behind (flashinfer's does, on a GPU host: the GPU test
+    # shows it for real): torch marks every later fork bad. The probe child finds it.
+    (tmp_path / "poisoned_fork.py").write_text("import torch\ntorch.cuda._is_in_bad_fork = lambda: True\n")
+    with pytest.raises(ZygoteUnusable, match="initialised CUDA.*torch: bad fork"):
+        Zygote.start(env, preload=("torch", "poisoned_fork"))
 
 
 def test_backend_without_a_usable_zygote_starts_plain_processes(tiny_llama_dir, tmp_path,

@@ -7,10 +7,11 @@ Why: a worker spends its first seconds importing (``import torch`` alone is 3-4 
 place and goes straight to its weights: failover and scale-up are only as fast as that start.
 
 How: ``Zygote.start(env)`` runs ``python -m pdserve.app.launcher.zygote`` in its own session with a
-``SOCK_SEQPACKET`` socketpair as its control channel. The zygote imports ``PRELOAD`` (and, on a host
-with flashinfer / Triton, their attention modules and Triton's compiler key), checks that it is still
-safe to fork (one thread, CUDA not initialised: the driver cannot be used in a child of a process
-that initialised it), freezes its objects out of the garbage collector (so children share its pages
+``SOCK_SEQPACKET`` socketpair as its control channel. The zygote imports ``PRELOAD`` (and, on a GPU
+host, computes Triton's compiler key: engine/fork_preload.py), checks that it is still safe to fork (no
+Python thread beside its own; CUDA usable in a probe child: the driver cannot be used in a child of a
+process that initialised it, which flashinfer's import does, so workers import that themselves),
+freezes its objects out of the garbage collector (so children share its pages
 instead of copying them as refcounts change) and says ready. ``fork(argv, env, stdout, stderr)``
 sends one JSON request with the two descriptors (SCM_RIGHTS); the zygote forks, and the child starts
 a session of its own (``killpg`` reaches it and whatever it starts), takes the descriptors as 1 and
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import array
 import contextlib
+import ctypes
 import gc
 import importlib
 import json
@@ -275,6 +277,34 @@ def _unsafe_to_fork() -> str:
     return ""
 
 
+def _probe_child() -> str:
+    """Fork once and ask the child whether CUDA is usable there: torch has not marked it a bad fork (an
+    import asked the CUDA runtime for devices, which torch poisons forks for) and, where the driver is
+    installed, ``cuInit`` succeeds (it fails in a child of a process that initialised the driver)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda._is_in_bad_fork():
+                code |= 1
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError:
+                lib = None
+            if lib is not None and lib.cuInit(0) != 0:
+                code |= 2
+        finally:
+            os._exit(code)
+    _, wstatus = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(wstatus)
+    if code == 0:
+        return ""
+    return ("an import initialised CUDA: a forked child could not use it ("
+            + ", ".join(w for bit, w in ((1, "torch: bad fork"), (2, "cuInit failed")) if code & bit)
+            + (f", exit {code}" if code < 0 or code > 3 else "") + ")")
+
+
 def _child(req: dict, out_fd: int, err_fd: int, ctrl: socket.socket) -> None:
     """In the forked child: become the requested `pdserve` process. Never returns."""
     status = 1
@@ -372,7 +402,7 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - told to the launcher, which then starts plain processes
         _send(ctrl, {"ready": False, "error": f"preload failed: {exc!r}"})
         return
-    why = _unsafe_to_fork()
+    why = _unsafe_to_fork() or _probe_child()
     if why:
         _send(ctrl, {"ready": False, "error": why})
         return
