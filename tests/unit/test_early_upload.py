@@ -242,17 +242,24 @@ def _ignored(model_dir, module) -> int:
 
 
 def test_wanted_only_for_a_one_gpu_worker_and_no_torch_imported():
-    assert early_upload.wanted(role="decode", device="auto", tensor_parallel_size=1) == 0
-    assert early_upload.wanted(role="prefill", device="cuda:3", tensor_parallel_size=1) == 3
-    assert early_upload.wanted(role="router", device="auto", tensor_parallel_size=1) is None
-    assert early_upload.wanted(role="decode", device="cpu", tensor_parallel_size=1) is None
-    assert early_upload.wanted(role="decode", device="auto", tensor_parallel_size=2) is None
-    code = ("import os, sys; os.environ['PDSERVE_EARLY_UPLOAD'] = 'off'; "
-            "from engine import early_upload as e; "
-            "assert e.wanted(role='decode', device='auto', tensor_parallel_size=1) is None; "
+    # Before torch is imported (as `pdserve serve` asks), in a fresh interpreter:
+    code = ("import os, sys\n"
+            "from engine import early_upload as e\n"
+            "w = e.wanted\n"
+            "assert w(role='decode', device='auto', tensor_parallel_size=1) == 0\n"
+            "assert w(role='prefill', device='cuda:3', tensor_parallel_size=1) == 3\n"
+            "assert w(role='router', device='auto', tensor_parallel_size=1) is None\n"
+            "assert w(role='decode', device='cpu', tensor_parallel_size=1) is None\n"
+            "assert w(role='decode', device='auto', tensor_parallel_size=2) is None\n"
+            "os.environ['PDSERVE_EARLY_UPLOAD'] = 'off'\n"
+            "assert w(role='decode', device='auto', tensor_parallel_size=1) is None\n"
             "assert 'torch' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
+    # With torch imported already (this process; a worker forked from the zygote) there is no import
+    # for the upload to hide behind: not wanted.
+    assert "torch" in sys.modules
+    assert early_upload.wanted(role="decode", device="auto", tensor_parallel_size=1) is None
 
 
 def test_only_the_files_the_index_names_are_uploaded(tmp_path):
