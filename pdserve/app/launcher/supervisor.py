@@ -44,7 +44,7 @@ class RestartPolicy:
     max_backoff_s: float = 30.0
     max_restarts: int = 5
     window_s: float = 300.0
-    poll_s: float = 0.5
+    poll_s: float = 0.25
     # a live process silent on this many health checks in a row is killed (and so restarted); 0 = never
     liveness_failures: int = 6
     liveness_period_s: float = 10.0
@@ -94,11 +94,19 @@ class Supervisor:
             self._thread.join(30)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.policy.poll_s):
+        while not self._stop.wait(self._next_wait()):
             try:
                 self.check()
             except Exception:  # the supervisor must outlive whatever one restart does
                 log.exception("supervisor check failed")
+
+    def _next_wait(self) -> float:
+        """Until the next pass: ``poll_s``, or sooner when a pending restart's backoff ends before that (a
+        0.1 s backoff is not rounded up to the poll)."""
+        due = [h.restart_at for h in self._history.values() if h.restart_at]
+        if not due:
+            return self.policy.poll_s
+        return min(self.policy.poll_s, max(0.0, min(due) - time.monotonic()))
 
     def check(self) -> None:
         """One pass: note new deaths, run the restarts whose backoff has passed."""
