@@ -308,6 +308,13 @@ def environ() -> dict[str, str]:
     return dict(os.environ)
 
 
+def replace_environ(env: Mapping[str, str]) -> None:
+    """This process's environment becomes exactly ``env`` (a child forked by the launcher's zygote
+    taking the environment its start asked for, as a fresh process would have been given it)."""
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def env_switch(name: str, default: bool = True) -> bool:
     """An on/off debugging switch: ``0`` turns it off, ``1`` on; unset keeps ``default``.
 

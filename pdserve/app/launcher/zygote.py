@@ -48,6 +48,8 @@ import time
 import traceback
 from pathlib import Path
 
+from pdserve.settings import replace_environ
+
 PRELOAD = ("torch", "pdserve.app.cli", "pdserve.app.roles")
 # Names a child's environment may set differently from the zygote's: each is read after the fork.
 FORK_ENV = ("CUDA_VISIBLE_DEVICES", "PDSERVE_", "UCX_", "NCCL_", "PYTHONUNBUFFERED")
@@ -321,8 +323,7 @@ def _child(req: dict, out_fd: int, err_fd: int, ctrl: socket.socket) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.environ.clear()
-        os.environ.update(req["env"])
+        replace_environ(req["env"])
         os.chdir(req["cwd"])
         sys.argv = ["pdserve", *req["argv"]]
         gc.unfreeze()
