@@ -5,7 +5,8 @@
 
 Starts the cluster `pdserve up --launcher process` starts (``Cluster`` + ``ProcessBackend`` + the
 launcher's supervisor, through ``LocalCluster``; 2 prefill + 2 decode over TCP by default, or N
-colocated workers), with the router's Prometheus port on. Then, for ``--seconds``:
+colocated workers; every process forked from the launcher's zygote unless ``--zygote off``), with
+the router's Prometheus port on. Then, for ``--seconds``:
 
 - ``--clients`` threads send the seeded mix of bench/soak_traffic.py (greedy and seeded streams
   checked token for token against an in-process engine, cancels, deadlines, bad requests, sessions);
@@ -57,6 +58,7 @@ class SoakConfig:
     clients: int = 6
     transport: str = "tcp"
     num_blocks: int = 256
+    zygote: bool = True     # processes forked from the launcher's zygote, as `pdserve up` does by default
     fault_every_s: tuple[float, float] = (10.0, 30.0)
     first_fault_s: float = 10.0
     min_faults: int = 2     # traffic runs on past ``seconds`` until this many faults were recovered from
@@ -147,7 +149,8 @@ def run_soak(cfg: SoakConfig, model: str | Path, run_dir: str | Path, *, log=pri
     policy = RestartPolicy(backoff_s=0.5, max_backoff_s=5.0, max_restarts=10, window_s=300.0, poll_s=0.25)
     with LocalCluster(model, prefill=cfg.prefill, decode=cfg.decode, transport=cfg.transport, run_dir=run_dir,
                       worker_args=("--num-blocks", str(cfg.num_blocks)), restart=policy, drain_timeout=10.0,
-                      colocated=cfg.colocated, router_args=("--metrics-port", str(metrics_port))) as c:
+                      colocated=cfg.colocated, router_args=("--metrics-port", str(metrics_port)),
+                      zygote=cfg.zygote) as c:
         state0 = read_state(run_dir)
         before = _counters(metrics_port)
         records: list[traffic.Record] = []
@@ -286,13 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
     p.add_argument("--num-blocks", type=int, default=256)
     p.add_argument("--fault-every", default="10:30", metavar="MIN:MAX", help="seconds between faults")
+    p.add_argument("--zygote", choices=["on", "off"], default="on",
+                   help="fork the processes from the launcher's zygote (default on, as pdserve up)")
     p.add_argument("--run-dir", default=".run/soak")
     p.add_argument("--json", help="write the result here")
     a = p.parse_args(argv)
     lo, hi = (float(x) for x in a.fault_every.split(":"))
     cfg = SoakConfig(seconds=a.seconds, seed=a.seed, prefill=0 if a.colocated else a.prefill,
                      decode=a.colocated or a.decode, colocated=bool(a.colocated), clients=a.clients,
-                     transport=a.transport, num_blocks=a.num_blocks, fault_every_s=(lo, hi))
+                     transport=a.transport, num_blocks=a.num_blocks, fault_every_s=(lo, hi),
+                     zygote=a.zygote == "on")
     run_dir = Path(a.run_dir).resolve()
     model = a.model
     if not model:

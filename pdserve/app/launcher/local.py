@@ -39,7 +39,8 @@ class LocalCluster:
                  drain_timeout: float = 10.0, router_args: tuple[str, ...] = (),
                  colocated: bool = False, prefill_args: tuple[str, ...] = (),
                  decode_args: tuple[str, ...] = (), http_port: int = 0, api_keys: tuple[str, ...] = (),
-                 api_keys_file: str = "", restart: RestartPolicy | None = None, tls_dir: str = "") -> None:
+                 api_keys_file: str = "", restart: RestartPolicy | None = None, tls_dir: str = "",
+                 zygote: bool = False) -> None:
         # colocated=True: ``decode`` colocated workers behind the router (``prefill`` must be 0)
         self.spec = ClusterSpec(model=str(model), num_prefill=prefill, num_decode=decode, transport=transport,
                                 worker_args=tuple(worker_args), policy=policy, drain_timeout=drain_timeout,
@@ -48,7 +49,8 @@ class LocalCluster:
                                 http_port=http_port, api_keys=tuple(api_keys), api_keys_file=api_keys_file,
                                 restart=restart or RestartPolicy(), tls_dir=str(tls_dir or ""))
         self.env = {**QUIET_ENV, **(env or {})}
-        self.cluster = Cluster(spec=self.spec, backend=ProcessBackend(Path(run_dir), self.env),
+        # zygote: fork every process from one that imported torch and pdserve (`pdserve up`'s default)
+        self.cluster = Cluster(spec=self.spec, backend=ProcessBackend(Path(run_dir), self.env, zygote=zygote),
                                run_dir=Path(run_dir))
         self.router = ""
         self.http = ""  # HOST:PORT of the router's HTTP door, when http_port is set

@@ -267,6 +267,15 @@ def _preload(modules: list[str]) -> dict[str, float]:
     return took
 
 
+def _no_pidfd() -> str:
+    """Why this kernel cannot give pidfds (Linux >= 5.3), or ""."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError) as exc:
+        return f"no pidfd on this system ({exc})"
+    return ""
+
+
 def _unsafe_to_fork() -> str:
     """Why a child of this process could not run as a fresh process would, or ""."""
     # Python threads only: a library's native pool may run (OpenBLAS starts one at numpy's import and
@@ -403,7 +412,7 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - told to the launcher, which then starts plain processes
         _send(ctrl, {"ready": False, "error": f"preload failed: {exc!r}"})
         return
-    why = _unsafe_to_fork() or _probe_child()
+    why = _no_pidfd() or _unsafe_to_fork() or _probe_child()
     if why:
         _send(ctrl, {"ready": False, "error": why})
         return
