@@ -397,6 +397,9 @@ async def _unless_lost(call, lost: asyncio.Future):
     prefill worker aborts the request and its push) and ``_DecodeLost`` raised. Leaving any other way
     (the client gone, the deadline) cancels the call too, as awaiting it directly would."""
     task = asyncio.ensure_future(call)
+    # Left by a cancellation in the same turn of the loop as the call failed, nobody would read the
+    # call's error: asyncio would log "Task exception was never retrieved" with it.
+    task.add_done_callback(_retrieved)
     try:
         await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
         if task.done():
@@ -406,6 +409,11 @@ async def _unless_lost(call, lost: asyncio.Future):
         if not task.done():
             call.cancel()
             task.cancel()
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _prefill_failed(exc: grpc.aio.AioRpcError, prefill_id: str, decode_id: str) -> RequestFailed:

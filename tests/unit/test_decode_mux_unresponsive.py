@@ -207,6 +207,39 @@ def test_the_prefill_is_cancelled_when_its_decode_worker_is_lost_first():
     asyncio.run(main())
 
 
+class FailingPrefillCall(FakePrefillCall):
+    async def _wait(self):
+        await self.go.wait()
+        raise RuntimeError("DEADLINE_EXCEEDED")
+
+
+def test_a_call_failing_as_its_request_is_cancelled_leaves_no_unread_error():
+    # The call fails and the request is cancelled in the same turn of the loop: the call's error must
+    # not surface as asyncio's "Task exception was never retrieved" (seen in a soak's router log).
+    import gc
+
+    from router.pipeline import _unless_lost
+
+    unread: list[dict] = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unread.append(ctx))
+        go, lost = asyncio.Event(), asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(_unless_lost(FailingPrefillCall(go), lost))
+        await asyncio.sleep(0.01)
+        go.set()      # the call's task runs first in the next turn and fails ...
+        task.cancel()  # ... then the request's cancellation reaches _unless_lost
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    gc.collect()
+    assert not [c for c in unread if "never retrieved" in c.get("message", "")], unread
+
+
 def test_without_a_call_a_hold_is_given_up_once_old_and_the_worker_fails_a_poll(monkeypatch):
     """``--decode-mux off`` (or an older worker): no call whose silence would tell, so a hold counts as
     lost when the worker fails a health poll while the hold is UNRESPONSIVE_S old; a young hold and a
