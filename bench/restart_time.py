@@ -4,8 +4,9 @@ its processes forked from the zygote (``--zygote on``, the default) and started 
 
     python -m bench.restart_time --model DIR [--role decode] [--rounds 3] [--up-args "..."] [--json OUT]
 
-Both clusters run at once (the same ``--up-args``); the rounds alternate between them. Each round kills
-the first worker of ``--role`` (-9) and records:
+Both clusters run at once (the same ``--up-args``); the rounds alternate between them, and begin once the
+``on`` cluster's zygote is ready (its first processes start plain beside it). Each round kills the first
+worker of ``--role`` (-9) and records:
 
 - ``kill_to_healthy_s``: from the kill until the router lists that worker healthy under a new
   incarnation (what a client sees: new requests can go there again);
@@ -55,6 +56,8 @@ class UpCluster:
         else:
             raise RuntimeError(f"{label}: pdserve up exited with {self.proc.wait()}; see {log.name}")
         self.up_s = time.monotonic() - t
+        if label == "on":  # --zygote on: its first processes start plain beside it
+            self.zygote_ready_s = wait_zygote(run_dir) - t
 
     def state(self) -> dict:
         return json.loads((self.run_dir / "state.json").read_text())
@@ -72,6 +75,17 @@ class UpCluster:
             self.proc.wait(120)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def wait_zygote(run_dir: Path, timeout: float = 180.0) -> float:
+    """time.monotonic() once the cluster's zygote has written its ready line."""
+    deadline = time.monotonic() + timeout
+    log = run_dir / "logs" / "zygote.log"
+    while not (log.exists() and any(ln.startswith("zygote ") for ln in log.read_text().splitlines())):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no zygote ready within {timeout:.0f}s ({log})")
+        time.sleep(0.05)
+    return time.monotonic()
 
 
 def boot_record(address: str) -> dict:
@@ -127,7 +141,8 @@ def main() -> None:
         for mode in ("on", "off"):
             clusters[mode] = UpCluster(mode, args.model, [*up_args, "--zygote", mode],
                                        base / f"zygote-{mode}")
-            result["modes"][mode] = {"up_s": round(clusters[mode].up_s, 3), "rounds": []}
+            result["modes"][mode] = {"up_s": round(clusters[mode].up_s, 3), "rounds": [],
+                                     "zygote_ready_s": round(getattr(clusters[mode], "zygote_ready_s", 0), 3)}
             print(f"zygote {mode}: cluster up in {clusters[mode].up_s:.2f}s", flush=True)
         for r in range(args.rounds):
             for mode, c in clusters.items():

@@ -8,7 +8,8 @@
   CUDA unusable in a child) is refused at start, and the process backend then starts plain processes;
 - the zygote killed: its children run on, a child's exit is still seen (with no status), and the
   backend starts a new zygote for the next process;
-- ``pdserve up --launcher process`` forks every process, and a worker killed -9 comes back forked.
+- ``pdserve up --launcher process`` starts its first processes plain while the zygote starts beside
+  them, and a worker killed -9 comes back forked from it, token-identical.
 """
 
 from __future__ import annotations
@@ -138,9 +139,10 @@ def test_backend_without_a_usable_zygote_starts_plain_processes(tiny_llama_dir, 
 
     monkeypatch.setattr(Zygote, "start", refuse)
     backend = ProcessBackend(tmp_path, env=QUIET, zygote=True)
+    assert backend.zygotes.wait(10) is None and "CUDA" in backend.zygotes.disabled
     h = backend.start("decode", ["--model", str(tiny_llama_dir), *ARGS], "decode-1")
     try:
-        assert not h.ref.forked and not backend.use_zygote
+        assert not h.ref.forked
     finally:
         h.stop(30)
         backend.close()
@@ -149,9 +151,9 @@ def test_backend_without_a_usable_zygote_starts_plain_processes(tiny_llama_dir, 
 def test_children_outlive_a_killed_zygote_and_a_new_one_is_started(tiny_llama_dir, tmp_path) -> None:
     backend = ProcessBackend(tmp_path, env=QUIET, zygote=True)
     args = ["--model", str(tiny_llama_dir), *ARGS]
+    first = backend.zygotes.wait(120)
     h = backend.start("decode", args, "decode-1")
     try:
-        first = backend.zygote()
         assert h.ref.forked and first is not None
         first.proc.kill()
         first.proc.wait(10)
@@ -162,14 +164,17 @@ def test_children_outlive_a_killed_zygote_and_a_new_one_is_started(tiny_llama_di
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert h.exit_status() == UNKNOWN_STATUS
-        again = backend.start("decode", args, "decode-2")
-        assert again.ref.forked and backend.zygote() is not first
+        plain = backend.start("decode", args, "decode-2")  # started plain while a new zygote starts
+        second = backend.zygotes.wait(120)
+        again = backend.start("decode", args, "decode-3")
+        assert not plain.ref.forked and again.ref.forked and second is not None and second is not first
+        plain.stop(30)
         again.stop(30)
     finally:
         backend.close()
 
 
-def test_pdserve_up_forks_its_processes_and_a_killed_worker_comes_back_forked(tiny_llama_dir,
+def test_pdserve_up_restarts_a_killed_worker_forked_from_its_zygote(tiny_llama_dir,
                                                                               tmp_path) -> None:
     run_dir = tmp_path / "run"
     env = {**os.environ, **QUIET}
@@ -179,10 +184,10 @@ def test_pdserve_up_forks_its_processes_and_a_killed_worker_comes_back_forked(ti
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
         router = _router_line(up)
-        zygote_pid = _zygote_pid(run_dir)
+        zygote_pid = _zygote_pid(run_dir)  # it started beside the first processes, which started plain
         state = json.loads((run_dir / "state.json").read_text())
         pids = [w["pid"] for w in state["workers"]] + [state["router_pid"]]
-        assert all(_parent(pid) == zygote_pid for pid in pids)
+        assert all(_parent(pid) == up.pid for pid in pids)
         before = _greedy(router)
         decode = next(w for w in state["workers"] if w["role"] == "decode")
         os.kill(decode["pid"], signal.SIGKILL)
@@ -216,9 +221,17 @@ def _router_line(up: subprocess.Popen) -> str:
     raise AssertionError(f"pdserve up exited with {up.wait()} before its router line")
 
 
-def _zygote_pid(run_dir: Path) -> int:
-    return int(next(line for line in (run_dir / "logs" / "zygote.log").read_text().splitlines()
-                    if line.startswith("zygote ")).split()[1])
+def _zygote_pid(run_dir: Path, timeout: float = 120.0) -> int:
+    """The zygote's pid once its ready line is in its log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        log = run_dir / "logs" / "zygote.log"
+        text = log.read_text() if log.exists() else ""
+        lines = [ln for ln in text.splitlines() if ln.startswith("zygote ")]
+        if lines:
+            return int(lines[0].split()[1])
+        assert time.monotonic() < deadline, "the zygote did not become ready"
+        time.sleep(0.1)
 
 
 def _parent(pid: int) -> int:

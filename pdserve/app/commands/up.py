@@ -72,9 +72,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="every listener of the cluster binds this address (default: 127.0.0.1 for "
                    "--launcher process, each Ray node's IP for ray)")
     p.add_argument("--zygote", choices=["on", "off"], default="on",
-                   help="fork every process from one that imported torch and pdserve already, so restarts "
-                        "and scale-ups skip the imports (one per host for --launcher process, one per Ray "
-                        "actor); off: a fresh interpreter each time (default on)")
+                   help="fork restarted and added processes from one that imported torch and pdserve "
+                        "already (started beside the first processes), so restarts and scale-ups skip the "
+                        "imports (one per host for --launcher process, one per Ray actor); off: a fresh "
+                        "interpreter each time (default on)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="restart a process that exits unexpectedly at most this often within 5 minutes, then "
                         "leave it down (crash loop); 0 = never restart (default 5)")

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pdserve.app.launcher.procs import ServeProcess, spawn
-from pdserve.app.launcher.zygote import Zygote, ZygoteUnusable
+from pdserve.app.launcher.zygote import Zygote, ZygoteSlot
 from pdserve.settings import environ
 
 log = logging.getLogger(__name__)
@@ -61,7 +60,8 @@ def device_env(env: dict[str, str], devices: tuple[str, ...]) -> dict[str, str]:
 class ProcessBackend:
     """Plain processes on this host; with ``zygote`` (the default of ``pdserve up``) each is forked from
     one process that imported torch and pdserve once (launcher/zygote.py), so a restart or a scale-up
-    skips the imports. The zygote starts with the first process and is started again if it died."""
+    skips the imports. The zygote starts beside the first processes (which start plain meanwhile) and
+    is started again if it died."""
 
     name = "process"
     host = "127.0.0.1"  # every listener of the cluster binds this (`pdserve up --host`)
@@ -69,35 +69,16 @@ class ProcessBackend:
     def __init__(self, run_dir: Path, env: dict[str, str] | None = None, *, zygote: bool = False) -> None:
         self.run_dir = run_dir
         self.env = env or {}
-        self.use_zygote = zygote
-        self._zygote: Zygote | None = None
-        self._zygote_lock = threading.Lock()
-
-    def zygote(self) -> Zygote | None:
-        """The running zygote, started now if there is none (None: off, or it cannot run here)."""
-        with self._zygote_lock:
-            if not self.use_zygote:
-                return None
-            if self._zygote is None or not self._zygote.alive():
-                if self._zygote is not None:
-                    log.warning("the zygote exited with status %s; starting it again",
-                                self._zygote.proc.returncode)
-                try:
-                    self._zygote = Zygote.start({**environ(), **self.env},
-                                                log_path=self.run_dir / "logs" / "zygote.log")
-                except ZygoteUnusable as exc:  # plain processes from now on
-                    log.warning("%s; starting plain processes instead", exc)
-                    self.use_zygote, self._zygote = False, None
-                    return None
-                log.info("zygote %d ready: %s", self._zygote.proc.pid, self._zygote.ready.get("modules"))
-            return self._zygote
+        self.zygotes = (ZygoteSlot(lambda: {**environ(), **self.env}, run_dir / "logs" / "zygote.log")
+                        if zygote else None)
 
     def start(self, role: str, args: list[str], name: str, *, devices: tuple[str, ...] = (),
               num_gpus: int = 0) -> WorkerHandle:
         env = device_env(self.env, devices)
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        p = spawn(role, args, log_path, env=env, host=self.host, zygote=self.zygote())
+        p = spawn(role, args, log_path, env=env, host=self.host,
+                  zygote=self.zygotes.ready() if self.zygotes else None)
         return WorkerHandle(role=role, worker_id=p.worker_id, address=p.address, pid=p.pid, backend=self,
                             ref=p, devices=",".join(devices))
 
@@ -117,10 +98,8 @@ class ProcessBackend:
         return self.start(role, args, h.worker_id, devices=tuple(d for d in h.devices.split(",") if d))
 
     def close(self) -> None:
-        with self._zygote_lock:
-            if self._zygote is not None:
-                self._zygote.close()
-                self._zygote = None
+        if self.zygotes is not None:
+            self.zygotes.close()
 
 
 PLACEMENT_TIMEOUT_S = 120.0
@@ -229,20 +208,7 @@ class ServeActor:
 
     def __init__(self) -> None:
         self.proc: ServeProcess | None = None
-        self._zygote: Zygote | None = None
-        self._no_zygote = False  # it could not start here once: plain processes from then on
-
-    def _zygote_for(self, env: dict[str, str], log_path: str) -> Zygote | None:
-        if self._no_zygote:
-            return None
-        if self._zygote is None or not self._zygote.alive():
-            try:
-                self._zygote = Zygote.start({**environ(), **env},
-                                            log_path=str(Path(log_path).with_suffix(".zygote.log")))
-            except ZygoteUnusable as exc:
-                log.warning("%s; starting a plain process instead", exc)
-                self._no_zygote, self._zygote = True, None
-        return self._zygote
+        self._zygotes: ZygoteSlot | None = None  # this actor's, made at its first start that wants one
 
     def start(self, role: str, args: list[str], log_path: str, env: dict[str, str], host: str = "",
               zygote: bool = False) -> dict:
@@ -255,9 +221,15 @@ class ServeActor:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self.proc = spawn(role, args, log_path, env=env, host=bind,
                           advertise_host=node_ip if bind in ("0.0.0.0", "::") else bind,
-                          zygote=self._zygote_for(env, log_path) if zygote else None)
+                          zygote=self._zygote(env, log_path) if zygote else None)
         return {"worker_id": self.proc.worker_id, "address": self.proc.address, "pid": self.proc.pid,
                 "devices": env.get("CUDA_VISIBLE_DEVICES", environ().get("CUDA_VISIBLE_DEVICES", ""))}
+
+    def _zygote(self, env: dict[str, str], log_path: str) -> Zygote | None:
+        if self._zygotes is None:
+            self._zygotes = ZygoteSlot(lambda: {**environ(), **env},
+                                       Path(log_path).with_suffix(".zygote.log"))
+        return self._zygotes.ready()
 
     def stop(self, timeout: float) -> int:
         return self.proc.stop(timeout) if self.proc else 0

@@ -37,6 +37,7 @@ import ctypes
 import gc
 import importlib
 import json
+import logging
 import os
 import select
 import signal
@@ -46,9 +47,12 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.settings import replace_environ
+
+log = logging.getLogger(__name__)
 
 PRELOAD = ("torch", "pdserve.app.cli", "pdserve.app.roles")
 # Names a child's environment may set differently from the zygote's: each is read after the fork.
@@ -137,6 +141,8 @@ class Zygote:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**env, "PYTHONUNBUFFERED": "1"}  # its children's stdout reaches the launcher at once
         root = str(Path(__file__).resolve().parents[3])
+        if log_path:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
         try:
             proc = subprocess.Popen(
@@ -237,6 +243,68 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+
+
+class ZygoteSlot:
+    """The zygote a launcher forks from, started in the background.
+
+    ``ready()`` is the running zygote, or None while one starts or when none can run here. The caller
+    starts a plain process on None, so a cluster's first processes start as fresh interpreters (where
+    the early upload hides the import of torch) while the zygote imports beside them, and the restarts
+    and scale-ups after them fork. A zygote that died is started again at the next ``ready()``; one that
+    cannot run here (``ZygoteUnusable``) is not tried again (``disabled`` says why)."""
+
+    def __init__(self, env: Callable[[], dict[str, str]], log_path: str | Path) -> None:
+        self._env = env
+        self._log_path = log_path
+        self._lock = threading.Lock()
+        self._zygote: Zygote | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.disabled = ""
+
+    def ready(self) -> Zygote | None:
+        with self._lock:
+            if self.disabled or self._closed:
+                return None
+            z = self._zygote
+            if z is not None and z.alive():
+                return z
+            if z is not None:
+                log.warning("the zygote exited with status %s; starting it again", z.proc.returncode)
+                self._zygote = None
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._start, daemon=True, name="zygote-start")
+                self._thread.start()
+            return None
+
+    def wait(self, timeout: float = READY_TIMEOUT_S) -> Zygote | None:
+        """``ready()`` once the start under way (if any) has ended."""
+        if self.ready() is None and self._thread is not None:
+            self._thread.join(timeout)
+        return self.ready()
+
+    def _start(self) -> None:
+        try:
+            z = Zygote.start(self._env(), log_path=self._log_path)
+        except ZygoteUnusable as exc:
+            log.warning("%s; starting plain processes instead", exc)
+            with self._lock:
+                self.disabled = str(exc)
+            return
+        with self._lock:
+            if not self._closed:
+                self._zygote = z
+                log.info("zygote %d ready: %s", z.proc.pid, z.ready.get("modules"))
+                return
+        z.close()  # closed while it started
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            z, self._zygote = self._zygote, None
+        if z is not None:
+            z.close()
 
 
 def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
