@@ -10,8 +10,8 @@ worker of ``--role`` (-9) and records:
 
 - ``kill_to_healthy_s``: from the kill until the router lists that worker healthy under a new
   incarnation (what a client sees: new requests can go there again);
-- ``start_to_serving_s``: the new process's own start -> SERVING (its boot record, GetProcessStats),
-  and its phases;
+- ``serving_after_s``: the new process's own start -> SERVING (its boot record, GetProcessStats),
+  and its ``phases``;
 - the supervisor's wait before the restart is ``--restart-backoff-s`` (0.1 here unless ``--up-args``
   says otherwise), the same for both: it is in ``kill_to_healthy_s``.
 

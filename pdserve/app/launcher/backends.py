@@ -75,9 +75,7 @@ class ProcessBackend:
     def start(self, role: str, args: list[str], name: str, *, devices: tuple[str, ...] = (),
               num_gpus: int = 0) -> WorkerHandle:
         env = device_env(self.env, devices)
-        log_path = self.run_dir / "logs" / f"{name}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        p = spawn(role, args, log_path, env=env, host=self.host,
+        p = spawn(role, args, self.run_dir / "logs" / f"{name}.log", env=env, host=self.host,
                   zygote=self.zygotes.ready() if self.zygotes else None)
         return WorkerHandle(role=role, worker_id=p.worker_id, address=p.address, pid=p.pid, backend=self,
                             ref=p, devices=",".join(devices))
@@ -218,7 +216,6 @@ class ServeActor:
         # pools may live on different Ray nodes.
         node_ip = ray.util.get_node_ip_address()
         bind = host or node_ip
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self.proc = spawn(role, args, log_path, env=env, host=bind,
                           advertise_host=node_ip if bind in ("0.0.0.0", "::") else bind,
                           zygote=self._zygote(env, log_path) if zygote else None)

@@ -81,7 +81,7 @@ class ServeProcess:
             self.proc.wait(10)
 
 
-def _start(argv: list[str], env: dict[str, str], log_path: Path,
+def _start(role: str, argv: list[str], env: dict[str, str], log_path: Path,
            zygote: Zygote | None) -> subprocess.Popen | ForkedProcess:
     """The process, its stdout a pipe to read and its stderr the log: forked if ``zygote`` can."""
     with open(log_path, "ab") as log_file:
@@ -91,7 +91,7 @@ def _start(argv: list[str], env: dict[str, str], log_path: Path,
                 proc = zygote.fork(argv, env, stdout=write, stderr=log_file.fileno())
             except ZygoteUnusable as exc:
                 os.close(read)
-                log.warning("starting %s without the zygote: %s", " ".join(argv[3:7]), exc)
+                log.warning("starting the %s without the zygote: %s", role, exc)
             else:
                 proc.stdout = os.fdopen(read, "rb")
                 return proc
@@ -112,7 +112,7 @@ def spawn(role: str, args: list[str], log_path: str | Path, *, host: str = "127.
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    proc = _start(argv, full_env, log_path, zygote)
+    proc = _start(role, argv, full_env, log_path, zygote)
     found: list[re.Match] = []
     done = threading.Event()
 

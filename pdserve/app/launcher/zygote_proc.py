@@ -42,8 +42,6 @@ def recv(sock: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data), list(fds)
 
 
-
-
 def send(ctrl: socket.socket, msg: dict, fds: list[int] = ()) -> None:
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     ctrl.sendmsg([json.dumps(msg).encode()], anc)
