@@ -29,8 +29,8 @@ from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
 from router.api_keys import ApiKeys, bearer_token
 from router.http.errors import OpenAIError
-from router.http.frontend import OpenAIFrontend, Run
-from router.http.responses import Collector, report_headers
+from router.http.frontend import Choice, OpenAIFrontend, Run
+from router.http.responses import Answer, Collector, report_headers
 from router.http.schemas import ChatCompletionRequest, CompletionRequest
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a 128k-token prompt as JSON token ids is under 1 MiB
@@ -120,61 +120,66 @@ def build_app(frontend: OpenAIFrontend, *, keys: ApiKeys | None = None,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        req = await frontend.admit_completion(body, request.headers)
-        col = Collector(kind="completion", request_id=req.request_id, model=frontend.model_name,
-                        tokenizer=frontend.limits.tokenizer, logprobs=body.logprobs is not None,
-                        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                        return_token_ids=body.return_token_ids)
-        return await _answer(frontend.start(req), col, body.stream)
+        choices = await frontend.admit_completion(body, request.headers)
+        return await _answer(frontend.start(choices), _collectors(frontend, body, choices, "completion",
+                                                                  body.logprobs is not None), body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        req = await frontend.admit_chat(body, request.headers)
-        col = Collector(kind="chat", request_id=req.request_id, model=frontend.model_name,
-                        tokenizer=frontend.limits.tokenizer, logprobs=body.logprobs,
-                        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                        return_token_ids=body.return_token_ids)
-        return await _answer(frontend.start(req), col, body.stream)
+        choices = await frontend.admit_chat(body, request.headers)
+        return await _answer(frontend.start(choices), _collectors(frontend, body, choices, "chat",
+                                                                  body.logprobs), body.stream)
 
     return app
 
 
-async def _answer(run: Run, col: Collector, stream: bool):
-    headers = {"x-request-id": run.req.request_id}
+def _collectors(frontend: OpenAIFrontend, body, choices: list[Choice], kind: str, logprobs: bool) -> Answer:
+    usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Answer([Collector(kind=kind, request_id=c.response_id, model=frontend.model_name,
+                             tokenizer=frontend.limits.tokenizer, logprobs=logprobs, include_usage=usage,
+                             return_token_ids=body.return_token_ids, index=c.index, echo=c.echo)
+                   for c in choices], [c.prompt for c in choices])
+
+
+async def _answer(run: Run, answer: Answer, stream: bool):
+    headers = {"x-request-id": run.request_id}
     try:
-        first = await run.next()  # a refusal before the first token is the response's status
+        first = await run.first_messages()  # a refusal before the first token is the response's status
     except BaseException:
         run.close()
         raise
     if stream:
-        return EventSourceResponse(_events(run, col, first), headers=headers)
+        return EventSourceResponse(_events(run, answer, first), headers=headers)
     try:
-        msg = first
-        while msg is not None:
-            col.add(msg)
-            msg = await run.next()
+        for index, msg in first:
+            answer.add(index, msg)
+        while (item := await run.next()) is not None:
+            answer.add(*item)
     finally:
         run.close()
-    body = col.response()
-    if col.report is not None:
-        headers.update(report_headers(col.report, col.usage))
+    body = answer.response()
+    if answer.first.report is not None:
+        headers.update(report_headers(answer.first.report, answer.usage or answer.first.usage))
     return JSONResponse(body, headers=headers)
 
 
-async def _events(run: Run, col: Collector, first) -> AsyncIterator[bytes]:
+async def _events(run: Run, answer: Answer, first: list) -> AsyncIterator[bytes]:
     try:
-        opener = col.first_chunk()
-        if opener is not None:
+        for opener in answer.first_chunks():
             yield _sse(opener)
-        msg = first
-        while msg is not None:
-            for chunk in col.chunk(msg):
+        for index, msg in first:
+            for chunk in answer.chunk(index, msg):
                 yield _sse(chunk)
+        while True:
             try:
-                msg = await run.next()
+                item = await run.next()
             except OpenAIError as exc:  # after the first token the status is sent: report in-band
                 yield _sse(exc.body())
                 break
+            if item is None:
+                break
+            for chunk in answer.chunk(*item):
+                yield _sse(chunk)
         yield _DONE
     finally:
-        run.close()  # the client went away mid-stream: the request's task is cancelled, blocks freed
+        run.close()  # the client went away mid-stream: the requests' tasks are cancelled, blocks freed

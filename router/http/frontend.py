@@ -6,8 +6,15 @@ same validation and messages, large prompts tokenized off the event loop), the s
 (placement, sessions, retries, cleanup) and the same ``generate_messages`` (detokenization, stop
 strings, the final path report). Nothing about serving is decided here, only translated:
 
-- ``model`` must name the served model (404 otherwise); ``n`` must be 1; a field OpenAI defines
-  but the cluster does not implement is refused when set (``schemas.UNSUPPORTED``);
+- ``model`` must name the served model (404 otherwise); a field OpenAI defines but the cluster
+  does not implement is refused when set (``schemas.UNSUPPORTED``);
+- ``n`` choices per prompt, and a batch of prompts (``/v1/completions``), are one router request per
+  choice (at most ``MAX_CHOICES`` in all), each admitted, placed, streamed and cleaned up on its own;
+  the prompt is tokenized once per prompt. Choice ``j`` of a seeded request samples with ``seed +
+  j`` (as vLLM's), so choices differ and each is reproducible; greedy choices are equal. They share
+  the request's session (a session-affine router sends them to one worker, whose prefix cache then
+  holds the prompt for the later ones). Choice ``index`` is ``prompt * n + j``;
+- ``echo`` (completions) puts the prompt's text before the completion's;
 - chat ``messages`` are checked (roles, text-only content) and rendered with the model's chat
   template (``router/chat_template.py``), then tokenized without adding special tokens again;
 - ``x-session-affinity`` / ``x-reusable-prefix-len`` headers carry what gRPC carries in
@@ -15,15 +22,16 @@ strings, the final path report). Nothing about serving is decided here, only tra
 - ``max_tokens`` (or ``max_completion_tokens``) defaults to 16 for completions, as OpenAI's, and to
   the rest of the context for chat.
 
-``start`` runs a request in a task of its own that fills a queue (``Run``): the HTTP side reads the
-queue, and a client that goes away cancels the task once, exactly as gRPC cancels a servicer, so
-the Pipeline's cleanup (Release on decode, Abort on prefill) runs whatever the ASGI server does to
-the response's own task.
+``start`` runs each choice's request in a task of its own that fills one queue for the HTTP request
+(``Run``): the HTTP side reads the queue, and a client that goes away cancels the tasks once,
+exactly as gRPC cancels a servicer, so the Pipeline's cleanup (Release on decode, Abort on prefill)
+runs whatever the ASGI server does to the response's own task. One choice failing ends them all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
@@ -43,45 +51,82 @@ MAX_COMPLETION_LOGPROBS = 5   # OpenAI's limits on the alternatives per token (t
 MAX_CHAT_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 INLINE_ENCODE_CHARS = 16 * 1024  # longer rendered chats are tokenized on the tokenize pool
+MAX_CHOICES = 128  # router requests one HTTP request may start (n x prompts; OpenAI caps n at 128)
 _END = object()
+_INT64 = 1 << 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One router request of an HTTP request: choice ``index`` of prompt ``prompt``."""
+    index: int
+    prompt: int
+    req: Admitted
+    response_id: str  # the HTTP request's: its answer's id and x-request-id
+    echo: str = ""  # completions with echo: the prompt's text
 
 
 class Run:
-    """One request's response messages, produced by its own task (see the module docstring)."""
+    """The response messages of an HTTP request's choices, each produced by its own task (see the
+    module docstring), read as ``(choice index, message)`` in the order they come."""
 
     _live: set[asyncio.Task] = set()  # strong references: a running request is never collected
 
-    def __init__(self, pipeline: Pipeline, req: Admitted, tokenizer: object | None) -> None:
-        self.req = req
+    def __init__(self, pipeline: Pipeline, choices: list[Choice], tokenizer: object | None) -> None:
+        self.choices = choices
+        self.request_id = choices[0].response_id
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(self._pump(pipeline, tokenizer),
-                                                            name=f"http-{req.request_id}")
-        Run._live.add(self._task)
-        self._task.add_done_callback(Run._live.discard)
+        loop = asyncio.get_running_loop()
+        self._tasks = []
+        for c in choices:
+            task = loop.create_task(self._pump(pipeline, c, tokenizer), name=f"http-{c.req.request_id}")
+            Run._live.add(task)
+            task.add_done_callback(Run._live.discard)
+            self._tasks.append(task)
+        self._open = len(choices)
+        self._started: set[int] = set()
 
-    async def _pump(self, pipeline: Pipeline, tokenizer: object | None) -> None:
+    async def _pump(self, pipeline: Pipeline, choice: Choice, tokenizer: object | None) -> None:
         try:
-            async for msg in generate_messages(pipeline, self.req, tokenizer, None):
-                self._queue.put_nowait(msg)
-            self._queue.put_nowait(_END)
+            async for msg in generate_messages(pipeline, choice.req, tokenizer, None):
+                self._queue.put_nowait((choice.index, msg))
+            self._queue.put_nowait((choice.index, _END))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the reader, which maps it to an HTTP error
-            self._queue.put_nowait(exc)
+            self._queue.put_nowait((choice.index, exc))
 
-    async def next(self) -> router_pb2.GenerateResponse | None:
-        """The next message, None at the end; OpenAIError when the request failed."""
-        item = await self._queue.get()
-        if item is _END:
-            return None
-        if isinstance(item, BaseException):
-            raise to_openai_error(item)
-        return item
+    async def next(self) -> tuple[int, router_pb2.GenerateResponse] | None:
+        """The next (choice index, message), None once every choice has ended; OpenAIError when one
+        failed (the others are cancelled then)."""
+        while self._open:
+            index, item = await self._queue.get()
+            if item is _END:
+                self._open -= 1
+                continue
+            if isinstance(item, BaseException):
+                self.close()
+                raise to_openai_error(item)
+            self._started.add(index)
+            return index, item
+        return None
+
+    async def first_messages(self) -> list[tuple[int, router_pb2.GenerateResponse]]:
+        """Every choice's first message (the messages that came meanwhile too, in order), so that a
+        refusal of any choice before its first token is the HTTP response's status."""
+        got = []
+        while len(self._started) < len(self.choices):
+            item = await self.next()
+            if item is None:
+                break
+            got.append(item)
+        return got
 
     def close(self) -> None:
-        """Cancel the request if it is still running (synchronous: safe inside a cancelled scope)."""
-        if not self._task.done():
-            self._task.cancel()
+        """Cancel every choice still running (synchronous: safe inside a cancelled scope)."""
+        for task in self._tasks:
+            if not task.done():
+                task.cancel()
 
 
 def to_openai_error(exc: BaseException) -> OpenAIError:
@@ -110,29 +155,43 @@ class OpenAIFrontend:
         self.serving = serving
 
     # ---- requests ---------------------------------------------------------------------------------
-    async def admit_completion(self, body: CompletionRequest, headers: Mapping[str, str]) -> Admitted:
+    async def admit_completion(self, body: CompletionRequest, headers: Mapping[str, str]) -> list[Choice]:
         self._common_checks(body)
-        req = self._generate_request(body, headers)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise bad_request("a batch of prompts is not supported: send one prompt per request",
-                                  param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            req.text = prompt
-        else:
-            req.token_ids.ids.extend(prompt)
-        if body.logprobs is not None:
-            if not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:  # OpenAI's limit
-                raise bad_request(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got "
-                                  f"{body.logprobs}", param="logprobs")
-            req.sampling.logprobs = body.logprobs
+        prompts = body.prompt
+        if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+            prompts = [prompts]  # one prompt: a text, or token ids
+        self._check_choices(body.n, len(prompts))
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:  # OpenAI's
+            raise bad_request(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got "
+                              f"{body.logprobs}", param="logprobs")
+        if body.echo and body.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (the cluster returns no prompt "
+                              "logprobs)", param="echo")
+        if body.echo and self.limits.tokenizer is None:
+            raise bad_request("echo needs the model's tokenizer (tokenizer.json)", param="echo")
         max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
-        return await self._admit(req, max_tokens, headers)
+        base = uuid.uuid4().hex
+        choices: list[Choice] = []
+        for p, prompt in enumerate(prompts):
+            req = self._generate_request(body, headers)
+            req.request_id = f"{base}-p{p}" if len(prompts) > 1 else base
+            if isinstance(prompt, str):
+                req.text = prompt
+            else:
+                req.token_ids.ids.extend(prompt)
+            if body.logprobs is not None:
+                req.sampling.logprobs = body.logprobs
+            admitted = await self._admit(req, max_tokens, headers)
+            echo = ""
+            if body.echo:
+                echo = prompt if isinstance(prompt, str) else self.limits.tokenizer.decode(
+                    admitted.prompt_ids, skip_special_tokens=False)
+            choices.extend(self._fan_out(admitted, body.n, p, base, echo))
+        return choices
 
-    async def admit_chat(self, body: ChatCompletionRequest, headers: Mapping[str, str]) -> Admitted:
+    async def admit_chat(self, body: ChatCompletionRequest, headers: Mapping[str, str]) -> list[Choice]:
         self._common_checks(body)
+        self._check_choices(body.n, 1)
         if self.chat_template is None:
             raise bad_request(f"model {self.model_name!r} has no chat template (chat_template.jinja or "
                               f"tokenizer_config.json chat_template): use /v1/completions",
@@ -163,10 +222,10 @@ class OpenAIFrontend:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI: as long as the context allows
             max_tokens = max(1, self.limits.max_model_len - len(ids))
-        return await self._admit(req, max_tokens, headers)
+        return self._fan_out(await self._admit(req, max_tokens, headers), body.n, 0, req.request_id)
 
-    def start(self, req: Admitted) -> Run:
-        return Run(self.pipeline, req, self.limits.tokenizer)
+    def start(self, choices: list[Choice]) -> Run:
+        return Run(self.pipeline, choices, self.limits.tokenizer)
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _common_checks(self, body) -> None:
@@ -176,12 +235,35 @@ class OpenAIFrontend:
             raise OpenAIError(404, f"the model {body.model!r} does not exist: this router serves "
                                    f"{self.model_name!r} (GET /v1/models)", code="model_not_found",
                               param="model")
-        if body.n != 1:
-            raise bad_request(f"n must be 1, got {body.n}: send one request per completion", param="n")
         for name, (neutral, message) in UNSUPPORTED.items():
             value = getattr(body, name, None)
             if value is not None and value != neutral and not (value == 1 and name == "best_of"):
                 raise bad_request(message, param=name)
+
+    @staticmethod
+    def _check_choices(n: int, prompts: int) -> None:
+        if n < 1:
+            raise bad_request(f"n must be at least 1, got {n}", param="n")
+        if n * prompts > MAX_CHOICES:
+            what = f"n ({n}) x prompts ({prompts})" if prompts > 1 else f"n ({n})"
+            raise bad_request(f"{what} asks for {n * prompts} completions; at most {MAX_CHOICES} per "
+                              f"request", param="n")
+
+    @staticmethod
+    def _fan_out(req: Admitted, n: int, prompt: int, response_id: str, echo: str = "") -> list[Choice]:
+        """The n choices of one admitted prompt: choice j is the same request under its own id, with
+        ``seed + j`` when seeded (wrapped to int64)."""
+        if n == 1:
+            return [Choice(prompt, prompt, req, response_id, echo)]
+        out = []
+        for j in range(n):
+            params = req.params
+            if params.seed is not None:
+                seed = (params.seed + j + (_INT64 >> 1)) % _INT64 - (_INT64 >> 1)
+                params = dataclasses.replace(params, seed=seed)
+            child = dataclasses.replace(req, request_id=f"{req.request_id}-{j}", params=params)
+            out.append(Choice(prompt * n + j, prompt, child, response_id, echo))
+        return out
 
     def _generate_request(self, body, headers: Mapping[str, str]) -> router_pb2.GenerateRequest:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())

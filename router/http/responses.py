@@ -1,11 +1,18 @@
 """The router's response messages → OpenAI response objects and stream chunks.
 
-One ``Collector`` per request: it reads the ``GenerateResponse`` messages the shared path produces
-(text deltas already detokenized and cut at stop strings, logprobs, the final path report) and
-shapes them as a completion or a chat completion, whole or as chunks. The final message's
-serving metadata (workers, transport, KV blocks and bytes, cached tokens, the TTFT stages) goes
-into the ``pdserve`` extension field of the last object, and into ``x-pdserve-*`` headers of a
-non-streamed answer, so HTTP users see what ``FinalInfo`` tells gRPC users.
+One ``Collector`` per choice: it reads the ``GenerateResponse`` messages the shared path produces
+for one router request (text deltas already detokenized and cut at stop strings, logprobs, the final
+path report) and shapes them as a completion or a chat completion choice, whole or as chunks. An
+``Answer`` holds the choices of one HTTP request (``n`` per prompt, every prompt of a batch: one
+router request each, frontend.py) and makes the response object, or the stream's chunks in the order
+the choices' messages arrive, each carrying its choice's ``index``. Usage counts each prompt once
+and every choice's completion tokens, as OpenAI's does.
+
+The final message's serving metadata (workers, transport, KV blocks and bytes, cached tokens, the
+TTFT stages) goes into the ``pdserve`` extension field (of the response, and of each choice when
+there are several; of a stream's finishing chunk of each choice), and the first choice's into the
+``x-pdserve-*`` headers of a non-streamed answer, so HTTP users see what ``FinalInfo`` tells gRPC
+users.
 """
 
 from __future__ import annotations
@@ -34,8 +41,13 @@ def report_headers(report: dict, usage: dict) -> dict[str, str]:
 
 class Collector:
     def __init__(self, *, kind: str, request_id: str, model: str, tokenizer: object | None,
-                 logprobs: bool, include_usage: bool = False, return_token_ids: bool = False) -> None:
+                 logprobs: bool, include_usage: bool = False, return_token_ids: bool = False,
+                 index: int = 0, echo: str = "") -> None:
+        """``request_id``: the HTTP request's (every choice of it shares the response id); ``echo``:
+        text put before the completion's (``echo`` of a completion: its prompt)."""
         self.chat = kind == "chat"
+        self.index = index
+        self.echo = echo
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
         self.created = int(time.time())
         self.model = model
@@ -68,28 +80,35 @@ class Collector:
             self.report = path_report(f)
 
     # ---- whole answers ----------------------------------------------------------------------------
-    def response(self) -> dict:
-        text = "".join(self.text)
+    def choice(self) -> dict:
+        text = self.echo + "".join(self.text)
         lps = self._logprobs(self.token_ids, self.token_logprobs, self.top) if self.logprobs else None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
-                      "finish_reason": self.finish_reason}
-            obj = "chat.completion"
+            choice = {"index": self.index, "message": {"role": "assistant", "content": text},
+                      "logprobs": lps, "finish_reason": self.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": self.finish_reason}
-            obj = "text_completion"
+            choice = {"index": self.index, "text": text, "logprobs": lps, "finish_reason": self.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = self.token_ids
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage, "pdserve": self.report}
+        return choice
+
+    def response(self) -> dict:
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [self.choice()],
+                "usage": self.usage, "pdserve": self.report}
 
     # ---- stream chunks ----------------------------------------------------------------------------
     def first_chunk(self) -> dict | None:
-        """Chat opens with the assistant's role (OpenAI's first delta); completions need no opener."""
-        return self._chunk({"role": "assistant", "content": ""}, None) if self.chat else None
+        """Chat opens with the assistant's role (OpenAI's first delta); a completion with ``echo`` with
+        its prompt; other completions need no opener."""
+        if self.chat:
+            return self._chunk({"role": "assistant", "content": ""}, None)
+        return self._chunk(self.echo, None) if self.echo else None
 
-    def chunk(self, msg: router_pb2.GenerateResponse) -> list[dict]:
-        """The chunks for one router message: its text (if any), then the final ones."""
+    def chunk(self, msg: router_pb2.GenerateResponse, *, usage_chunk: bool = True) -> list[dict]:
+        """The chunks for one router message: its text (if any), then the final ones (the usage chunk
+        too when ``include_usage`` and ``usage_chunk``: an ``Answer`` of several choices sends its
+        own once all have finished)."""
         self.add(msg)
         out = []
         lps = (self._logprobs(list(msg.token_ids), list(msg.logprobs),
@@ -105,18 +124,21 @@ class Collector:
             last = self._chunk({} if self.chat else "", self.finish_reason)
             last["pdserve"] = self.report
             out.append(last)
-            if self.include_usage:
-                out.append({"id": self.id, "object": self._chunk_object(), "created": self.created,
-                            "model": self.model, "choices": [], "usage": self.usage})
+            if self.include_usage and usage_chunk:
+                out.append(self.usage_chunk(self.usage))
         return out
+
+    def usage_chunk(self, usage: dict | None) -> dict:
+        return {"id": self.id, "object": self._chunk_object(), "created": self.created,
+                "model": self.model, "choices": [], "usage": usage}
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def _chunk(self, delta, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-        choice = ({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = ({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
                   if self.chat else
-                  {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason})
+                  {"index": self.index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason})
         out = {"id": self.id, "object": self._chunk_object(), "created": self.created, "model": self.model,
                "choices": [choice]}
         if self.include_usage:
@@ -153,3 +175,57 @@ class Collector:
                 d.setdefault(tok, lp)
         return {"tokens": tokens, "token_logprobs": lps[:len(tokens)], "top_logprobs": top_dicts,
                 "text_offset": offsets}
+
+
+class Answer:
+    """The choices of one HTTP request, in index order. ``prompt_of[i]``: which prompt choice i
+    answers (usage counts a prompt's tokens, and its cached tokens, once: from its first choice)."""
+
+    def __init__(self, collectors: list[Collector], prompt_of: list[int]) -> None:
+        self.collectors = collectors
+        self.prompt_of = prompt_of
+        self._finished = 0
+
+    @property
+    def first(self) -> Collector:
+        return self.collectors[0]
+
+    def add(self, index: int, msg: router_pb2.GenerateResponse) -> None:
+        self.collectors[index].add(msg)
+
+    @property
+    def usage(self) -> dict | None:
+        if any(c.usage is None for c in self.collectors):
+            return None
+        if len(self.collectors) == 1:
+            return self.first.usage
+        prompt = cached = completion = 0
+        counted: set[int] = set()
+        for c, p in zip(self.collectors, self.prompt_of, strict=True):
+            completion += c.usage["completion_tokens"]
+            if p not in counted:
+                counted.add(p)
+                prompt += c.usage["prompt_tokens"]
+                cached += c.usage["prompt_tokens_details"]["cached_tokens"]
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def response(self) -> dict:
+        out = self.first.response()
+        if len(self.collectors) > 1:
+            out["choices"] = [dict(c.choice(), pdserve=c.report) for c in self.collectors]
+            out["usage"] = self.usage
+        return out
+
+    def first_chunks(self) -> list[dict]:
+        return [chunk for c in self.collectors if (chunk := c.first_chunk()) is not None]
+
+    def chunk(self, index: int, msg: router_pb2.GenerateResponse) -> list[dict]:
+        if len(self.collectors) == 1:
+            return self.first.chunk(msg)
+        out = self.collectors[index].chunk(msg, usage_chunk=False)
+        if msg.HasField("final"):
+            self._finished += 1
+            if self._finished == len(self.collectors) and self.first.include_usage:
+                out.append(self.first.usage_chunk(self.usage))
+        return out

@@ -87,7 +87,6 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
     "presence_penalty": (0.0, "presence_penalty is not supported"),
     "frequency_penalty": (0.0, "frequency_penalty is not supported"),
     "logit_bias": ({}, "logit_bias is not supported"),
-    "echo": (False, "echo is not supported (the cluster returns no prompt logprobs)"),
     "best_of": (1, "best_of > 1 is not supported"),
     "suffix": ("", "suffix is not supported"),
     "tools": ([], "tools are not supported"),

@@ -12,7 +12,6 @@ import time
 
 import grpc
 import openai
-import openai_cluster
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai_cluster import KEY, MODEL, openai_client, raw
@@ -20,7 +19,6 @@ from openai_cluster import KEY, MODEL, openai_client, raw
 from pdserve.client import Client
 
 pytestmark = pytest.mark.slow
-http_cluster = openai_cluster.http_cluster  # the shared cluster fixture
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -46,8 +44,10 @@ def expect_error(cluster, path: str, body, status: int, *, contains: str = "", *
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "top_p": -1}, 400, "top_p"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "top_k": -3}, 400, "top_k"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n must be 1"),
-    (COMPLETIONS, {"model": MODEL, "prompt": ["a", "b"]}, 400, "batch of prompts"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n must be at least 1"),
+    (COMPLETIONS, {"model": MODEL, "prompt": ["a", "b"], "n": 65}, 400, "at most 128 per request"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 129}, 400, "at most 128"),
+    (COMPLETIONS, {"model": MODEL, "prompt": [[1], [5, 999999]]}, 400, "out of range"),
     (COMPLETIONS, {"model": MODEL, "prompt": [5, 999999]}, 400, "out of range"),
     (COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, "empty"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs must be between 0 and 5"),
@@ -55,7 +55,7 @@ def expect_error(cluster, path: str, body, status: int, *, contains: str = "", *
             "top_logprobs": 21}, 400, "top_logprobs must be between 0 and 20"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs=true"),
-    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo with logprobs"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      400, "tools"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "seed": 2**70}, 400, "seed"),

@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 
-import openai_cluster
 import pytest
 from openai_cluster import KEY, MODEL, openai_client, raw
 
@@ -21,7 +20,6 @@ from pdserve.client import Client, build_request
 from router.chat_template import ChatTemplate
 
 pytestmark = pytest.mark.slow
-http_cluster = openai_cluster.http_cluster  # the shared cluster fixture
 PROMPT = "The quick brown fox jumps over the lazy dog and"
 AUTH = [("authorization", f"Bearer {KEY}")]
 

@@ -115,3 +115,68 @@ def test_every_grpc_code_has_a_status() -> None:
     assert HTTP_STATUS[grpc.StatusCode.UNAUTHENTICATED] == 401
     assert HTTP_STATUS[grpc.StatusCode.NOT_FOUND] == 404
     assert router_pb2.GenerateRequest  # the wire types the door translates into are importable
+
+
+class ChoicePipeline:
+    """Answers each choice with two tokens, except the request ids in ``fail`` (refused before their
+    first token, after ``delay`` s); records which requests ran and which were cancelled."""
+
+    def __init__(self, fail: set[str] = frozenset(), delay: float = 0.0, hold: float = 0.0) -> None:
+        self.fail, self.delay, self.hold = fail, delay, hold
+        self.seen: list[tuple[str, int | None]] = []
+        self.cancelled: list[str] = []
+
+    async def run(self, req, timeout):
+        from router.pipeline import Done, ServingMeta, Tokens
+
+        self.seen.append((req.request_id, req.params.seed))
+        try:
+            if req.request_id in self.fail:
+                await asyncio.sleep(self.delay)
+                raise refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "every decode worker is full", retry_ms=900)
+            yield FirstToken(11, None)
+            await asyncio.sleep(self.hold)
+            yield Tokens([12], [], [])
+            yield Done("length", 2, ServingMeta(cached_tokens=1))
+        except asyncio.CancelledError:
+            self.cancelled.append(req.request_id)
+            raise
+
+
+def test_n_choices_fan_out_with_seeds_and_indexes() -> None:
+    pipe = ChoicePipeline()
+    status, headers, body = serve_and_call(pipe, "/v1/completions",
+                                           {"model": "m", "prompt": [[1, 2], [3]], "n": 2, "seed": 2**63 - 1,
+                                            "max_tokens": 2, "temperature": 1})
+    out = json.loads(body)
+    assert status == 200, out
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    rid = headers["x-request-id"]
+    assert out["id"] == f"cmpl-{rid}"
+    # prompt p, choice j: its own request id and seed + j (wrapped to int64, as the wire holds it)
+    assert sorted(pipe.seen) == sorted([(f"{rid}-p0-0", 2**63 - 1), (f"{rid}-p0-1", -2**63),
+                                        (f"{rid}-p1-0", 2**63 - 1), (f"{rid}-p1-1", -2**63)])
+    # each prompt counted once (2 + 1 tokens, 1 cached each), every choice's 2 completion tokens
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11,
+                            "prompt_tokens_details": {"cached_tokens": 2}}
+    assert all(c["pdserve"] is not None for c in out["choices"])
+
+
+def test_a_choice_refused_before_its_first_token_fails_the_request_and_cancels_the_rest() -> None:
+    """One choice shed while its siblings already stream: the answer is that refusal (429 with the
+    router's hint), and the siblings' requests are cancelled (their pipeline cleanup runs)."""
+    pipe = ChoicePipeline(delay=0.3, hold=30.0)
+    pipe.fail = {"x"}  # set below, once the ids are known: fail the last choice of any request
+
+    class LastFails(ChoicePipeline):
+        async def run(self, req, timeout):
+            if req.request_id.endswith("-2"):
+                pipe.fail = {req.request_id}
+            async for e in pipe.run(req, timeout):
+                yield e
+
+    status, headers, body = serve_and_call(LastFails(), "/v1/completions",
+                                           {"model": "m", "prompt": [1, 2], "n": 3, "stream": True})
+    assert status == 429 and headers["retry-after"] == "1"
+    assert json.loads(body)["error"]["type"] == "rate_limit_error"
+    assert sorted(r.rsplit("-", 1)[1] for r in pipe.cancelled) == ["0", "1"]
