@@ -238,7 +238,7 @@ class ModelRunner:
         if samplers:
             logits = self.model.compute_logits(self._rows(hidden, rows))
             out = self.sampler(logits, [s.seq.params for s in samplers],
-                               [s.seq.generator for s in samplers])
+                               [s.seq.generator for s in samplers], [s.seq.penalties for s in samplers])
             if feeds_next and self.tp is not None:
                 self.tp.broadcast(out.token_ids)  # the other ranks' input for the next step
             step.take(out)

@@ -25,6 +25,7 @@ def checked_prompt(prompt_ids: Seq[int], params: SamplingParams, *, vocab_size: 
                              f"{max_model_len} tokens (at least one token must be generated)")
     if params.stop and not has_tokenizer:
         raise ValueError("stop strings need a tokenizer; this model directory has no tokenizer.json")
+    params.check_vocab(vocab_size)
     if params.seed_draws >= max_model_len:  # a longer skip is no stream this request resumes
         raise ValueError(f"seed_draws {params.seed_draws} must be below the context of {max_model_len}")
     total = min(len(prompt) + (1 if prefill_only else params.max_tokens), max_model_len)
@@ -33,3 +34,4 @@ def checked_prompt(prompt_ids: Seq[int], params: SamplingParams, *, vocab_size: 
         raise RequestTooLong(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs "
                              f"{need} KV blocks of {block_size} tokens; the cache has only {total_blocks}")
     return prompt
+

@@ -9,6 +9,8 @@ One call handles greedy and random rows together, vectorized over the batch:
   generator advances only when its row samples, so a seed gives the same tokens whatever shares
   the batch; unseeded rows draw from one shared generator;
 * greedy rows take ``argmax`` of the raw logits, independent of everything else;
+* rows with penalties or a logit bias (engine.penalties) have them applied first, greedy rows too,
+  and their picks counted on the device;
 * optional log-probabilities (of the raw distribution, as a model score) of the chosen token and
   the top-``n`` alternatives.
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.penalties import PenaltyState, penalized_logits, record_picks
 from engine.staging import to_device
 from pdserve.sampling import SamplingParams
 
@@ -68,21 +71,28 @@ class Sampler:
             self._shared.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator | None]) -> SamplerOutput:
-        """``logits [B, V]`` float32; ``generators[i]`` is row i's own generator (None: shared)."""
+                 generators: Sequence[torch.Generator | None],
+                 penalties: Sequence[PenaltyState | None] | None = None) -> SamplerOutput:
+        """``logits [B, V]`` float32; ``generators[i]`` is row i's own generator (None: shared);
+        ``penalties[i]`` row i's penalty state (None, or no list: none)."""
         n = logits.shape[0]
-        if n != len(params) or n != len(generators):
+        if n != len(params) or n != len(generators) or (penalties is not None and n != len(penalties)):
             raise ValueError(f"{n} logit rows for {len(params)} params / {len(generators)} generators")
+        pen_rows = [i for i, s in enumerate(penalties or ()) if s is not None]
+        pen_states = [penalties[i] for i in pen_rows]
+        work = penalized_logits(logits, pen_rows, pen_states) if pen_rows else logits
         greedy = [p.temperature == 0.0 for p in params]
-        tokens = logits.argmax(dim=-1)
+        tokens = work.argmax(dim=-1)
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
-            sampled = self._sample(logits[rows] if len(rows) < n else logits,
+            sampled = self._sample(work[rows] if len(rows) < n else work,
                                    [params[i] for i in rows], [generators[i] for i in rows])
             if len(rows) == n:
                 tokens = sampled
             else:
                 tokens[_on(rows, logits.device)] = sampled
+        if pen_rows:
+            record_picks(tokens, pen_rows, pen_states)
         out = SamplerOutput(token_ids=tokens)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:

@@ -41,6 +41,7 @@ class Sequence:
         self.num_registered = 0  # leading blocks already published to the prefix cache
         self.hashes: list[int] = []  # chained hashes of the full blocks of ``tokens``
         self.generator: torch.Generator | None = None
+        self.penalties = None  # engine.penalties.PenaltyState of a request with penalties or a bias
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""  # detokenized output, tracked only for stop strings

@@ -110,12 +110,16 @@ def build_request(*, prompt: str | None = None, prompt_ids: Sequence[int] | None
                   top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                   stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                   reusable_prefix_len: int | None = None, logprobs: int | None = None,
+                  presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                  repetition_penalty: float | None = None, logit_bias: dict[int, float] | None = None,
                   ) -> router_pb2.GenerateRequest:
-    """``logprobs``: None = off, 0 = each token's logprob, N = also its N most likely alternatives."""
+    """``logprobs``: None = off, 0 = each token's logprob, N = also its N most likely alternatives.
+    Penalties and ``logit_bias`` (token id -> bias) as in ``SamplingParams`` (pdserve.sampling)."""
     sampling = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids),
-                                         ignore_eos=ignore_eos)
+                                         ignore_eos=ignore_eos, logit_bias=logit_bias or {})
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
-                        ("logprobs", logprobs)):
+                        ("logprobs", logprobs), ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty)):
         if value is not None:
             setattr(sampling, name, value)
     req = router_pb2.GenerateRequest(request_id=request_id, sampling=sampling, max_tokens=max_tokens,

@@ -5,6 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+MAX_PENALTY = 2.0  # presence / frequency, OpenAI's range
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -15,6 +20,11 @@ class SamplingParams:
     whatever else shares the batch. ``logprobs`` (``None`` = off) asks for the sampled token's
     log-probability plus that many top alternatives. Stop strings need a tokenizer; the returned
     text is cut before the stop string, the token ids keep the token that completed it.
+
+    Penalties change the logits before any selection, greedy included (engine.penalties): OpenAI's
+    ``presence_penalty`` and ``frequency_penalty`` on the generated tokens, ``repetition_penalty``
+    (vLLM's and transformers') on the prompt's and the generated ones, and ``logit_bias`` (token id,
+    bias) pairs added to their logits. Log-probabilities stay those of the model's own distribution.
     """
 
     max_tokens: int = 16
@@ -29,8 +39,12 @@ class SamplingParams:
     # seeded rows: draws already taken from the seed's stream (a continued request resumes it there)
     seed_draws: int = 0
     # a continued request: its last stop_context prompt tokens were generated before (stop strings are
-    # looked for across them and the new tokens)
+    # looked for across them and the new tokens; the penalties count them as generated)
     stop_context: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), token ids ascending
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,7 +70,36 @@ class SamplingParams:
             raise ValueError(f"stop_context must be an int >= 0, got {self.stop_context!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        rp = self.repetition_penalty
+        if not (isinstance(rp, (int, float)) and 0.0 < rp <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {rp!r}")
+        bias = dict(self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias)
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        for token, value in bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not (isinstance(value, (int, float)) and abs(value) <= MAX_LOGIT_BIAS_VALUE):
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                                 f"{MAX_LOGIT_BIAS_VALUE:g}], got {value!r} for token {token}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in bias.items())))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError unless every logit_bias token is in the vocabulary (its ids are sorted)."""
+        if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
+            bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or bias changes this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)

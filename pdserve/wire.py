@@ -52,7 +52,10 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, max_tokens: int | None =
         raise ValueError(f"stop_context must be at most {INT32_MAX}, got {msg.stop_context}")
     if not 1 <= max_tokens <= INT32_MAX:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    return SamplingParams(
+    penalties = {name: finite(name, getattr(msg, name)) for name in
+                 ("presence_penalty", "frequency_penalty", "repetition_penalty") if msg.HasField(name)}
+    bias = {int(t): finite(f"logit_bias[{t}]", v) for t, v in msg.logit_bias.items()}
+    return SamplingParams(**penalties, logit_bias=tuple(bias.items()),
         max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
         seed=int(msg.seed) if msg.HasField("seed") else None, stop=tuple(msg.stop),
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids), ignore_eos=bool(msg.ignore_eos),
@@ -71,6 +74,14 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.logprobs = params.logprobs
     msg.seed_draws = params.seed_draws
     msg.stop_context = params.stop_context
+    if params.presence_penalty:
+        msg.presence_penalty = params.presence_penalty
+    if params.frequency_penalty:
+        msg.frequency_penalty = params.frequency_penalty
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
+    for token, bias in params.logit_bias:
+        msg.logit_bias[token] = bias
     return msg
 
 

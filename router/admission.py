@@ -79,6 +79,7 @@ def _check(req: router_pb2.GenerateRequest, limits: ModelLimits, metadata_sessio
         raise ValueError("prompt is empty: set `text` or `token_ids`")
     max_tokens = req.max_tokens if req.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     params = sampling_from_proto(req.sampling, max_tokens)
+    params.check_vocab(limits.vocab_size)
     room = limits.max_model_len - params.max_tokens
     if params.seed_draws >= limits.max_model_len:
         raise ValueError(f"seed_draws must be below the model's context of {limits.max_model_len}")

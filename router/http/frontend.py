@@ -270,9 +270,14 @@ class OpenAIFrontend:
         sampling = common_pb2.SamplingParams(stop=stop, ignore_eos=body.ignore_eos)
         try:
             sampling.stop_token_ids.extend(body.stop_token_ids or ())
-            for name in ("temperature", "top_p", "seed"):
+            for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                         "repetition_penalty"):
                 if (value := getattr(body, name)) is not None:
                     setattr(sampling, name, value)
+            for token, bias in (body.logit_bias or {}).items():
+                if not token.strip().lstrip("-").isdigit():
+                    raise bad_request(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
+                sampling.logit_bias[int(token)] = bias
             if body.top_k is not None:
                 sampling.top_k = 0 if body.top_k == -1 else body.top_k  # -1: "off", as vLLM spells it
         except (ValueError, TypeError) as exc:  # a value the wire type cannot hold

@@ -40,10 +40,10 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
     return_token_ids: bool = False  # vLLM extension: each choice also carries the generated token ids
-    # declared only to refuse a non-default value (UNSUPPORTED)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # vLLM extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias
 
 
 class CompletionRequest(_Sampling):
@@ -84,9 +84,6 @@ class ChatCompletionRequest(_Sampling):
 
 # field -> (the value meaning "not used", what to say); a request with anything else is refused
 UNSUPPORTED: dict[str, tuple[object, str]] = {
-    "presence_penalty": (0.0, "presence_penalty is not supported"),
-    "frequency_penalty": (0.0, "frequency_penalty is not supported"),
-    "logit_bias": ({}, "logit_bias is not supported"),
     "best_of": (1, "best_of > 1 is not supported"),
     "suffix": ("", "suffix is not supported"),
     "tools": ([], "tools are not supported"),

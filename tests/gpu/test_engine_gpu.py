@@ -148,7 +148,8 @@ def test_steps_launched_ahead_equal_synchronous_steps(make_checkpoint, monkeypat
     """On CUDA decode steps are launched before the previous step's tokens are read (engine.step_ahead):
     the next step's input ids come from the previous step's sampled ids on the device and its staging is
     written while that step runs. Requests that stop by length run the same batches either way, so greedy
-    and seeded tokens and their logprobs must be bitwise the same, with and without CUDA graphs."""
+    and seeded tokens (penalized ones too) and their logprobs must be bitwise the same, with and without
+    CUDA graphs."""
     monkeypatch.setenv("PDSERVE_CUDA_GRAPHS", graphs)
     path = make_checkpoint(preset="small", dtype="bfloat16")
     results, launched = [], []
@@ -162,6 +163,13 @@ def test_steps_launched_ahead_equal_synchronous_steps(make_checkpoint, monkeypat
                     for i, p in enumerate(ps)}
         requests.update({f"s{i}": (p, SamplingParams(max_tokens=20, temperature=0.8, top_k=50, seed=i,
                                                      logprobs=2, ignore_eos=True))
+                         for i, p in enumerate(ps[:2])})
+        # penalties: their statistics are updated on the device as tokens are picked (engine.penalties),
+        # so a step launched ahead sees the previous step's token
+        requests.update({f"p{i}": (p, SamplingParams(max_tokens=18, ignore_eos=True, frequency_penalty=0.9,
+                                                     presence_penalty=0.3, repetition_penalty=1.2,
+                                                     logit_bias={5 + i: 2.0}, logprobs=1,
+                                                     **({"temperature": 0.7, "seed": 9} if i else {})))
                          for i, p in enumerate(ps[:2])})
         results.append(_drive(eng, requests))
         launched.append(sum(fed))

@@ -66,6 +66,34 @@ def cluster(make_checkpoint, tmp_path_factory):
         assert {w: s.free_blocks for w, s in stats.items()} == c.start_free
 
 
+def test_penalties_and_bias_match_engine(cluster) -> None:
+    """Penalized greedy and seeded requests, disaggregated: the prefill worker picks the first token
+    with them, the decode worker counts it and goes on; equal to the in-process engine."""
+    from engine.engine import EngineConfig, LLMEngine
+    from pdserve.sampling import SamplingParams
+
+    ps = prompts()[1:5]
+    kws = [dict(max_tokens=16, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5),
+           dict(max_tokens=16, ignore_eos=True, repetition_penalty=1.4, logit_bias={9: 4.0, 10: -100.0}),
+           dict(max_tokens=16, ignore_eos=True, temperature=0.9, seed=11, frequency_penalty=0.8),
+           dict(max_tokens=16, ignore_eos=True, presence_penalty=-0.5, logit_bias={12: 1.5})]
+    engine = LLMEngine(EngineConfig(model=str(cluster.model), num_blocks=256, device="cpu"))
+    want = [engine.generate([p], SamplingParams(**kw))[0] for p, kw in zip(ps, kws, strict=True)]
+    results: list = [None] * len(ps)
+
+    def one(i: int) -> None:
+        with Client(cluster.router, timeout=120) as c:
+            results[i] = c.generate(prompt_ids=ps[i], **kws[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert [r.token_ids for r in results] == want
+    assert 10 not in results[1].token_ids
+
+
 def test_greedy_matches_engine_concurrent(cluster) -> None:
     ps = prompts()
     want = reference(cluster.model, ps, MAX_TOKENS)

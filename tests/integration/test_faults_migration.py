@@ -3,10 +3,11 @@
 One cluster for the module: 1 prefill + 2 decode workers over TCP, the launcher's supervisor
 restarting dead processes after 0.5 s. Covers:
 
-- ``kill -9`` of a decode worker under 16 greedy + 4 seeded streams: every stream completes, token for
-  token what one in-process engine produces without a fault (the router continues each of the dead
-  worker's streams on the other decode worker from prompt + the tokens already sent, and the seeded
-  ones resume their seed's stream), the dead worker is back at its address under a new incarnation
+- ``kill -9`` of a decode worker under 16 greedy + 4 seeded streams (three of them with penalties and
+  a logit bias): every stream completes, token for token what one in-process engine produces without
+  a fault (the router continues each of the dead worker's streams on the other decode worker from
+  prompt + the tokens already sent, the seeded ones resume their seed's stream, the penalties count
+  the tokens already sent), the dead worker is back at its address under a new incarnation
   (the time is printed: the supervisor adds its 0.5 s backoff to a process start), the router counted
   the death and the restart;
 - ``kill -9`` of the only prefill worker while requests arrive: they wait for its restart and
@@ -148,6 +149,10 @@ def test_decode_worker_killed_mid_stream_streams_continue_token_exact(cluster) -
     params = [dict(max_tokens=MAX_TOKENS, ignore_eos=True) for _ in range(16)]
     params += [dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, top_k=50, seed=100 + i)
                for i in range(4)]
+    # penalties count the tokens sent before the move (engine.penalties): greedy and seeded
+    for i in (0, 1, 16):
+        params[i].update(frequency_penalty=0.6, presence_penalty=0.4, repetition_penalty=1.1,
+                         logit_bias={7 + i: 2.5})
     want = reference(cluster.model, prompts, params)
     before = scrape(cluster.metrics_port)
     # every stream is decoding: kill the decode worker running the most of them

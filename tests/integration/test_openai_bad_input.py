@@ -59,6 +59,13 @@ def expect_error(cluster, path: str, body, status: int, *, contains: str = "", *
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      400, "tools"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "seed": 2**70}, 400, "seed"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias keys"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, 400,
+     "outside the vocabulary"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 500}}, 400,
+     "logit_bias values"),
 ])
 def test_bad_input_is_refused(http_cluster, path, body, status, contains) -> None:
     expect_error(http_cluster, path, body, status, contains=contains)

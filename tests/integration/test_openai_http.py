@@ -241,3 +241,19 @@ def test_load_generator_over_http_matches_grpc(http_cluster) -> None:
                                        input_len=parse_dist("4"), output_len=parse_dist("2"),
                                        backend="openai", api_key="sk-wrong")))
     assert not bad[0].ok and bad[0].error == "UNAUTHENTICATED"
+
+
+def test_penalties_and_logit_bias_match_grpc(http_cluster) -> None:
+    """OpenAI's presence / frequency penalties and logit_bias (string keys, as its JSON has them), and
+    vLLM's repetition_penalty, reach the engine: the same tokens as the gRPC door's fields."""
+    client = openai_client(http_cluster)
+    kw = dict(presence_penalty=0.8, frequency_penalty=1.1, logit_bias={"9": 3.0, "10": -100})
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, **kw,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True,
+                                              "repetition_penalty": 1.3})
+    grpc_res, _ = grpc_generate(http_cluster, prompt=PROMPT, max_tokens=12, ignore_eos=True,
+                                presence_penalty=0.8, frequency_penalty=1.1, repetition_penalty=1.3,
+                                logit_bias={9: 3.0, 10: -100.0})
+    plain, _ = grpc_generate(http_cluster, prompt=PROMPT, max_tokens=12, ignore_eos=True)
+    ids = r.choices[0].model_extra["token_ids"]
+    assert ids == grpc_res.token_ids != plain.token_ids and 10 not in ids

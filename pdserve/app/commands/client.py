@@ -11,6 +11,8 @@ import argparse
 import json
 import sys
 
+from pdserve.app import penalty_flags
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("client", help="send one prompt to a router and stream the answer")
@@ -27,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    penalty_flags.add(p)
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds (default 120)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--tls-dir", help="TLS: verify the router against DIR/ca.crt (and present DIR/client.crt)")
@@ -54,10 +57,16 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError:
         print("INVALID_ARGUMENT: --prompt-ids must be comma-separated integers", file=sys.stderr)
         return 1
+    try:
+        penalties = penalty_flags.values(args)
+    except ValueError as exc:
+        print(f"INVALID_ARGUMENT: {exc}", file=sys.stderr)
+        return 1
     req = build_request(prompt=args.prompt, prompt_ids=ids, max_tokens=args.max_tokens,
                         session_id=args.session,
                         request_id=args.request_id, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                        top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                        **penalties)
     col = _Collector()
     try:
         with Client(args.router, tls_dir=args.tls_dir) as client:

@@ -15,6 +15,8 @@ import json
 import sys
 import time
 
+from pdserve.app import penalty_flags
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate from one prompt with the local engine",
@@ -31,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
                    help="stop when the text contains any of these strings (needs a tokenizer)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    penalty_flags.add(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
-                                ignore_eos=args.ignore_eos)
+                                ignore_eos=args.ignore_eos, **penalty_flags.values(args))
     except ValueError as exc:
         return _fail(str(exc))
     prompt_ids = None
