@@ -164,13 +164,15 @@ def test_steps_launched_ahead_equal_synchronous_steps(make_checkpoint, monkeypat
         requests.update({f"s{i}": (p, SamplingParams(max_tokens=20, temperature=0.8, top_k=50, seed=i,
                                                      logprobs=2, ignore_eos=True))
                          for i, p in enumerate(ps[:2])})
-        # penalties: their statistics are updated on the device as tokens are picked (engine.penalties),
-        # so a step launched ahead sees the previous step's token
-        requests.update({f"p{i}": (p, SamplingParams(max_tokens=18, ignore_eos=True, frequency_penalty=0.9,
-                                                     presence_penalty=0.3, repetition_penalty=1.2,
-                                                     logit_bias={5 + i: 2.0}, logprobs=1,
-                                                     **({"temperature": 0.7, "seed": 9} if i else {})))
-                         for i, p in enumerate(ps[:2])})
+        # one greedy and one seeded request with penalties: their statistics are updated on the device as
+        # tokens are picked (engine.penalties), so a step launched ahead sees the previous step's token.
+        # (In place of two others: more requests than max_num_seqs would queue, and a finish read one
+        # step late would then admit them in other batches.)
+        penalties = dict(frequency_penalty=0.9, presence_penalty=0.3, repetition_penalty=1.2,
+                         logit_bias={5: 2.0})
+        requests["g4"] = (ps[4], SamplingParams(max_tokens=32, logprobs=1, ignore_eos=True, **penalties))
+        requests["s1"] = (ps[1], SamplingParams(max_tokens=20, temperature=0.8, top_k=50, seed=1, logprobs=2,
+                                                ignore_eos=True, **penalties))
         results.append(_drive(eng, requests))
         launched.append(sum(fed))
     assert results[0] == results[1]
