@@ -98,12 +98,13 @@ def main() -> None:
                     decode_ms(engine, config, batch, context, steps))
     assert engine.leak_report() is None, engine.leak_report()
     device = "cpu" if cpu else torch.cuda.get_device_name(0)
-    result = {"what": "decode step with every row / half the rows penalized (frequency, presence, repetition, "
-                      "an 8-token bias) vs none, one engine, rounds alternated",
+    result = {"what": "decode step with every row / half the rows penalized (frequency, presence, "
+                      "repetition, an 8-token bias) vs none, one engine, rounds alternated",
               "preset": preset, "device": device, "date": dt.date.today().isoformat(),
               "command": bench_command(), "context": context, "steps": steps, "rounds": args.rounds,
               "overlap_steps": engine.overlap_steps, "rows": []}
-    lines = ["| batch x context | none ms/step | penalized ms/step (x) | half ms/step (x) |", "|---|---|---|---|"]
+    lines = ["| batch x context | none ms/step | penalized ms/step (x) | half ms/step (x) |",
+             "|---|---|---|---|"]
     for batch, by in times.items():
         med = {c: statistics.median(v) for c, v in by.items()}
         row = {"batch": batch, **{f"{c}_ms": round(m, 3) for c, m in med.items()},

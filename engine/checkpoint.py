@@ -37,13 +37,27 @@ BOS_TOKEN, EOS_TOKEN, EOT_TOKEN = "<|begin_of_text|>", "<|end_of_text|>", "<|eot
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, EOT_TOKEN)  # trained first, so their ids are 0, 1, 2
 BOS_ID, EOS_ID, EOT_ID = 0, 1, 2
 TOKENIZER_VOCAB = 1024
-# Meta's Llama 3 Instruct chat template, so `/v1/chat/completions` works on random presets. The random
-# tokenizer has no header specials: <|start_header_id|> / <|end_header_id|> encode as ordinary text.
+# Meta's Llama 3 Instruct chat template, so `/v1/chat/completions` works on random presets, with Llama
+# 3.1's tool use: the tools in a system turn ahead of the conversation, an assistant's calls as
+# {"name": ..., "parameters": ...} JSON (router/http/tools.py reads them back: "llama3_json"), a tool's
+# answer as an "ipython" turn. The random tokenizer has no header specials: <|start_header_id|> /
+# <|end_header_id|> encode as ordinary text.
 LLAMA3_CHAT_TEMPLATE = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    "+ message['content'] | trim + '<|eot_id|>' %}"
-    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{{ bos_token }}"
+    "{% if tools %}{{ '<|start_header_id|>system<|end_header_id|>\n\nYou have access to the following "
+    "functions. To call one, respond with JSON in the format {\"name\": function name, \"parameters\": "
+    "dictionary of argument name and its value}.\n\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}{{ '<|eot_id|>' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] is defined %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% for call in message['tool_calls'] %}{% if not loop.first %}{{ '; ' }}{% endif %}"
+    "{{ '{\"name\": ' + (call['function']['name'] | tojson) + ', \"parameters\": '"
+    " + (call['function']['arguments'] | tojson) + '}' }}{% endfor %}{{ '<|eot_id|>' }}"
+    "{% else %}"
+    "{% set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
+    "{{ '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 PRESETS = ("tiny", "small", "llama3-8b", "llama3-70b", "llama3-70b-short")

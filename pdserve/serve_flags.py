@@ -20,6 +20,7 @@ from pdserve.settings import (
     POLICIES,
     ROLES,
     ROUTER_MODES,
+    TOOL_CALL_PARSERS,
     TRANSPORTS,
 )
 
@@ -35,6 +36,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--http-port", type=int, help="router: OpenAI-compatible HTTP API port on --host (0 = off, default)")
     a("--served-model-name", help="router: the model name the HTTP API answers to (default: the model "
       "directory's name)")
+    a("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+      help="router: how the HTTP API reads tool calls in chat answers: hermes (<tool_call> JSON, Qwen2.5 "
+      "and Hermes), llama3_json (Llama 3.1+ JSON calls), none, or auto (default: from the chat template)")
     a("--api-key", action="append", help="router: a key clients must send (authorization: Bearer KEY) on "
       "gRPC and HTTP; repeatable; PDSERVE_API_KEY takes a comma-separated list")
     a("--api-keys-file", help="router: file of accepted keys, one a line, re-read when it changes")

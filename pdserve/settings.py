@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 
 ROLES = ("prefill", "decode", "router", "colocated")
 TRANSPORTS = ("auto", "nixl", "tcp")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")  # router/http/tools.py PARSERS
 DISCOVERY = ("static", "redis", "k8s", "file")
 POLICIES = ("prefix", "session+prefix", "prefix_only", "round_robin", "least_loaded")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -65,6 +66,7 @@ class ServeSettings:
     # (default: the model directory's name)
     http_port: int = 0
     served_model_name: str = ""
+    tool_call_parser: str = "auto"  # router: how chat answers' tool calls are read (router/http/tools.py)
     # router: keys clients must present on both doors (authorization: Bearer KEY); the file holds one
     # key a line and is re-read when it changes (rotation without a restart)
     api_key: tuple[str, ...] = ()
@@ -176,6 +178,7 @@ class ServeSettings:
     def __post_init__(self) -> None:
         _one_of("role", self.role, ROLES)
         _one_of("transport", self.transport, TRANSPORTS)
+        _one_of("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         _one_of("discovery", self.discovery, DISCOVERY)
         _one_of("policy", self.policy, POLICIES)
         _one_of("dtype", self.dtype, DTYPES)

@@ -137,7 +137,8 @@ def _collectors(frontend: OpenAIFrontend, body, choices: list[Choice], kind: str
     usage = bool(body.stream_options and body.stream_options.include_usage)
     return Answer([Collector(kind=kind, request_id=c.response_id, model=frontend.model_name,
                              tokenizer=frontend.limits.tokenizer, logprobs=logprobs, include_usage=usage,
-                             return_token_ids=body.return_token_ids, index=c.index, echo=c.echo)
+                             return_token_ids=body.return_token_ids, index=c.index, echo=c.echo,
+                             tool_parser=c.tool_parser)
                    for c in choices], [c.prompt for c in choices])
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
@@ -40,6 +41,7 @@ from pdserve.v1 import common_pb2, router_pb2
 from pdserve.wire import retry_after_ms
 from router.admission import SESSION_METADATA_KEY, Admitted, ModelLimits, admit_async
 from router.chat_template import ChatTemplate, ChatTemplateError
+from router.http import tools
 from router.http.errors import OpenAIError, bad_request
 from router.http.schemas import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, TextPart
 from router.pipeline import Pipeline, RequestFailed
@@ -64,6 +66,7 @@ class Choice:
     req: Admitted
     response_id: str  # the HTTP request's: its answer's id and x-request-id
     echo: str = ""  # completions with echo: the prompt's text
+    tool_parser: str | None = None  # chat with tools: how its answer's calls are read (tools.py)
 
 
 class Run:
@@ -146,13 +149,17 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
 class OpenAIFrontend:
     def __init__(self, *, pipeline: Pipeline, limits: ModelLimits, model_name: str,
                  chat_template: ChatTemplate | None, tokenize_pool: Executor | None = None,
-                 serving: Callable[[], bool] = lambda: True) -> None:
+                 serving: Callable[[], bool] = lambda: True, tool_call_parser: str = "auto") -> None:
         self.pipeline = pipeline
         self.limits = limits
         self.model_name = model_name
         self.chat_template = chat_template
         self.tokenize_pool = tokenize_pool
         self.serving = serving
+        if tool_call_parser not in tools.PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {tools.PARSERS}, got {tool_call_parser!r}")
+        self.tool_parser = (tools.detect(chat_template.source if chat_template else None)
+                            if tool_call_parser == "auto" else tool_call_parser)
 
     # ---- requests ---------------------------------------------------------------------------------
     async def admit_completion(self, body: CompletionRequest, headers: Mapping[str, str]) -> list[Choice]:
@@ -206,8 +213,10 @@ class OpenAIFrontend:
             if body.top_logprobs and not body.logprobs:
                 raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         messages = _chat_messages(body)
+        tool_defs, parser = self._tools(body)
         try:
-            text = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
+            text = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt,
+                                             tools=tool_defs)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), param="messages") from None
         if len(text) > INLINE_ENCODE_CHARS:
@@ -222,7 +231,8 @@ class OpenAIFrontend:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI: as long as the context allows
             max_tokens = max(1, self.limits.max_model_len - len(ids))
-        return self._fan_out(await self._admit(req, max_tokens, headers), body.n, 0, req.request_id)
+        return self._fan_out(await self._admit(req, max_tokens, headers), body.n, 0, req.request_id,
+                             tool_parser=parser)
 
     def start(self, choices: list[Choice]) -> Run:
         return Run(self.pipeline, choices, self.limits.tokenizer)
@@ -249,12 +259,36 @@ class OpenAIFrontend:
             raise bad_request(f"{what} asks for {n * prompts} completions; at most {MAX_CHOICES} per "
                               f"request", param="n")
 
+    def _tools(self, body: ChatCompletionRequest) -> tuple[list[dict] | None, str | None]:
+        """(the tool definitions the template renders, the parser of the answer's calls or None)."""
+        choice = body.tool_choice
+        if not body.tools:
+            if choice not in (None, "none"):
+                raise bad_request("tool_choice needs tools", param="tool_choice")
+            return None, None
+        if choice == "required" or isinstance(choice, dict):
+            raise bad_request("tool_choice 'required' or a named function needs constrained decoding, "
+                              "which this cluster does not do: use 'auto' (the default) or 'none'",
+                              param="tool_choice")
+        if not tools.renders_tools(self.chat_template.source):
+            raise bad_request(f"the chat template of {self.model_name!r} does not render tools",
+                              param="tools")
+        defs = [t.model_dump(exclude_none=True) for t in body.tools]
+        if choice == "none":
+            return defs, None
+        if self.tool_parser == "none":
+            raise bad_request(f"no tool-call parser for {self.model_name!r}: its chat template shows no call "
+                              f"syntax this router reads (start it with --tool-call-parser hermes or "
+                              f"llama3_json), or send tool_choice 'none'", param="tools")
+        return defs, self.tool_parser
+
     @staticmethod
-    def _fan_out(req: Admitted, n: int, prompt: int, response_id: str, echo: str = "") -> list[Choice]:
+    def _fan_out(req: Admitted, n: int, prompt: int, response_id: str, echo: str = "", *,
+                 tool_parser: str | None = None) -> list[Choice]:
         """The n choices of one admitted prompt: choice j is the same request under its own id, with
         ``seed + j`` when seeded (wrapped to int64)."""
         if n == 1:
-            return [Choice(prompt, prompt, req, response_id, echo)]
+            return [Choice(prompt, prompt, req, response_id, echo, tool_parser)]
         out = []
         for j in range(n):
             params = req.params
@@ -262,7 +296,7 @@ class OpenAIFrontend:
                 seed = (params.seed + j + (_INT64 >> 1)) % _INT64 - (_INT64 >> 1)
                 params = dataclasses.replace(params, seed=seed)
             child = dataclasses.replace(req, request_id=f"{req.request_id}-{j}", params=params)
-            out.append(Choice(prompt * n + j, prompt, child, response_id, echo))
+            out.append(Choice(prompt * n + j, prompt, child, response_id, echo, tool_parser))
         return out
 
     def _generate_request(self, body, headers: Mapping[str, str]) -> router_pb2.GenerateRequest:
@@ -322,11 +356,34 @@ def _chat_messages(body: ChatCompletionRequest) -> list[dict]:
                                       f"are supported", param=f"messages[{i}].content")
                 parts.append(part.text)
             content = "".join(parts)
-        if content is None:
+        if m.tool_calls and m.role != "assistant":
+            raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls",
+                              param=f"messages[{i}].tool_calls")
+        if content is None and not (m.role == "assistant" and m.tool_calls):
             raise bad_request(f"messages[{i}].content is missing", param=f"messages[{i}].content")
         # "developer" is OpenAI's newer name for the system role; templates know "system"
         msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [_template_call(c, i) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
+    return out
+
+
+def _template_call(call, i: int) -> dict:
+    """An earlier call as chat templates read it: arguments as an object (OpenAI sends a JSON string;
+    templates write it with ``tojson``)."""
+    args = call.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise bad_request(f"messages[{i}].tool_calls: arguments of {call.function.name!r} are not JSON",
+                              param=f"messages[{i}].tool_calls") from None
+    out = {"type": "function", "function": {"name": call.function.name, "arguments": args}}
+    if call.id is not None:
+        out["id"] = call.id
     return out

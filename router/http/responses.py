@@ -21,6 +21,7 @@ import time
 
 from pdserve.v1 import router_pb2
 from pdserve.wire import report, top_pairs
+from router.http.tools import ToolStream, parse
 
 # FinalInfo fields also sent as x-pdserve-<name> headers on a non-streamed answer
 HEADER_FIELDS = ("prefill_worker", "decode_worker", "transport", "kv_bytes_sent", "prefill_mode")
@@ -42,12 +43,15 @@ def report_headers(report: dict, usage: dict) -> dict[str, str]:
 class Collector:
     def __init__(self, *, kind: str, request_id: str, model: str, tokenizer: object | None,
                  logprobs: bool, include_usage: bool = False, return_token_ids: bool = False,
-                 index: int = 0, echo: str = "") -> None:
+                 index: int = 0, echo: str = "", tool_parser: str | None = None) -> None:
         """``request_id``: the HTTP request's (every choice of it shares the response id); ``echo``:
-        text put before the completion's (``echo`` of a completion: its prompt)."""
+        text put before the completion's (``echo`` of a completion: its prompt); ``tool_parser``: a
+        chat answer's tool calls are read with it (router/http/tools.py)."""
         self.chat = kind == "chat"
         self.index = index
         self.echo = echo
+        self.tool_parser = tool_parser if self.chat else None
+        self._tools = ToolStream(tool_parser) if self.tool_parser else None
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
         self.created = int(time.time())
         self.model = model
@@ -84,8 +88,13 @@ class Collector:
         text = self.echo + "".join(self.text)
         lps = self._logprobs(self.token_ids, self.token_logprobs, self.top) if self.logprobs else None
         if self.chat:
-            choice = {"index": self.index, "message": {"role": "assistant", "content": text},
-                      "logprobs": lps, "finish_reason": self.finish_reason}
+            cut = self.finish_reason == "length"  # a call cut short is no call
+            content, calls = parse(self.tool_parser, text) if self.tool_parser and not cut else (text, [])
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": self.index, "message": message, "logprobs": lps,
+                      "finish_reason": "tool_calls" if calls else self.finish_reason}
         else:
             choice = {"index": self.index, "text": text, "logprobs": lps, "finish_reason": self.finish_reason}
         if self.return_token_ids:
@@ -115,13 +124,23 @@ class Collector:
                               [top_pairs(t) for t in msg.top_logprobs])
                if self.logprobs and msg.token_ids else None)
         final = msg.HasField("final")
-        if msg.text or lps or (self.return_token_ids and msg.token_ids):
-            delta = {"content": msg.text} if self.chat else msg.text
+        text = self._tools.feed(msg.text) if self._tools is not None else msg.text
+        if text or lps or (self.return_token_ids and msg.token_ids):
+            delta = {"content": text} if self.chat else text
             out.append(self._chunk(delta, None, lps))
             if self.return_token_ids:
                 out[-1]["choices"][0]["token_ids"] = list(msg.token_ids)
+        finish = self.finish_reason
+        if final and self._tools is not None:
+            rest, calls = self._tools.finish(self.finish_reason)
+            if rest:
+                out.append(self._chunk({"content": rest}, None))
+            if calls:
+                deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+                out.append(self._chunk({"tool_calls": deltas}, None))
+                finish = "tool_calls"
         if final:
-            last = self._chunk({} if self.chat else "", self.finish_reason)
+            last = self._chunk({} if self.chat else "", finish)
             last["pdserve"] = self.report
             out.append(last)
             if self.include_usage and usage_chunk:

@@ -64,10 +64,35 @@ class OtherPart(_Body):
     type: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class ChatCompletionRequest(_Sampling):
@@ -77,8 +102,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=-INT32, le=INT32)
     add_generation_prompt: bool = True  # vLLM extension
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: Any = None
 
 
@@ -86,7 +112,5 @@ class ChatCompletionRequest(_Sampling):
 UNSUPPORTED: dict[str, tuple[object, str]] = {
     "best_of": (1, "best_of > 1 is not supported"),
     "suffix": ("", "suffix is not supported"),
-    "tools": ([], "tools are not supported"),
-    "tool_choice": ("none", "tool_choice is not supported"),
     "response_format": ({"type": "text"}, "response_format is not supported"),
 }

@@ -86,7 +86,7 @@ async def serve_http(servicer, settings, *, keys=None, healthy=lambda: True) -> 
                               model_name=settings.served_model_name or os.path.basename(
                                   os.path.normpath(settings.model)),
                               chat_template=template, tokenize_pool=getattr(servicer, "tokenize_pool", None),
-                              serving=healthy)
+                              serving=healthy, tool_call_parser=settings.tool_call_parser)
     max_body = min(MAX_BODY_BYTES, getattr(settings, "max_request_bytes", MAX_BODY_BYTES))
     server = HttpServer(build_app(frontend, keys=keys, healthy=healthy, max_body_bytes=max_body),
                         host=settings.host,

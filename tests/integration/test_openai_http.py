@@ -257,3 +257,24 @@ def test_penalties_and_logit_bias_match_grpc(http_cluster) -> None:
     plain, _ = grpc_generate(http_cluster, prompt=PROMPT, max_tokens=12, ignore_eos=True)
     ids = r.choices[0].model_extra["token_ids"]
     assert ids == grpc_res.token_ids != plain.token_ids and 10 not in ids
+
+
+def test_chat_with_tools_renders_them_and_answers(http_cluster) -> None:
+    """Tools reach the prompt through the model's template (its Llama 3.1 tool syntax), the answer is
+    the gRPC door's greedy answer to that rendering; a random model calls no tool, so it is content
+    (the call parsing itself: tests/unit/test_tool_calls.py)."""
+    from engine.tokenizer import Tokenizer
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    client = openai_client(http_cluster)
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=8,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    prompt = ChatTemplate.from_model_dir(http_cluster.model).render(messages, tools=tools)
+    assert "get_weather" in prompt
+    ids = Tokenizer.from_dir(http_cluster.model).encode(prompt, add_special_tokens=False)
+    want, _ = grpc_generate(http_cluster, prompt_ids=ids, max_tokens=8, ignore_eos=True)
+    choice = r.choices[0]
+    assert choice.model_extra["token_ids"] == want.token_ids
+    assert choice.message.content == want.text and choice.finish_reason == "length"
+    assert not choice.message.tool_calls
