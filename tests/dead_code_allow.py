@@ -14,13 +14,11 @@ _.__cuda_array_interface__  # torch.as_tensor reads it (engine/early_upload.py h
 _.num_prefill_tokens  # FlashInferMetadata field, kept for repr/debugging of a step's plan
 _.generated_tokens  # engine counters, exported whole (dataclasses.asdict) in stats
 _.decode_cached  # scoring record field, shown in the placement's path report
-_.presence_penalty  # OpenAI request fields: parsed so they can be refused by name (router/http)
-_.frequency_penalty
-_.logit_bias
-_.echo
-_.best_of
-_.tool_choice
+_.best_of  # OpenAI request fields: parsed so they can be refused by name (router/http)
 _.response_format
+_.description  # tool definitions: handed whole to the chat template (model_dump, router/http/frontend.py)
+_.strict  # OpenAI request fields accepted and not acted on (router/http/schemas.py)
+_.parallel_tool_calls
 _.allocate_ms  # protobuf message fields set by the pipeline (read by the client)
 _.prefill_mode_reason
 _.prefill_worker

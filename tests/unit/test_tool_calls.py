@@ -34,7 +34,8 @@ def test_hermes_calls_and_content() -> None:
     assert content == "Let me look."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert args(calls[0]) == {"city": "Paris"} and args(calls[1]) == {}
-    for not_a_call in ("plain answer", "<tool_call>{not json}</tool_call>", '<tool_call>{"x": 1}</tool_call>'):
+    for not_a_call in ("plain answer", "<tool_call>{not json}</tool_call>",
+                       '<tool_call>{"x": 1}</tool_call>'):
         assert parse("hermes", not_a_call) == (not_a_call, [])
 
 
@@ -141,7 +142,8 @@ def test_the_template_gets_the_tools_the_calls_and_the_answers() -> None:
     body = ChatCompletionRequest(model="m", tools=[WEATHER], messages=[
         {"role": "user", "content": "Weather in Rome?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
     text = t.render(_chat_messages(body), tools=[x.model_dump(exclude_none=True) for x in body.tools])
     assert '"name": "get_weather"' in text and "Weather of a city" in text
