@@ -2,6 +2,7 @@
 
     POST /v1/completions        POST /v1/chat/completions   (``stream: true``: server-sent events,
     GET  /v1/models             GET  /health                 ending with ``data: [DONE]``)
+    GET  /v1/models/{model}     POST /tokenize, /detokenize  (vLLM's: ids of a prompt or chat, and back)
 
 Routes only translate (``frontend.py`` builds and admits the request, ``responses.py`` shapes the
 answer). A streamed request waits for its first message before the response starts, so a refusal
@@ -31,7 +32,7 @@ from router.api_keys import ApiKeys, bearer_token
 from router.http.errors import OpenAIError
 from router.http.frontend import Choice, OpenAIFrontend, Run
 from router.http.responses import Answer, Collector, report_headers
-from router.http.schemas import ChatCompletionRequest, CompletionRequest
+from router.http.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a 128k-token prompt as JSON token ids is under 1 MiB
 OPEN_PATHS = frozenset({"/health"})
@@ -112,11 +113,29 @@ def build_app(frontend: OpenAIFrontend, *, keys: ApiKeys | None = None,
         ok = healthy()
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
+    def model_card() -> dict:
+        return {"id": frontend.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+                "max_model_len": frontend.limits.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": 0,
-                                            "owned_by": "pdserve",
-                                            "max_model_len": frontend.limits.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        if model != frontend.model_name:
+            raise OpenAIError(404, f"the model {model!r} does not exist: this router serves "
+                                   f"{frontend.model_name!r}", code="model_not_found", param="model")
+        return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        ids = await frontend.tokenize(body)
+        return {"count": len(ids), "max_model_len": frontend.limits.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return {"prompt": frontend.detokenize(body)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -38,12 +38,19 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 
 from pdserve.v1 import common_pb2, router_pb2
-from pdserve.wire import retry_after_ms
+from pdserve.wire import retry_after_ms, validate_token_ids
 from router.admission import SESSION_METADATA_KEY, Admitted, ModelLimits, admit_async
 from router.chat_template import ChatTemplate, ChatTemplateError
 from router.http import tools
 from router.http.errors import OpenAIError, bad_request
-from router.http.schemas import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, TextPart
+from router.http.schemas import (
+    UNSUPPORTED,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TextPart,
+    TokenizeRequest,
+)
 from router.pipeline import Pipeline, RequestFailed
 from router.service import generate_messages
 
@@ -234,6 +241,45 @@ class OpenAIFrontend:
         return self._fan_out(await self._admit(req, max_tokens, headers), body.n, 0, req.request_id,
                              tool_parser=parser)
 
+    async def tokenize(self, body: TokenizeRequest) -> list[int]:
+        """vLLM's /tokenize: the ids a completion's prompt or a chat's messages become here."""
+        self._check_model(body.model)
+        tok = self._tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("send either prompt or messages", param="prompt")
+        if body.prompt is not None:
+            text, special = body.prompt, body.add_special_tokens
+        else:
+            if self.chat_template is None:
+                raise bad_request(f"model {self.model_name!r} has no chat template", param="messages")
+            chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools)
+            try:
+                text = self.chat_template.render(
+                    _chat_messages(chat), add_generation_prompt=body.add_generation_prompt,
+                    tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
+            except ChatTemplateError as exc:
+                raise bad_request(str(exc), param="messages") from None
+            special = False
+        if len(text) > INLINE_ENCODE_CHARS:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.tokenize_pool,
+                                              lambda: tok.encode_releasing_gil(text, special))
+        return tok.encode(text, add_special_tokens=special)
+
+    def detokenize(self, body: DetokenizeRequest) -> str:
+        self._check_model(body.model)
+        tok = self._tokenizer()
+        try:
+            ids = validate_token_ids(body.tokens, self.limits.vocab_size)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="tokens") from None
+        return tok.decode(ids, skip_special_tokens=False)
+
+    def _tokenizer(self):
+        if self.limits.tokenizer is None:
+            raise bad_request(f"model {self.model_name!r} has no tokenizer.json")
+        return self.limits.tokenizer
+
     def start(self, choices: list[Choice]) -> Run:
         return Run(self.pipeline, choices, self.limits.tokenizer)
 
@@ -241,14 +287,17 @@ class OpenAIFrontend:
     def _common_checks(self, body) -> None:
         if not self.serving():
             raise OpenAIError(503, "the router is not serving (starting or draining)")
-        if body.model != self.model_name:
-            raise OpenAIError(404, f"the model {body.model!r} does not exist: this router serves "
-                                   f"{self.model_name!r} (GET /v1/models)", code="model_not_found",
-                              param="model")
+        self._check_model(body.model)
         for name, (neutral, message) in UNSUPPORTED.items():
             value = getattr(body, name, None)
             if value is not None and value != neutral and not (value == 1 and name == "best_of"):
                 raise bad_request(message, param=name)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise OpenAIError(404, f"the model {model!r} does not exist: this router serves "
+                                   f"{self.model_name!r} (GET /v1/models)", code="model_not_found",
+                              param="model")
 
     @staticmethod
     def _check_choices(n: int, prompts: int) -> None:

@@ -114,3 +114,18 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
     "suffix": ("", "suffix is not supported"),
     "response_format": ({"type": "text"}, "response_format is not supported"),
 }
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered as /v1/chat/completions would."""
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only: a chat rendering holds its special tokens already
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str
+    tokens: list[int]

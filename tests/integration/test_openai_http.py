@@ -207,6 +207,9 @@ def test_models_health_and_report_headers(http_cluster) -> None:
     client = openai_client(http_cluster)
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    status, _, body = raw(http_cluster, "GET", "/v1/models/gpt-4")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
     status, _, body = raw(http_cluster, "GET", "/health", key=None)
     assert status == 200 and body["status"] == "ok"
     status, headers, body = raw(http_cluster, "POST", "/v1/completions",
@@ -278,3 +281,24 @@ def test_chat_with_tools_renders_them_and_answers(http_cluster) -> None:
     assert choice.model_extra["token_ids"] == want.token_ids
     assert choice.message.content == want.text and choice.finish_reason == "length"
     assert not choice.message.tool_calls
+
+
+def test_tokenize_and_detokenize(http_cluster) -> None:
+    """vLLM's /tokenize and /detokenize: a prompt's ids are what the door generates from (its usage),
+    a chat's are the template's rendering; bad ids and a wrong model are refused."""
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(http_cluster.model)
+    status, _, body = raw(http_cluster, "POST", "/tokenize", {"model": MODEL, "prompt": PROMPT})
+    assert status == 200 and body["tokens"] == tok.encode(PROMPT) and body["count"] == len(body["tokens"])
+    r = openai_client(http_cluster).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    assert r.usage.prompt_tokens == body["count"]
+    messages = [{"role": "user", "content": "Name a fox."}]
+    status, _, chat = raw(http_cluster, "POST", "/tokenize", {"model": MODEL, "messages": messages})
+    rendered = ChatTemplate.from_model_dir(http_cluster.model).render(messages)
+    assert status == 200 and chat["tokens"] == tok.encode(rendered, add_special_tokens=False)
+    status, _, back = raw(http_cluster, "POST", "/detokenize", {"model": MODEL, "tokens": chat["tokens"]})
+    assert status == 200 and back["prompt"] == rendered
+    assert raw(http_cluster, "POST", "/detokenize", {"model": MODEL, "tokens": [99999]})[0] == 400
+    assert raw(http_cluster, "POST", "/tokenize", {"model": "x", "prompt": "a"})[0] == 404
+    assert raw(http_cluster, "POST", "/tokenize", {"model": MODEL})[0] == 400
