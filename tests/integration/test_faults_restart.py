@@ -177,3 +177,45 @@ def test_ray_launcher_restarts_killed_and_frozen_workers(make_checkpoint, tmp_pa
             up.kill()
             up.wait(30)
         log.close()
+
+
+def test_router_killed_streams_fail_fast_it_comes_back_and_nothing_leaks(make_checkpoint, tmp_path) -> None:
+    """kill -9 of the router under 8 streams (some still in prefill, most decoding): every client gets a
+    status at once (UNAVAILABLE: its stream's server is gone), the supervisor brings the router back at
+    the same address, a request is served token-exact, and every block of both pools comes back (the
+    workers free what the dead router's calls held when those calls break)."""
+    model = make_checkpoint("llama")
+    policy = RestartPolicy(backoff_s=0.2, max_backoff_s=1.0, max_restarts=3, window_s=120.0, poll_s=0.2)
+    with LocalCluster(model, prefill=1, decode=1, transport="tcp", run_dir=tmp_path, restart=policy) as c:
+        start = c.free_blocks()
+        prompts = [prompt(i) for i in range(8)]
+        params = [dict(max_tokens=MAX_TOKENS, ignore_eos=True) for _ in prompts]
+        started = threading.Event()
+        threads, results = stream_all(c.router, prompts, params, started, min_tokens=1)
+        assert started.wait(240)
+        router = c.cluster.router
+        old_pid = router.pid
+        router.ref.kill()
+        killed = time.monotonic()
+        for t in threads:
+            t.join(60)
+        assert all(isinstance(r, grpc.RpcError) for r in results), results
+        assert {r.code() for r in results} <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+        failed_in = time.monotonic() - killed
+        want = reference(model, [prompts[0]], [dict(max_tokens=12)])[0]
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with Client(c.router, timeout=10) as cl:
+                    got = cl.generate(prompt_ids=prompts[0], max_tokens=12)
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the router did not come back"
+                time.sleep(0.2)
+        back = time.monotonic() - killed
+        print(f"\nstreams failed within {failed_in:.2f}s of the kill; router serving again after {back:.1f}s")
+        assert got.token_ids == want
+        assert c.cluster.router.pid != old_pid and c.cluster.router.restarts >= 1
+        stats = c.wait_idle(start, timeout=60)
+        assert {w: s.free_blocks for w, s in stats.items()} == start
+        assert all(s.num_leased == 0 and s.num_running == 0 and s.queue_depth == 0 for s in stats.values())
