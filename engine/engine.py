@@ -32,7 +32,6 @@ from engine.kv_layout import KVLayout, dtype_name
 from engine.layer_sink import LayerSink
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
-from engine.penalties import PenaltyState
 from engine.request_checks import checked_prompt
 from engine.sampler import advance_generator, make_generator
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -205,8 +204,6 @@ class LLMEngine(LaunchAhead):
         self.scheduler.commit_reserved(seq)
         if seq.generator is not None:  # the prefill worker drew the first token from this seed
             advance_generator(seq.generator, self.model_config.vocab_size)
-        if seq.penalties is not None:  # ... and picked it: count it as generated
-            seq.penalties.record_id(first_token_id)
         self._append(seq, int(first_token_id))
         if seq.finish_reason is not None:
             self._pending.append(self._finish(seq, []))
@@ -349,9 +346,6 @@ class LLMEngine(LaunchAhead):
             seq.generator = make_generator(params.seed, self.device)
             if params.seed_draws:  # a continued request: resume the stream where its tokens left it
                 advance_generator(seq.generator, self.model_config.vocab_size, params.seed_draws)
-        if params.penalized:
-            seq.penalties = PenaltyState(params, prompt, generated=params.stop_context,
-                                         vocab_size=self.model_config.vocab_size, device=self.device)
         if params.stop:
             from engine.tokenizer import IncrementalDecoder
 

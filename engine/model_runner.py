@@ -34,6 +34,7 @@ from engine.attention import BatchSpec, backend_geometry, get_backend
 from engine.kv_layout import KVLayout
 from engine.layer_sink import LAUNCH_THROTTLE_MIN_TOKENS, chain, launch_throttle, layer_callback
 from engine.model import CausalLM
+from engine.penalties import state_for
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
 from engine.staging import to_device
@@ -237,8 +238,9 @@ class ModelRunner:
         step = LaunchedStep(self, samplers, num_tokens=len(input_ids), t0=t0)
         if samplers:
             logits = self.model.compute_logits(self._rows(hidden, rows))
-            out = self.sampler(logits, [s.seq.params for s in samplers],
-                               [s.seq.generator for s in samplers], [s.seq.penalties for s in samplers])
+            vocab = self.model.config.vocab_size
+            out = self.sampler(logits, [s.seq.params for s in samplers], [s.seq.generator for s in samplers],
+                               [state_for(s.seq, vocab, self.device) for s in samplers])
             if feeds_next and self.tp is not None:
                 self.tp.broadcast(out.token_ids)  # the other ranks' input for the next step
             step.take(out)

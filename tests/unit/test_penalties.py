@@ -154,6 +154,10 @@ def test_continuations_count_their_earlier_tokens(make_checkpoint) -> None:
                          device=torch.device("cpu"))
     assert state.counts.sum().item() == k and all(state.counts[t] >= 1 for t in whole[:k])
     assert all(state.seen[t] for t in prompt + whole[:k])
+    # a decode worker's reservation holds no state until it samples (its memory is a running request's)
+    engine.reserve("waiting", prompt, params)
+    assert engine._get("waiting").penalties is None
+    engine.release("waiting")
     assert engine.leak_report() is None
 
 
