@@ -34,4 +34,3 @@ def checked_prompt(prompt_ids: Seq[int], params: SamplingParams, *, vocab_size: 
         raise RequestTooLong(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs "
                              f"{need} KV blocks of {block_size} tokens; the cache has only {total_blocks}")
     return prompt
-

@@ -8,9 +8,9 @@ One call handles greedy and random rows together, vectorized over the batch:
   from ``probs`` — where each *seeded* row draws its ``E`` from its own ``torch.Generator``. The
   generator advances only when its row samples, so a seed gives the same tokens whatever shares
   the batch; unseeded rows draw from one shared generator;
-* greedy rows take ``argmax`` of the raw logits, independent of everything else;
 * rows with penalties or a logit bias (engine.penalties) have them applied first, greedy rows too,
   and their picks counted on the device;
+* greedy rows take ``argmax`` of their logits (after their own penalties), independent of the rest;
 * optional log-probabilities (of the raw distribution, as a model score) of the chosen token and
   the top-``n`` alternatives.
 

@@ -140,19 +140,19 @@ def build_app(frontend: OpenAIFrontend, *, keys: ApiKeys | None = None,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         choices = await frontend.admit_completion(body, request.headers)
-        return await _answer(frontend.start(choices), _collectors(frontend, body, choices, "completion",
+        return await _answer(frontend.start(choices), _answer_for(frontend, body, choices, "completion",
                                                                   body.logprobs is not None), body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         choices = await frontend.admit_chat(body, request.headers)
-        return await _answer(frontend.start(choices), _collectors(frontend, body, choices, "chat",
+        return await _answer(frontend.start(choices), _answer_for(frontend, body, choices, "chat",
                                                                   body.logprobs), body.stream)
 
     return app
 
 
-def _collectors(frontend: OpenAIFrontend, body, choices: list[Choice], kind: str, logprobs: bool) -> Answer:
+def _answer_for(frontend: OpenAIFrontend, body, choices: list[Choice], kind: str, logprobs: bool) -> Answer:
     usage = bool(body.stream_options and body.stream_options.include_usage)
     return Answer([Collector(kind=kind, request_id=c.response_id, model=frontend.model_name,
                              tokenizer=frontend.limits.tokenizer, logprobs=logprobs, include_usage=usage,

@@ -206,12 +206,8 @@ class OpenAIFrontend:
     async def admit_chat(self, body: ChatCompletionRequest, headers: Mapping[str, str]) -> list[Choice]:
         self._common_checks(body)
         self._check_choices(body.n, 1)
-        if self.chat_template is None:
-            raise bad_request(f"model {self.model_name!r} has no chat template (chat_template.jinja or "
-                              f"tokenizer_config.json chat_template): use /v1/completions",
-                              code="chat_template_missing")
-        tok = self.limits.tokenizer
-        if tok is None:
+        self._template()
+        if self.limits.tokenizer is None:
             raise bad_request("this model has no tokenizer.json: chat needs one", param="messages")
         if body.top_logprobs is not None:
             if not 0 <= body.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:  # OpenAI's limit
@@ -219,18 +215,8 @@ class OpenAIFrontend:
                                   f"{body.top_logprobs}", param="top_logprobs")
             if body.top_logprobs and not body.logprobs:
                 raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-        messages = _chat_messages(body)
         tool_defs, parser = self._tools(body)
-        try:
-            text = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt,
-                                             tools=tool_defs)
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), param="messages") from None
-        if len(text) > INLINE_ENCODE_CHARS:
-            loop = asyncio.get_running_loop()
-            ids = await loop.run_in_executor(self.tokenize_pool, lambda: tok.encode(text, False))
-        else:
-            ids = tok.encode(text, add_special_tokens=False)
+        ids = await self._encode(self._render(body, body.add_generation_prompt, tool_defs), False)
         req = self._generate_request(body, headers)
         req.token_ids.ids.extend(ids)
         if body.logprobs:
@@ -244,27 +230,15 @@ class OpenAIFrontend:
     async def tokenize(self, body: TokenizeRequest) -> list[int]:
         """vLLM's /tokenize: the ids a completion's prompt or a chat's messages become here."""
         self._check_model(body.model)
-        tok = self._tokenizer()
+        self._tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send either prompt or messages", param="prompt")
         if body.prompt is not None:
-            text, special = body.prompt, body.add_special_tokens
-        else:
-            if self.chat_template is None:
-                raise bad_request(f"model {self.model_name!r} has no chat template", param="messages")
-            chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools)
-            try:
-                text = self.chat_template.render(
-                    _chat_messages(chat), add_generation_prompt=body.add_generation_prompt,
-                    tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
-            except ChatTemplateError as exc:
-                raise bad_request(str(exc), param="messages") from None
-            special = False
-        if len(text) > INLINE_ENCODE_CHARS:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.tokenize_pool,
-                                              lambda: tok.encode_releasing_gil(text, special))
-        return tok.encode(text, add_special_tokens=special)
+            return await self._encode(body.prompt, body.add_special_tokens)
+        self._template()
+        chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools)
+        defs = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        return await self._encode(self._render(chat, body.add_generation_prompt, defs), False)
 
     def detokenize(self, body: DetokenizeRequest) -> str:
         self._check_model(body.model)
@@ -279,6 +253,30 @@ class OpenAIFrontend:
         if self.limits.tokenizer is None:
             raise bad_request(f"model {self.model_name!r} has no tokenizer.json")
         return self.limits.tokenizer
+
+    def _template(self) -> ChatTemplate:
+        if self.chat_template is None:
+            raise bad_request(f"model {self.model_name!r} has no chat template (chat_template.jinja or "
+                              f"tokenizer_config.json chat_template): use /v1/completions",
+                              code="chat_template_missing")
+        return self.chat_template
+
+    def _render(self, body: ChatCompletionRequest, add_generation_prompt: bool,
+                tool_defs: list[dict] | None) -> str:
+        """A chat's prompt text, as the model's template renders its messages (and tools)."""
+        try:
+            return self._template().render(_chat_messages(body), add_generation_prompt=add_generation_prompt,
+                                           tools=tool_defs)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), param="messages") from None
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``; a long one on the tokenize pool (GIL released), off the event loop."""
+        tok = self._tokenizer()
+        if len(text) > INLINE_ENCODE_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.tokenize_pool, lambda: tok.encode_releasing_gil(text, add_special_tokens))
+        return tok.encode(text, add_special_tokens=add_special_tokens)
 
     def start(self, choices: list[Choice]) -> Run:
         return Run(self.pipeline, choices, self.limits.tokenizer)

@@ -140,7 +140,7 @@ class ToolStream:
         if self.parser == "llama3_json":
             stripped = self.text.lstrip()
             if not stripped or stripped[0] == "{" or _PYTHON_TAG.startswith(stripped[:len(_PYTHON_TAG)]):
-                return 0 if self.sent == 0 else self.sent
+                return self.sent  # (nothing is sent before the answer's start shows it is no call)
             return len(self.text)
         return len(self.text)
 
@@ -152,5 +152,4 @@ class ToolStream:
         content, calls = parse(self.parser, self.text)
         if not calls:
             return rest, []
-        before = (content or "")[self.sent:] if content and len(content) > self.sent else ""
-        return before, calls
+        return (content or "")[self.sent:], calls
