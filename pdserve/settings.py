@@ -17,6 +17,7 @@ import socket
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 ROLES = ("prefill", "decode", "router", "colocated")
 TRANSPORTS = ("auto", "nixl", "tcp")
@@ -409,6 +410,17 @@ def early_upload_mode() -> str:
         raise ValueError(f"PDSERVE_EARLY_UPLOAD must be one of {', '.join(EARLY_UPLOAD_MODES)}, 0 or 1, "
                          f"got {raw!r}")
     return mode
+
+
+def bytecode_cache() -> str:
+    """``PDSERVE_BYTECODE_CACHE`` (pdserve.bytecode): ``auto`` (unset), ``off`` (or ``0``), or a directory."""
+    raw = os.environ.get("PDSERVE_BYTECODE_CACHE", "").strip() or "auto"
+    return {"0": "off"}.get(raw, raw)
+
+
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME``, else ``~/.cache``: where a user's caches go."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
 def stall_watch_ms() -> float:

@@ -13,7 +13,7 @@ import logging
 import pkgutil
 import sys
 
-from pdserve import __version__
+from pdserve import __version__, bytecode
 from pdserve.app import commands
 
 
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    bytecode.enable()  # before the commands' imports (torch): see pdserve/bytecode.py
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),

@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 
+from pdserve import bytecode
 from pdserve.settings import replace_environ
 
 PRELOAD = ("torch", "pdserve.app.cli", "pdserve.app.roles")
@@ -195,6 +196,7 @@ def main() -> None:
     parser.add_argument("--ctrl-fd", type=int, required=True)
     parser.add_argument("--preload", default=",".join(PRELOAD))
     args = parser.parse_args()
+    bytecode.enable()  # its children inherit it with the modules
     ctrl = socket.socket(fileno=args.ctrl_fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when it ends (its channel closes)
     t = time.monotonic()
