@@ -61,12 +61,12 @@ from engine.cuda_driver import DriverError, _Driver, driver
 from engine.cuda_driver import cached as _cached
 from engine.cuda_driver import map_file as _map
 from engine.cuda_driver import unmap as _unmap
-from pdserve.settings import early_upload_mode
+from pdserve.settings import early_upload_mode, early_upload_threads
 
 log = logging.getLogger(__name__)
 CHUNK = 64 << 20
 NUM_BUFFERS = 4
-MAPPED_PIECE = 1 << 30  # bytes per pageable copy (mapped): a GIL round trip and a cancel check each
+MAPPED_PIECE = 256 << 20  # bytes per pageable copy (mapped): a GIL round trip and a cancel check each
 _READ_ONLY = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY: the mapping is PROT_READ
 MARGIN = 4 << 30  # device memory left beside the arena and a second copy of the weights
 _ALIGN = 256
@@ -119,8 +119,10 @@ class EarlyUpload:
     the bytes are all there; ``view(file, name)`` is a tensor's bytes as a torch tensor on the device;
     ``release()`` frees the arena (after the last copy out of it completed)."""
 
-    def __init__(self, cuda: _Driver, files: list[Path], device_index: int, mode: str = "auto") -> None:
+    def __init__(self, cuda: _Driver, files: list[Path], device_index: int, mode: str = "auto",
+                 threads: int = 1) -> None:
         self.device_index = device_index
+        self.threads = threads  # lanes of pageable copies (mapped)
         self.mode = mode  # auto, mapped, register or read (see the module docstring)
         self.method = ""  # the way it went: mapped, register or read, or two of them joined by "+"
         self.files = files
@@ -257,22 +259,59 @@ class EarlyUpload:
         self._plans = {fp.path: fp for fp in plans}
 
     def _mapped(self, plans: list[FilePlan], stream: ctypes.c_void_p) -> None:
-        """Each file's mapping copied as pageable memory, ``MAPPED_PIECE`` per call: a copy from
-        pageable memory returns once the driver staged its bytes, so the mapping may go right after."""
-        cuda = self._cuda
-        for fp in plans:
-            length = fp.data_start + fp.size
-            addr = _map(fp.path, length)
-            try:
-                for off in range(0, fp.size, MAPPED_PIECE):
-                    if self._cancel.is_set():
-                        raise ValueError("cancelled")
-                    n = min(MAPPED_PIECE, fp.size - off)
-                    cuda.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(self._base + fp.offset + off),
-                                              ctypes.c_void_p(addr + fp.data_start + off), n, stream)
-                    self.num_bytes += n
-            finally:
+        """Each file's mapping copied as pageable memory, ``MAPPED_PIECE`` per call, the pieces dealt
+        round robin to ``threads`` lanes (see ``_lanes``); a copy from pageable memory returns once the
+        driver staged its bytes, and every lane's stream is synchronized before the mappings go."""
+        maps = []
+        try:
+            for fp in plans:
+                length = fp.data_start + fp.size
+                maps.append((_map(fp.path, length), length))
+            pieces = [(self._base + fp.offset + off, addr + fp.data_start + off, min(MAPPED_PIECE, fp.size - off))
+                      for fp, (addr, _length) in zip(plans, maps) for off in range(0, fp.size, MAPPED_PIECE)]
+            self._lanes(pieces, stream)
+        finally:
+            for addr, length in maps:
                 _unmap(addr, length)
+
+    def _lanes(self, pieces: list[tuple[int, int, int]], stream: ctypes.c_void_p) -> None:
+        """(device address, host address, bytes) copies from pageable memory, over ``self.threads``
+        threads with a stream each (one lane: this thread, on ``stream``). The driver stages a pageable
+        copy through its own page-locked buffers on the calling thread, a CPU copy at ~4 GB/s, so one
+        thread takes ~4 s for 16 GB; lanes run those copies side by side (docs/gpu.md, "Boot")."""
+        cuda, n = self._cuda, max(1, min(self.threads, len(pieces)))
+        errors: list[BaseException] = []
+
+        def lane(items: list[tuple[int, int, int]], own: ctypes.c_void_p | None) -> None:
+            s = own or ctypes.c_void_p()
+            try:
+                if own is None:
+                    cuda.cuCtxSetCurrent(self._ctx)
+                    cuda.cuStreamCreate(ctypes.byref(s), 1)  # CU_STREAM_NON_BLOCKING
+                try:
+                    for dst, src, size in items:
+                        if self._cancel.is_set() or errors:
+                            raise ValueError("cancelled")
+                        cuda.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(dst), ctypes.c_void_p(src), size, s)
+                        with self._lock:
+                            self.num_bytes += size
+                finally:
+                    if s.value:
+                        cuda.cuStreamSynchronize(s)
+                        if own is None:
+                            cuda.cuStreamDestroy_v2(s)
+            except BaseException as exc:  # noqa: BLE001 - raised on the upload's thread below
+                errors.append(exc)
+
+        helpers = [threading.Thread(target=lane, args=(pieces[i::n], None), name=f"early-upload-{i}", daemon=True)
+                   for i in range(1, n)]
+        for t in helpers:
+            t.start()
+        lane(pieces[0::n], stream)
+        for t in helpers:
+            t.join()
+        if errors:
+            raise next((e for e in errors if str(e) != "cancelled"), errors[0])
 
     def _registered(self, plans: list[FilePlan], stream: ctypes.c_void_p) -> None:
         """Each file pinned in the page cache and copied in one piece; file k+1 is pinned while file k's
@@ -423,7 +462,8 @@ def start(model_dir: str | os.PathLike | None, device_index: int | None) -> Earl
     cuda = driver() if files else None
     if cuda is None:
         return None
-    _current = EarlyUpload(cuda, [f.resolve() for f in files], device_index, early_upload_mode()).start()
+    _current = EarlyUpload(cuda, [f.resolve() for f in files], device_index, early_upload_mode(),
+                           early_upload_threads()).start()
     return _current
 
 

@@ -423,6 +423,17 @@ def cache_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
+def early_upload_threads() -> int:
+    """``PDSERVE_EARLY_UPLOAD_THREADS``: lanes of pageable copies in the early upload's ``mapped`` way;
+    unset: 4, fewer where this process may use fewer CPUs (one is left to the imports)."""
+    raw = os.environ.get("PDSERVE_EARLY_UPLOAD_THREADS", "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"PDSERVE_EARLY_UPLOAD_THREADS must be a positive integer, got {raw!r}")
+        return int(raw)
+    return max(1, min(4, len(os.sched_getaffinity(0)) - 1))
+
+
 def stall_watch_ms() -> float:
     """``PDSERVE_STALL_WATCH_MS`` (0 = off); a value that is not a number is off, with ValueError's text."""
     raw = os.environ.get("PDSERVE_STALL_WATCH_MS", "0") or "0"

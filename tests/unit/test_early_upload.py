@@ -34,6 +34,7 @@ class FakeDriver:
         self.pending: dict[int, list] = {}  # event -> copies recorded behind it, not yet "done"
         self.queue: list = []  # copies on the stream since the last record
         self.calls: list[str] = []
+        self.lock = threading.Lock()  # the mapped way's lanes call from several threads
 
     def _check(self, name: str) -> None:
         self.calls.append(name)
@@ -48,40 +49,44 @@ class FakeDriver:
 
     def __getattr__(self, name: str):
         def call(*args):
-            self._check(name)
-            if name == "cuMemGetInfo_v2":
-                args[0]._obj.value, args[1]._obj.value = self.free, self.free
-            elif name in ("cuMemAlloc_v2", "cuMemHostAlloc"):
-                self._alloc(args[0], args[1])
-            elif name in ("cuStreamCreate", "cuEventCreate", "cuDevicePrimaryCtxRetain"):
-                args[0]._obj.value = 0x1000 + len(self.calls)
-            elif name == "cuMemcpyHtoDAsync_v2":
-                dst, src, n = args[0].value, args[1].value, args[2]
-                self.queue.append((dst, bytes((ctypes.c_char * n).from_address(src))))
-            elif name == "cuEventRecord":
-                self.pending[args[0].value] = self.queue
-                self.queue = []
-            elif name == "cuEventSynchronize":
-                self._land(self.pending.pop(args[0].value, []))
-            elif name == "cuStreamSynchronize":  # every copy on the stream, recorded behind an event or not
-                for copies in [*self.pending.values(), self.queue]:
-                    self._land(copies)
-                self.pending, self.queue = {}, []
-            elif name in ("cuMemFree_v2", "cuMemFreeHost"):
-                addr = args[0].value if hasattr(args[0], "value") else args[0]
-                self.freed.append(addr)
+            with self.lock:
+                self._call(name, args)
         return call
+
+    def _call(self, name: str, args: tuple) -> None:
+        self._check(name)
+        if name == "cuMemGetInfo_v2":
+            args[0]._obj.value, args[1]._obj.value = self.free, self.free
+        elif name in ("cuMemAlloc_v2", "cuMemHostAlloc"):
+            self._alloc(args[0], args[1])
+        elif name in ("cuStreamCreate", "cuEventCreate", "cuDevicePrimaryCtxRetain"):
+            args[0]._obj.value = 0x1000 + len(self.calls)
+        elif name == "cuMemcpyHtoDAsync_v2":
+            dst, src, n = args[0].value, args[1].value, args[2]
+            self.queue.append((dst, bytes((ctypes.c_char * n).from_address(src))))
+        elif name == "cuEventRecord":
+            self.pending[args[0].value] = self.queue
+            self.queue = []
+        elif name == "cuEventSynchronize":
+            self._land(self.pending.pop(args[0].value, []))
+        elif name == "cuStreamSynchronize":  # every copy on the stream, recorded behind an event or not
+            for copies in [*self.pending.values(), self.queue]:
+                self._land(copies)
+            self.pending, self.queue = {}, []
+        elif name in ("cuMemFree_v2", "cuMemFreeHost"):
+            addr = args[0].value if hasattr(args[0], "value") else args[0]
+            self.freed.append(addr)
 
     def _land(self, copies) -> None:
         for dst, data in copies:
             ctypes.memmove(dst, data, len(data))
 
 
-def _upload(model, fake, monkeypatch, chunk=4096, mode="auto") -> early_upload.EarlyUpload:
+def _upload(model, fake, monkeypatch, chunk=4096, mode="auto", threads=1) -> early_upload.EarlyUpload:
     monkeypatch.setattr(early_upload, "CHUNK", chunk)
     monkeypatch.setattr(early_upload, "MAPPED_PIECE", 2 * chunk)
     files = sorted(p.resolve() for p in model.glob("*.safetensors"))
-    up = early_upload.EarlyUpload(fake, files, 0, mode).start()
+    up = early_upload.EarlyUpload(fake, files, 0, mode, threads).start()
     up.wait(30)
     return up
 
@@ -126,6 +131,42 @@ def test_every_tensor_lands_in_the_arena_byte_exact(make_checkpoint, monkeypatch
     up.release()
     assert up._base == 0 and len(fake.freed) == len(fake.blocks)
     up.release()  # twice is harmless
+
+
+def test_mapped_lanes_copy_side_by_side_and_one_failing_stops_them_all(make_checkpoint, monkeypatch):
+    """The mapped way with 3 lanes: every byte lands, each helper lane had a stream of its own, made
+    and destroyed on its thread, and no lane thread outlives the upload; a copy failing in one lane
+    ends the upload with that error, every stream destroyed and the arena given back."""
+    model = make_checkpoint("llama", max_shard_bytes=200_000)
+    files = sorted(model.glob("*.safetensors"))
+    fake = FakeDriver()
+    up = _upload(model, fake, monkeypatch, chunk=8192, mode="mapped", threads=3)
+    assert up.wait() and up.error is None and up.method == "mapped"
+    plans, _total = early_upload.plan([f.resolve() for f in files])
+    assert up.num_bytes == sum(fp.size for fp in plans)
+    assert fake.calls.count("cuMemcpyHtoDAsync_v2") > 3
+    assert fake.calls.count("cuStreamCreate") == 3 == fake.calls.count("cuStreamDestroy_v2")
+    assert fake.calls.count("cuCtxSetCurrent") >= 3  # each helper made the context current on its thread
+    assert not [t for t in threading.enumerate() if t.name.startswith("early-upload-")]
+    for file in files:
+        for name, tensor in iter_tensors_of(file):
+            assert _arena_bytes(up, file, name) == tensor.contiguous().view(torch.uint8).numpy().tobytes(), name
+    up.release()
+
+    class FailsLater(FakeDriver):
+        def _call(self, name: str, args: tuple) -> None:
+            if name == "cuMemcpyHtoDAsync_v2" and self.calls.count(name) == 4:
+                self.calls.append(name)
+                raise early_upload.DriverError("cuMemcpyHtoDAsync_v2 failed: CUresult 700")
+            super()._call(name, args)
+
+    fake = FailsLater()
+    up = _upload(model, fake, monkeypatch, chunk=8192, mode="mapped", threads=3)
+    assert not up.wait() and "CUresult 700" in up.error
+    assert up._base == 0 and set(fake.freed) == set(fake.blocks)
+    assert fake.calls.count("cuStreamCreate") == fake.calls.count("cuStreamDestroy_v2")
+    assert fake.calls.count("cuMemcpyHtoDAsync_v2") < sum(-(-fp.size // (2 * 8192)) for fp in plans)  # stopped
+    assert not [t for t in threading.enumerate() if t.name.startswith("early-upload-")]
 
 
 def iter_tensors_of(file):
