@@ -267,8 +267,10 @@ class EarlyUpload:
             for fp in plans:
                 length = fp.data_start + fp.size
                 maps.append((_map(fp.path, length), length))
-            pieces = [(self._base + fp.offset + off, addr + fp.data_start + off, min(MAPPED_PIECE, fp.size - off))
-                      for fp, (addr, _length) in zip(plans, maps) for off in range(0, fp.size, MAPPED_PIECE)]
+            pieces = [(self._base + fp.offset + off, addr + fp.data_start + off,
+                       min(MAPPED_PIECE, fp.size - off))
+                      for fp, (addr, _length) in zip(plans, maps, strict=True)
+                      for off in range(0, fp.size, MAPPED_PIECE)]
             self._lanes(pieces, stream)
         finally:
             for addr, length in maps:
@@ -303,8 +305,8 @@ class EarlyUpload:
             except BaseException as exc:  # noqa: BLE001 - raised on the upload's thread below
                 errors.append(exc)
 
-        helpers = [threading.Thread(target=lane, args=(pieces[i::n], None), name=f"early-upload-{i}", daemon=True)
-                   for i in range(1, n)]
+        helpers = [threading.Thread(target=lane, args=(pieces[i::n], None), name=f"early-upload-{i}",
+                                    daemon=True) for i in range(1, n)]
         for t in helpers:
             t.start()
         lane(pieces[0::n], stream)
