@@ -65,7 +65,7 @@ from pdserve.settings import early_upload_mode, early_upload_threads
 
 log = logging.getLogger(__name__)
 CHUNK = 64 << 20
-NUM_BUFFERS = 4
+NUM_BUFFERS = 2  # page-locked buffers per lane (read)
 MAPPED_PIECE = 256 << 20  # bytes per pageable copy (mapped): a GIL round trip and a cancel check each
 _READ_ONLY = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY: the mapping is PROT_READ
 MARGIN = 4 << 30  # device memory left beside the arena and a second copy of the weights
@@ -259,9 +259,9 @@ class EarlyUpload:
         self._plans = {fp.path: fp for fp in plans}
 
     def _mapped(self, plans: list[FilePlan], stream: ctypes.c_void_p) -> None:
-        """Each file's mapping copied as pageable memory, ``MAPPED_PIECE`` per call, the pieces dealt
-        round robin to ``threads`` lanes (see ``_lanes``); a copy from pageable memory returns once the
-        driver staged its bytes, and every lane's stream is synchronized before the mappings go."""
+        """Each file's mapping copied as pageable memory, ``MAPPED_PIECE`` per call, the pieces dealt to
+        the lanes; a copy from pageable memory returns once the driver staged its bytes, and every
+        lane's stream is synchronized before the mappings go."""
         maps = []
         try:
             for fp in plans:
@@ -271,32 +271,38 @@ class EarlyUpload:
                        min(MAPPED_PIECE, fp.size - off))
                       for fp, (addr, _length) in zip(plans, maps, strict=True)
                       for off in range(0, fp.size, MAPPED_PIECE)]
-            self._lanes(pieces, stream)
+            self._lanes(pieces, stream, self._copy_pageable)
         finally:
             for addr, length in maps:
                 _unmap(addr, length)
 
-    def _lanes(self, pieces: list[tuple[int, int, int]], stream: ctypes.c_void_p) -> None:
-        """(device address, host address, bytes) copies from pageable memory, over ``self.threads``
-        threads with a stream each (one lane: this thread, on ``stream``). The driver stages a pageable
-        copy through its own page-locked buffers on the calling thread, a CPU copy at ~4 GB/s, so one
-        thread takes ~4 s for 16 GB; lanes run those copies side by side (docs/gpu.md, "Boot")."""
+    def _copy_pageable(self, pieces: list[tuple[int, int, int]], stream: ctypes.c_void_p, stop) -> None:
+        for dst, src, size in pieces:
+            if stop():
+                raise ValueError("cancelled")
+            self._cuda.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(dst), ctypes.c_void_p(src), size, stream)
+            with self._lock:
+                self.num_bytes += size
+
+    def _lanes(self, pieces: list, stream: ctypes.c_void_p, work) -> None:
+        """``work(pieces, stream, stop)`` over ``self.threads`` lanes, the pieces dealt round robin, each
+        helper lane on a thread and a stream of its own (the first lane: this thread, on ``stream``);
+        ``stop()`` turns true on a cancel or once any lane failed, and the first failure is raised here
+        after every lane has ended and synchronized its stream."""
         cuda, n = self._cuda, max(1, min(self.threads, len(pieces)))
         errors: list[BaseException] = []
 
-        def lane(items: list[tuple[int, int, int]], own: ctypes.c_void_p | None) -> None:
+        def stop() -> bool:
+            return self._cancel.is_set() or bool(errors)
+
+        def lane(items: list, own: ctypes.c_void_p | None) -> None:
             s = own or ctypes.c_void_p()
             try:
                 if own is None:
                     cuda.cuCtxSetCurrent(self._ctx)
                     cuda.cuStreamCreate(ctypes.byref(s), 1)  # CU_STREAM_NON_BLOCKING
                 try:
-                    for dst, src, size in items:
-                        if self._cancel.is_set() or errors:
-                            raise ValueError("cancelled")
-                        cuda.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(dst), ctypes.c_void_p(src), size, s)
-                        with self._lock:
-                            self.num_bytes += size
+                    work(items, s, stop)
                 finally:
                     if s.value:
                         cuda.cuStreamSynchronize(s)
@@ -356,37 +362,42 @@ class EarlyUpload:
         _unmap(addr, length)
 
     def _read(self, plans: list[FilePlan], stream: ctypes.c_void_p) -> None:
-        """Pieces read into page-locked buffers taken in turn, each reused once its copy is done."""
+        """Pieces of ``CHUNK`` bytes read (``os.preadv``) into page-locked buffers and copied from there,
+        the pieces dealt to the lanes."""
+        fds = []
+        try:
+            for fp in plans:
+                fds.append(os.open(fp.path, os.O_RDONLY))
+            pieces = [(fd, fp.data_start + off, self._base + fp.offset + off, min(CHUNK, fp.size - off))
+                      for fp, fd in zip(plans, fds, strict=True) for off in range(0, fp.size, CHUNK)]
+            self._lanes(pieces, stream, self._read_pieces)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _read_pieces(self, pieces: list[tuple[int, int, int, int]], stream: ctypes.c_void_p, stop) -> None:
+        """One lane's pieces through ``NUM_BUFFERS`` page-locked buffers taken in turn, each reused once
+        its last copy is done."""
         cuda, hosts, events = self._cuda, [], []
         try:
-            for _ in range(NUM_BUFFERS):
+            for _ in range(min(NUM_BUFFERS, len(pieces))):
                 host, ev = ctypes.c_void_p(), ctypes.c_void_p()
                 cuda.cuMemHostAlloc(ctypes.byref(host), CHUNK, 0)
                 hosts.append(host)
                 cuda.cuEventCreate(ctypes.byref(ev), 2)  # CU_EVENT_DISABLE_TIMING
                 events.append(ev)
             views = [memoryview((ctypes.c_char * CHUNK).from_address(h.value)).cast("B") for h in hosts]
-            used = [False] * NUM_BUFFERS
-            k = 0
-            for fp in plans:
-                fd = os.open(fp.path, os.O_RDONLY)
-                try:
-                    for off in range(0, fp.size, CHUNK):
-                        if self._cancel.is_set():
-                            raise ValueError("cancelled")
-                        i = k % NUM_BUFFERS
-                        k += 1
-                        if used[i]:
-                            cuda.cuEventSynchronize(events[i])  # its previous piece has left
-                        n = min(CHUNK, fp.size - off)
-                        _read_fully(fd, views[i][:n], fp.data_start + off)
-                        cuda.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(self._base + fp.offset + off), hosts[i], n,
-                                                  stream)
-                        cuda.cuEventRecord(events[i], stream)
-                        used[i] = True
-                        self.num_bytes += n
-                finally:
-                    os.close(fd)
+            for k, (fd, offset, dst, n) in enumerate(pieces):
+                if stop():
+                    raise ValueError("cancelled")
+                i = k % len(hosts)
+                if k >= len(hosts):
+                    cuda.cuEventSynchronize(events[i])  # its previous piece has left
+                _read_fully(fd, views[i][:n], offset)
+                cuda.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(dst), hosts[i], n, stream)
+                cuda.cuEventRecord(events[i], stream)
+                with self._lock:
+                    self.num_bytes += n
             cuda.cuStreamSynchronize(stream)
             for v in views:
                 v.release()
