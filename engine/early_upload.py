@@ -58,7 +58,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.cuda_driver import DriverError, _Driver, driver
-from engine.cuda_driver import cached as _cached
 from engine.cuda_driver import map_file as _map
 from engine.cuda_driver import unmap as _unmap
 from pdserve.settings import early_upload_mode, early_upload_threads
@@ -236,10 +235,7 @@ class EarlyUpload:
             self._base = base.value
         stream = ctypes.c_void_p()
         cuda.cuStreamCreate(ctypes.byref(stream), 1)  # CU_STREAM_NON_BLOCKING
-        if self.mode == "auto":  # mapped where the page cache holds the file, read where the disk must
-            mapped = [fp for fp in plans if _cached(fp.path, fp.data_start + fp.size)]
-        else:
-            mapped = plans if self.mode in ("mapped", "register") else []
+        mapped = plans if self.mode in ("mapped", "register") else []  # auto reads, from the cache or the disk
         pieces = [fp for fp in plans if fp not in mapped]
         methods = []
         try:
