@@ -1,34 +1,29 @@
 """A checkpoint's bytes on the GPU while the worker is still importing torch (``PDSERVE_EARLY_UPLOAD``,
 on by default on CUDA at one GPU per worker; ``pdserve.settings.early_upload_mode``).
 
-Why: a worker's start is ``import torch`` (~3 s on an H200 host), then the model, then the weight
-load (0.9-1.0 s for the 8B shape's 16 GB from the page cache; from a cold disk as long as the read),
-then flashinfer and the graphs; the load waits for the imports although it needs none of them. This
-module needs only the standard library and the CUDA driver (``libcuda.so.1`` through ``ctypes``), so
-``pdserve serve`` starts it before anything else. Its thread puts every weight file's (``weight_files``) data
-section into one device arena, on a stream of its own, in one of two ways:
+Why: a worker's start is ``import torch`` (1.5-2.5 s on an H200 host with bytecode, 4-5 s without:
+pdserve/bytecode.py), then the model, then the weight load (0.6-0.9 s for the 8B shape's 16 GB from the
+page cache; from a cold disk as long as the read), then flashinfer and the graphs; the load waits for
+the imports although it needs none of them. This module needs only the standard library and the CUDA
+driver (``libcuda.so.1`` through ``ctypes``), so ``pdserve serve`` starts it before anything else. Its
+thread puts every weight file's (``weight_files``) data section into one device arena in one of three
+ways, the copies spread over ``threads`` lanes (a thread and a stream each; ``PDSERVE_EARLY_UPLOAD_THREADS``):
 
+* ``read`` (and ``auto``): ``CHUNK`` pieces read into page-locked buffers (``os.preadv``) and copied
+  from there, ``NUM_BUFFERS`` in flight a lane. Each call releases the GIL, but each return waits to
+  take it back from the imports (up to the 5 ms switch interval), so one lane crawls beside them
+  (measured: the upload 5.6-6.4 s for 16 GB, where the files alone read in 2.3-3.1 s); lanes wait for
+  the GIL side by side: four lanes put 16 GB from the page cache on the GPU in 2.3-2.5 s beside the
+  imports (eight: 2.1 s, but the imports took 0.3-0.6 s longer). Files not wholly in the page cache
+  (``mincore``) are read in one lane, the way measured from a cold disk.
 * ``mapped``: the file is memory-mapped and its data section handed to the driver as pageable memory,
-  ``MAPPED_PIECE`` at a time: the driver stages it through buffers of its own and returns once the
-  piece is staged. Sixteen driver calls for 16 GB, each without the GIL, and no page pinned: the
-  imports' own memory mappings never wait behind a pin.
-* ``register``: the file is memory-mapped, its pages are pinned where they lie in the page cache
-  (``cuMemHostRegister``, read-only) and the data section goes to the device in one copy that the
-  GPU pulls straight from there; the next file is pinned while the last one's copy runs. A handful of
-  driver calls a file: the thread hardly ever needs the GIL the imports on the main thread hold.
-* ``read`` (files not wholly in the page cache):
-  ``CHUNK`` pieces read into page-locked buffers (``os.preadv``) and copied from there, ``NUM_BUFFERS``
-  in flight. Each call releases the GIL, but
-  each return waits to take it back from the imports (up to the 5 ms switch interval), so this way
-  is slower beside them (measured: the imports 1.2 s longer, the upload 5.6-6.4 s for 16 GB with
-  64 MiB pieces, where the files alone read in 2.3-3.1 s). From a cold disk it is the better way:
-  pinning pages that are not in memory reads them from the disk inside the driver's call, and the
-  imports' own page faults stalled behind it (``import torch`` 14-15 s instead of 5). Pinning the
-  pages of a resident file costs the imports too: 16 GB of page-table work under the process's
-  memory-map lock, which every ``mmap`` of ``import torch`` (each library it loads) waits for; on an
-  H200 host the imports took 0.7-1.3 s longer with it, more than the 0.5 s the load saved. So
-  ``auto`` copies the files whose every page is resident (``mincore``) ``mapped`` and reads the
-  others.
+  ``MAPPED_PIECE`` at a time: the driver stages it through buffers of its own. No page is pinned, but
+  the driver's staging does not go faster in lanes: 3.2-3.8 s for 16 GB with one to eight.
+* ``register``: the file's pages are pinned where they lie in the page cache (``cuMemHostRegister``,
+  read-only) and the data section goes to the device in one copy the GPU pulls from there. Pinning
+  16 GB is page-table work under the process's memory-map lock, which every ``mmap`` of ``import
+  torch`` waits for (the imports 0.7-1.3 s longer); pinning pages not in memory reads them from the
+  disk inside the driver's call (``import torch`` 14-15 s instead of 5).
 
 The weight load (``engine.weights.load_weights``) then finds each tensor's bytes on the device and only
 copies them into the parameter there (device to device, the dtype converted on the way), and the arena
@@ -58,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.cuda_driver import DriverError, _Driver, driver
+from engine.cuda_driver import cached as _cached
 from engine.cuda_driver import map_file as _map
 from engine.cuda_driver import unmap as _unmap
 from pdserve.settings import early_upload_mode, early_upload_threads
@@ -121,7 +117,7 @@ class EarlyUpload:
     def __init__(self, cuda: _Driver, files: list[Path], device_index: int, mode: str = "auto",
                  threads: int = 1) -> None:
         self.device_index = device_index
-        self.threads = threads  # lanes of pageable copies (mapped)
+        self.threads = threads  # lanes of copies (mapped; read, for the files the page cache holds)
         self.mode = mode  # auto, mapped, register or read (see the module docstring)
         self.method = ""  # the way it went: mapped, register or read, or two of them joined by "+"
         self.files = files
@@ -235,8 +231,12 @@ class EarlyUpload:
             self._base = base.value
         stream = ctypes.c_void_p()
         cuda.cuStreamCreate(ctypes.byref(stream), 1)  # CU_STREAM_NON_BLOCKING
-        mapped = plans if self.mode in ("mapped", "register") else []  # auto reads, from the cache or the disk
+        mapped = plans if self.mode in ("mapped", "register") else []
         pieces = [fp for fp in plans if fp not in mapped]
+        # auto and read: the files the page cache holds in lanes; the others in one lane, the one way
+        # measured from a cold disk (docs/gpu.md, "Boot")
+        cold = [fp for fp in pieces if not _cached(fp.path, fp.data_start + fp.size)]
+        warm = [fp for fp in pieces if fp not in cold]
         methods = []
         try:
             if mapped and self.mode == "register":
@@ -245,9 +245,12 @@ class EarlyUpload:
             elif mapped:
                 self._mapped(mapped, stream)
                 methods.append("mapped")
-            if pieces:
-                self._read(pieces, stream)
+            if warm:
+                self._read(warm, stream, self.threads)
                 methods.append("read")
+            if cold:
+                self._read(cold, stream, 1)
+                methods.append("read-disk")
             self.method = "+".join(methods)
         finally:
             cuda.cuStreamSynchronize(stream)
@@ -267,7 +270,7 @@ class EarlyUpload:
                        min(MAPPED_PIECE, fp.size - off))
                       for fp, (addr, _length) in zip(plans, maps, strict=True)
                       for off in range(0, fp.size, MAPPED_PIECE)]
-            self._lanes(pieces, stream, self._copy_pageable)
+            self._lanes(pieces, stream, self._copy_pageable, self.threads)
         finally:
             for addr, length in maps:
                 _unmap(addr, length)
@@ -280,12 +283,12 @@ class EarlyUpload:
             with self._lock:
                 self.num_bytes += size
 
-    def _lanes(self, pieces: list, stream: ctypes.c_void_p, work) -> None:
-        """``work(pieces, stream, stop)`` over ``self.threads`` lanes, the pieces dealt round robin, each
+    def _lanes(self, pieces: list, stream: ctypes.c_void_p, work, lanes: int) -> None:
+        """``work(pieces, stream, stop)`` over ``lanes`` lanes, the pieces dealt round robin, each
         helper lane on a thread and a stream of its own (the first lane: this thread, on ``stream``);
         ``stop()`` turns true on a cancel or once any lane failed, and the first failure is raised here
         after every lane has ended and synchronized its stream."""
-        cuda, n = self._cuda, max(1, min(self.threads, len(pieces)))
+        cuda, n = self._cuda, max(1, min(lanes, len(pieces)))
         errors: list[BaseException] = []
 
         def stop() -> bool:
@@ -357,16 +360,16 @@ class EarlyUpload:
         self._cuda.cuMemHostUnregister(ctypes.c_void_p(addr))
         _unmap(addr, length)
 
-    def _read(self, plans: list[FilePlan], stream: ctypes.c_void_p) -> None:
+    def _read(self, plans: list[FilePlan], stream: ctypes.c_void_p, lanes: int) -> None:
         """Pieces of ``CHUNK`` bytes read (``os.preadv``) into page-locked buffers and copied from there,
-        the pieces dealt to the lanes."""
+        the pieces dealt to ``lanes`` lanes."""
         fds = []
         try:
             for fp in plans:
                 fds.append(os.open(fp.path, os.O_RDONLY))
             pieces = [(fd, fp.data_start + off, self._base + fp.offset + off, min(CHUNK, fp.size - off))
                       for fp, fd in zip(plans, fds, strict=True) for off in range(0, fp.size, CHUNK)]
-            self._lanes(pieces, stream, self._read_pieces)
+            self._lanes(pieces, stream, self._read_pieces, lanes)
         finally:
             for fd in fds:
                 os.close(fd)

@@ -400,10 +400,10 @@ EARLY_UPLOAD_MODES = ("auto", "mapped", "register", "read", "off")
 
 def early_upload_mode() -> str:
     """``PDSERVE_EARLY_UPLOAD``: how a one-GPU worker puts its checkpoint on the GPU while it imports
-    torch (engine.early_upload). ``mapped`` hands each file's mapping to the driver as pageable memory;
-    ``register`` pins the page cache's pages of each file and copies the file in one piece; ``read``
-    reads pieces into page-locked buffers; ``auto`` (or unset, or ``1``) maps the files wholly in the
-    page cache and reads the others; ``off`` (or ``0``) leaves it to the load."""
+    torch (engine.early_upload). ``read`` (and ``auto``, unset, ``1``) reads pieces into page-locked
+    buffers, in lanes for the files the page cache holds; ``mapped`` hands each file's mapping to the
+    driver as pageable memory; ``register`` pins the page cache's pages of each file and copies the file
+    in one piece; ``off`` (or ``0``) leaves it to the load."""
     raw = os.environ.get("PDSERVE_EARLY_UPLOAD", "").strip() or "auto"
     mode = {"1": "auto", "0": "off"}.get(raw, raw)
     if mode not in EARLY_UPLOAD_MODES:
@@ -424,7 +424,7 @@ def cache_home() -> Path:
 
 
 def early_upload_threads() -> int:
-    """``PDSERVE_EARLY_UPLOAD_THREADS``: lanes of pageable copies in the early upload's ``mapped`` way;
+    """``PDSERVE_EARLY_UPLOAD_THREADS``: lanes of the early upload's copies (engine.early_upload);
     unset: 4, fewer where this process may use fewer CPUs (one is left to the imports)."""
     raw = os.environ.get("PDSERVE_EARLY_UPLOAD_THREADS", "").strip()
     if raw:

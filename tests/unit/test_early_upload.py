@@ -98,16 +98,16 @@ def _arena_bytes(up: early_upload.EarlyUpload, file, name) -> bytes:
 
 @pytest.mark.parametrize("mode", ["read", "register", "mapped", "auto"])
 def test_every_tensor_lands_in_the_arena_byte_exact(make_checkpoint, monkeypatch, mode):
-    """read: many pieces through the page-locked buffers in turn; register: each file pinned and copied
-    in one piece, the one before let go once its copy is done; mapped (and auto, the files being in
-    the page cache): each file's mapping copied in pieces, nothing pinned, nothing page-locked."""
+    """read (and auto): many pieces through the page-locked buffers in turn; register: each file pinned
+    and copied in one piece, the one before let go once its copy is done; mapped: each file's mapping
+    copied in pieces, nothing pinned, nothing page-locked."""
     model = make_checkpoint("llama", max_shard_bytes=200_000)  # several files
     files = sorted(model.glob("*.safetensors"))
     assert len(files) > 1
     fake = FakeDriver()
     up = _upload(model, fake, monkeypatch, chunk=8192, mode=mode)
-    # the files were just written: wholly in the page cache, so auto maps them
-    want = "mapped" if mode == "auto" else mode
+    # the files were just written: wholly in the page cache, so auto reads them in lanes
+    want = "read" if mode == "auto" else mode
     assert up.wait() and up.error is None and up.method == want
     plans, total = early_upload.plan([f.resolve() for f in files])
     assert up.num_bytes == sum(fp.size for fp in plans)
@@ -195,16 +195,17 @@ def test_too_little_free_memory_or_a_failing_driver_leaves_the_load_to_the_files
             == fake.calls.count("cuMemHostUnregister")  # no file left pinned
 
 
-def test_auto_reads_the_files_the_page_cache_does_not_hold(make_checkpoint, monkeypatch):
+def test_auto_reads_the_files_the_disk_must_give_in_one_lane(make_checkpoint, monkeypatch):
     model = make_checkpoint("llama", max_shard_bytes=200_000)
     files = sorted(p.resolve() for p in model.glob("*.safetensors"))
     cached = early_upload._cached
     assert cached(files[0], files[0].stat().st_size) and not cached(files[0].with_name("absent"), 10)
     monkeypatch.setattr(early_upload, "_cached", lambda path, length: path != files[0])
     fake = FakeDriver()
-    up = _upload(model, fake, monkeypatch, chunk=8192, mode="auto")
-    assert up.wait() and up.method == "mapped+read"
+    up = _upload(model, fake, monkeypatch, chunk=8192, mode="auto", threads=3)
+    assert up.wait() and up.method == "read+read-disk"
     assert "cuMemHostRegister_v2" not in fake.calls
+    assert fake.calls.count("cuStreamCreate") == 3  # the upload's stream and 2 helper lanes (cached files)
     for name, tensor in iter_tensors_of(files[0]):
         assert _arena_bytes(up, files[0], name) == tensor.contiguous().view(torch.uint8).numpy().tobytes()
     up.release()
