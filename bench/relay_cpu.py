@@ -9,7 +9,7 @@
 
 Each round runs every (tree, variant) pair once, alternating: a variant is a name and extra ``pdserve
 serve`` flags for the workers (default: one variant, no extra flags), or with ``--router-variant`` for
-the router.
+the router; a name given both ways sets both in one cluster.
 
 Each round starts one cluster per tree (alternating, so both see the same box), runs the same
 ``pdserve bench`` load against it (same seed: same prompts, greedy), and reads each process's own
@@ -171,8 +171,10 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(args)))
         return
-    variants = {name: ("", flags) for name, flags in (v.split("=", 1) for v in args.variant)}
-    variants.update({name: (flags, "") for name, flags in (v.split("=", 1) for v in args.router_variant)})
+    workers = dict(v.split("=", 1) for v in args.variant)
+    routers = dict(v.split("=", 1) for v in args.router_variant)
+    # a name given to both: those flags for the router and those for the workers, in one cluster
+    variants = {name: (routers.get(name, ""), workers.get(name, "")) for name in {**workers, **routers}}
     variants = variants or {"": ("", "")}
     runs: dict[str, list[dict]] = {}
     for _ in range(args.rounds):

@@ -15,6 +15,7 @@ from pdserve.settings import (
     DEVICES,
     DISCOVERY,
     DTYPES,
+    EVENT_LOOPS,
     GPU_WAITS,
     ON_OFF,
     POLICIES,
@@ -59,6 +60,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--gpu-wait", choices=GPU_WAITS, help="CUDA: how the engine waits for the GPU: blocking (sleeps), "
       "spin (polls: a core busy per worker while the GPU computes) or auto (default: blocking where decode "
       "steps are launched ahead, spin where they are synchronous, as under tensor parallelism)")
+    a("--event-loop", choices=EVENT_LOOPS, help="the process's asyncio event loop: uvloop, asyncio's own, "
+      "or auto (default: uvloop where it is installed)")
     a("--tensor-parallel-size", type=int, help="worker roles: processes (GPUs) per worker, one tensor "
       "parallel rank each (default 1)")
     a("--kv-source-tp", type=int, help="decode: the prefill pool's tensor parallel size when it is larger "

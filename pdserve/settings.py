@@ -29,6 +29,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ROUTER_MODES = ("disagg", "colocated")
 CONDITIONAL = ("off", "auto")
 ON_OFF = ("on", "off")
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # the asyncio loop a serving process runs on (pdserve.event_loop)
 GPU_WAITS = ("auto", "blocking", "spin")  # how an engine thread waits for the GPU (EngineConfig.gpu_wait)
 # --admission-drain (router/shedding.py): the drain wait bounds the estimate, replaces the push wait, or
 # is left out
@@ -83,6 +84,7 @@ class ServeSettings:
     max_num_batched_tokens: int | None = None
     launch_ahead_layers: int | None = None  # None: the engine's default (EngineConfig)
     gpu_wait: str = "auto"  # CUDA: the engine's waits for the GPU sleep or spin (EngineConfig.gpu_wait)
+    event_loop: str = "auto"  # uvloop where it is installed, else asyncio's own (pdserve.event_loop)
     # decode / colocated: a stream message goes out once it holds this many tokens (first and last at once)
     stream_interval: int = 1
     # worker roles: ranks of one worker (engine.tp_worker); on CUDA rank r uses cuda:r of the visible GPUs
@@ -188,6 +190,7 @@ class ServeSettings:
         _one_of("conditional_disagg", self.conditional_disagg, CONDITIONAL)
         _one_of("kv_stream_layers", self.kv_stream_layers, ON_OFF)
         _one_of("gpu_wait", self.gpu_wait, GPU_WAITS)
+        _one_of("event_loop", self.event_loop, EVENT_LOOPS)
         if self.min_uncached_tokens < 0 or not self.local_prefill_tokens_per_s > 0:
             raise ValueError("--min-uncached-tokens must be >= 0 and --local-prefill-tokens-per-s > 0")
         if (min(self.max_prefill_wait_s, self.local_prefill_burst_s, self.local_prefill_max_stall_s,

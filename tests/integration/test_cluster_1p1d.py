@@ -94,6 +94,32 @@ def test_penalties_and_bias_match_engine(cluster) -> None:
     assert 10 not in results[1].token_ids
 
 
+def test_the_standard_event_loop_serves_the_same(cluster, tmp_path) -> None:
+    """Every process of the module's cluster runs on uvloop (the default); a cluster on asyncio's own
+    loop (``--event-loop asyncio``) gives the same tokens, and every block comes back."""
+    ps, mt = prompts()[:4], MAX_TOKENS[:4]
+    want = reference(cluster.model, ps, mt)
+    loop = ("--event-loop", "asyncio")
+    with LocalCluster(cluster.model, prefill=1, decode=1, transport="tcp", run_dir=tmp_path,
+                      worker_args=("--num-blocks", "256", *loop), router_args=loop) as c:
+        start = c.free_blocks()
+        got = run_concurrently(c.router, ps, mt)
+        assert [r.token_ids for r in got] == want
+        assert {w: s.free_blocks for w, s in c.wait_idle(start).items()} == start
+        assert not any(map(_maps_uvloop, _pids(c)))
+    assert all(map(_maps_uvloop, _pids(cluster)))
+
+
+def _pids(c: LocalCluster) -> list[int]:
+    return [c.cluster.router.pid, *(h.pid for h in c.workers)]
+
+
+def _maps_uvloop(pid: int) -> bool:
+    """Whether uvloop's extension is loaded in process ``pid`` (it is imported only to run on it)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "uvloop" in f.read()
+
+
 def test_greedy_matches_engine_concurrent(cluster) -> None:
     ps = prompts()
     want = reference(cluster.model, ps, MAX_TOKENS)

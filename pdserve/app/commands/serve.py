@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+from pdserve import event_loop
 from pdserve.serve_flags import add_serve_arguments
 from pdserve.settings import ServeSettings
 
@@ -42,9 +43,16 @@ def _serve(args: argparse.Namespace) -> int:
             compile_key.start()
     from pdserve.app.roles import run_role
 
+    try:
+        factory = event_loop.loop_factory(settings.event_loop)
+    except ValueError as exc:
+        print(f"pdserve serve: {exc}", file=sys.stderr)
+        return 2
+    log.info("event loop: %s", "asyncio" if factory is None else factory.__module__.split(".")[0])
     status = 0
     try:
-        status = asyncio.run(run_role(settings))
+        with asyncio.Runner(loop_factory=factory) as runner:
+            status = runner.run(run_role(settings))
     except KeyboardInterrupt:
         pass
     # Every stop callback has run (drained, transport closed, engine thread joined): skip the slow
