@@ -10,7 +10,7 @@ the load, divided by the requests and by the relayed messages, are the floor tha
 ``bench.relay_cpu``'s router figures compare with: the router's CPU per request minus this is what our
 code costs on top of gRPC.
 
-    python -m bench.grpc_floor [--rates 40,200,0] [--tokens 2,129] [--requests 300] [--relays aio,sync]
+    python -m bench.grpc_floor [--rates 40,200,0] [--tokens 2,129] [--requests 300] [--relays aio,uvloop,sync]
                                [--json OUT]
 
 ``--rates 0`` is flat out (8 requests in flight). ``--relays aio,sync`` runs the same relay on grpc's
@@ -35,6 +35,7 @@ import time
 import grpc
 
 from bench.relay_cpu import proc_cpu_s, thread_cpu_s
+from pdserve.event_loop import loop_factory
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -134,7 +135,10 @@ def _serve(kind: str, arg: int, ports: multiprocessing.Queue) -> None:
         await server.start()
         await server.wait_for_termination()
 
-    asyncio.run(main())
+    # the uvloop relay: the same code on the loop the router runs on by default (pdserve/event_loop.py)
+    loop = "uvloop" if kind == "uvloop-relay" else "asyncio"
+    with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
+        runner.run(main())
 
 
 async def _load(port: int, rate: float, requests: int, tokens: int, relay_pid: int) -> dict:
@@ -238,8 +242,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--json", default="")
     ap.add_argument("--relays", default="aio",
-                    help="which relays, side by side: aio (grpc.aio, as the router) and/or sync (grpc's "
-                    "thread-pool server and blocking stubs)")
+                    help="which relays, side by side: aio (grpc.aio on asyncio's loop), uvloop (grpc.aio "
+                    "on uvloop, as the router by default) and/or sync (grpc's thread-pool server and "
+                    "blocking stubs)")
     ap.add_argument("--rpc-shapes", type=int, default=0, metavar="N",
                     help="also time N calls of each single RPC shape (client CPU ms per call)")
     args = ap.parse_args()
@@ -249,7 +254,7 @@ def main() -> None:
     workers_port = ports.get(timeout=30)
     relays = {}
     for name in args.relays.split(","):
-        kind = {"aio": "relay", "sync": "sync-relay"}[name]
+        kind = {"aio": "relay", "uvloop": "uvloop-relay", "sync": "sync-relay"}[name]
         procs.append(multiprocessing.Process(target=_serve, args=(kind, workers_port, ports), daemon=True))
         procs[-1].start()
         relays[name] = (ports.get(timeout=30), procs[-1].pid)
