@@ -112,9 +112,10 @@ def build_request(*, prompt: str | None = None, prompt_ids: Sequence[int] | None
                   reusable_prefix_len: int | None = None, logprobs: int | None = None,
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
                   repetition_penalty: float | None = None, logit_bias: dict[int, float] | None = None,
-                  ) -> router_pb2.GenerateRequest:
+                  skip_special_tokens: bool | None = None) -> router_pb2.GenerateRequest:
     """``logprobs``: None = off, 0 = each token's logprob, N = also its N most likely alternatives.
-    Penalties and ``logit_bias`` (token id -> bias) as in ``SamplingParams`` (pdserve.sampling)."""
+    Penalties and ``logit_bias`` (token id -> bias) as in ``SamplingParams`` (pdserve.sampling).
+    ``skip_special_tokens=False`` keeps special tokens in the text (None: the router's default, True)."""
     sampling = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids),
                                          ignore_eos=ignore_eos, logit_bias=logit_bias or {})
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
@@ -130,6 +131,8 @@ def build_request(*, prompt: str | None = None, prompt_ids: Sequence[int] | None
         req.text = prompt
     if reusable_prefix_len is not None:
         req.reusable_prefix_len = reusable_prefix_len
+    if skip_special_tokens is not None:
+        req.skip_special_tokens = skip_special_tokens
     return req
 
 

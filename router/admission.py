@@ -45,6 +45,7 @@ class Admitted:
     reusable_prefix_len: int | None
     want_text: bool
     eos_token_ids: tuple[int, ...] = ()  # the model's; a continuation never runs past one (migration)
+    skip_special_tokens: bool = True  # special tokens left out of the text (router/text.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +121,8 @@ def _admitted(req: router_pb2.GenerateRequest, limits: ModelLimits, c: _Checked,
         raise ValueError(f"reusable_prefix_len must be in 0..{len(ids)}, got {reusable}")
     return Admitted(request_id=c.request_id, prompt_ids=ids, params=c.params, session_id=c.session_id,
                     reusable_prefix_len=reusable, eos_token_ids=limits.eos_token_ids,
-                    want_text=not req.skip_text and limits.tokenizer is not None)
+                    want_text=not req.skip_text and limits.tokenizer is not None,
+                    skip_special_tokens=not req.HasField("skip_special_tokens") or req.skip_special_tokens)
 
 
 def admit(req: router_pb2.GenerateRequest, limits: ModelLimits,

@@ -28,7 +28,10 @@ class GenerateStream:
 
     def __init__(self, req: Admitted, tokenizer: object | None) -> None:
         self.req = req
-        self.text = TextAssembler(tokenizer if req.want_text else None, req.params.stop)
+        p = req.params
+        ends = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(req.eos_token_ids))
+        self.text = TextAssembler(tokenizer if req.want_text else None, p.stop,
+                                  skip_special_tokens=req.skip_special_tokens, ends=ends)
         self.num_generated = 0
 
     def tokens(self, token_ids: list[int], logprobs: list[float] | None = None,

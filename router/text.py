@@ -9,12 +9,18 @@ from __future__ import annotations
 
 
 class TextAssembler:
-    def __init__(self, tokenizer: object | None, stop: tuple[str, ...] = ()) -> None:
+    """``skip_special_tokens=False`` keeps special tokens in the text, except the ones that end the
+    answer (``ends``: the stop token ids, and the model's EOS unless it is ignored), whose text is
+    never shown, as a stop string's is not."""
+
+    def __init__(self, tokenizer: object | None, stop: tuple[str, ...] = (), *,
+                 skip_special_tokens: bool = True, ends: frozenset[int] = frozenset()) -> None:
         self._decoder = None
+        self._ends = frozenset() if skip_special_tokens else ends
         if tokenizer is not None:
             from engine.tokenizer import IncrementalDecoder
 
-            self._decoder = IncrementalDecoder(tokenizer)
+            self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip_special_tokens)
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._pending = ""
@@ -23,7 +29,7 @@ class TextAssembler:
     def push(self, token_ids: list[int]) -> str:
         if self._decoder is None or self.stopped:
             return ""
-        self._pending += "".join(self._decoder.push(t) for t in token_ids)
+        self._pending += "".join(self._decoder.push(t) for t in token_ids if t not in self._ends)
         return self._emit(final=False)
 
     def finish(self) -> str:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xa1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12 \n\x13reusable_prefix_len\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\tskip_text\x18\x08 \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x16\n\x14_reusable_prefix_len\"\xae\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"s\n\tFinalInfo\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\'\n\x05\x66\x61\x63ts\x18\x18 \x01(\x0b\x32\x18.pdserve.v1.RequestFactsJ\x04\x08\x03\x10\x18\"\x14\n\x12ListWorkersRequest\"x\n\x0bWorkerEntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12&\n\x05stats\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.WorkerStats\"?\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerEntry2\xa1\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xdb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12 \n\x13reusable_prefix_len\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\tskip_text\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x03\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x16\n\x14_reusable_prefix_lenB\x16\n\x14_skip_special_tokens\"\xae\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12$\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.FinalInfo\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"s\n\tFinalInfo\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\'\n\x05\x66\x61\x63ts\x18\x18 \x01(\x0b\x32\x18.pdserve.v1.RequestFactsJ\x04\x08\x03\x10\x18\"\x14\n\x12ListWorkersRequest\"x\n\x0bWorkerEntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12&\n\x05stats\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.WorkerStats\"?\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerEntry2\xa1\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.router_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=65
-  _globals['_GENERATEREQUEST']._serialized_end=354
-  _globals['_GENERATERESPONSE']._serialized_start=357
-  _globals['_GENERATERESPONSE']._serialized_end=531
-  _globals['_FINALINFO']._serialized_start=533
-  _globals['_FINALINFO']._serialized_end=648
-  _globals['_LISTWORKERSREQUEST']._serialized_start=650
-  _globals['_LISTWORKERSREQUEST']._serialized_end=670
-  _globals['_WORKERENTRY']._serialized_start=672
-  _globals['_WORKERENTRY']._serialized_end=792
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=794
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=857
-  _globals['_ROUTER']._serialized_start=860
-  _globals['_ROUTER']._serialized_end=1021
+  _globals['_GENERATEREQUEST']._serialized_end=412
+  _globals['_GENERATERESPONSE']._serialized_start=415
+  _globals['_GENERATERESPONSE']._serialized_end=589
+  _globals['_FINALINFO']._serialized_start=591
+  _globals['_FINALINFO']._serialized_end=706
+  _globals['_LISTWORKERSREQUEST']._serialized_start=708
+  _globals['_LISTWORKERSREQUEST']._serialized_end=728
+  _globals['_WORKERENTRY']._serialized_start=730
+  _globals['_WORKERENTRY']._serialized_end=850
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=852
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=915
+  _globals['_ROUTER']._serialized_start=918
+  _globals['_ROUTER']._serialized_end=1079
 # @@protoc_insertion_point(module_scope)

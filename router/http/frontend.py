@@ -219,6 +219,9 @@ class OpenAIFrontend:
         ids = await self._encode(self._render(body, body.add_generation_prompt, tool_defs), False)
         req = self._generate_request(body, headers)
         req.token_ids.ids.extend(ids)
+        if (parser and body.skip_special_tokens is None
+                and tools.marks_are_special(parser, self.limits.tokenizer)):
+            req.skip_special_tokens = False  # the parser must see the call markers
         if body.logprobs:
             req.sampling.logprobs = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -363,7 +366,10 @@ class OpenAIFrontend:
                 sampling.top_k = 0 if body.top_k == -1 else body.top_k  # -1: "off", as vLLM spells it
         except (ValueError, TypeError) as exc:  # a value the wire type cannot hold
             raise bad_request(f"bad sampling value: {exc}") from None
-        return router_pb2.GenerateRequest(request_id=uuid.uuid4().hex, sampling=sampling)
+        req = router_pb2.GenerateRequest(request_id=uuid.uuid4().hex, sampling=sampling)
+        if body.skip_special_tokens is not None:
+            req.skip_special_tokens = body.skip_special_tokens
+        return req
 
     async def _admit(self, req: router_pb2.GenerateRequest, max_tokens: int,
                      headers: Mapping[str, str]) -> Admitted:

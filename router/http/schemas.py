@@ -44,6 +44,9 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM extension
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias
+    # vLLM extension: false keeps special tokens in the text (default: true; a chat with tools whose
+    # call markers are special tokens keeps them unless this says otherwise)
+    skip_special_tokens: bool | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -28,6 +28,7 @@ PARSERS = ("auto", "hermes", "llama3_json", "none")  # pdserve.settings.TOOL_CAL
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
+MARKERS = {"hermes": (_HERMES_OPEN, _HERMES_CLOSE), "llama3_json": (_PYTHON_TAG,)}  # what each parser reads
 
 
 def detect(template_source: str | None) -> str:
@@ -38,6 +39,17 @@ def detect(template_source: str | None) -> str:
     if _PYTHON_TAG in src or ("tools" in src and '"parameters"' in src):
         return "llama3_json"
     return "none"
+
+
+def marks_are_special(parser: str, tokenizer) -> bool:
+    """Whether one of ``parser``'s call markers is a special token of ``tokenizer``: the text the router
+    sends leaves special tokens out by default, so the parser would never see the call (vLLM turns
+    ``skip_special_tokens`` off for such parsers too)."""
+    for marker in MARKERS.get(parser, ()):
+        token_id = tokenizer.token_to_id(marker)
+        if token_id is not None and tokenizer.decode([token_id], skip_special_tokens=True) == "":
+            return True
+    return False
 
 
 def renders_tools(template_source: str | None) -> bool:

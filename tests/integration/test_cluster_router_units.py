@@ -30,6 +30,8 @@ def test_admission_accepts_and_defaults() -> None:
     assert a.params.temperature == 0.0 and a.params.top_p == 1.0 and not a.want_text
     b = admit(build_request(prompt_ids=[5], session_id="s", reusable_prefix_len=1), LIMITS)
     assert b.session_id == "s" and b.reusable_prefix_len == 1 and b.params.max_tokens == 16
+    assert a.skip_special_tokens and b.skip_special_tokens
+    assert not admit(build_request(prompt_ids=[5], skip_special_tokens=False), LIMITS).skip_special_tokens
 
 
 @pytest.mark.parametrize("kw,needle", [
@@ -69,6 +71,10 @@ def test_text_assembler_holds_back_possible_stop_prefix(monkeypatch) -> None:
     plain = TextAssembler(_Tok())
     assert plain.push([ord("h"), ord("i")]) == "hi" and plain.finish() == ""
     assert TextAssembler(None).push([1, 2]) == ""
+    # special tokens kept: the ends (stop token ids, EOS) still never show
+    kept = TextAssembler(_Tok(), skip_special_tokens=False, ends=frozenset({ord("$")}))
+    assert kept.push([ord(c) for c in "a$"]) == "a" and kept.finish() == ""
+    assert TextAssembler(_Tok(), ends=frozenset({ord("$")})).push([ord(c) for c in "a$"]) == "a$"
 
 
 def test_transport_choice_prefers_prefill_order() -> None:

@@ -96,3 +96,22 @@ def test_echo_puts_the_prompt_first(http_cluster) -> None:
     ids = tok.encode(PROMPT)
     by_ids = client.completions.create(prompt=ids, echo=True, **kw).choices[0].text
     assert by_ids == tok.decode(ids, skip_special_tokens=False) + plain
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(http_cluster) -> None:
+    """vLLM's ``skip_special_tokens``: every token pushed to BOS (a special token that ends nothing) is
+    text with it off and no text by default; a special token that ends the answer (a stop token id)
+    is never in the text. gRPC's field answers the same."""
+    from engine.checkpoint import BOS_ID, BOS_TOKEN
+
+    client = openai_client(http_cluster)
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=4, logit_bias={str(BOS_ID): 100})
+    kept = client.completions.create(extra_body={"skip_special_tokens": False}, **kw)
+    assert kept.choices[0].text == BOS_TOKEN * 4
+    assert client.completions.create(**kw).choices[0].text == ""
+    stopped = client.completions.create(extra_body={"skip_special_tokens": False, "stop_token_ids": [BOS_ID]},
+                                        **kw)
+    assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
+    want, _ = grpc_generate(http_cluster, prompt=PROMPT, max_tokens=4, logit_bias={BOS_ID: 100},
+                            skip_special_tokens=False)
+    assert want.text == BOS_TOKEN * 4

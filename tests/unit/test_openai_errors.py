@@ -52,9 +52,9 @@ def call(port: int, path: str, body: dict) -> tuple[int, dict, bytes]:
         conn.close()
 
 
-def serve_and_call(pipeline, path: str, body: dict, *, template=None, tokenizer=None):
+def serve_and_call(pipeline, path: str, body: dict, *, template=None, tokenizer=None, max_model_len=256):
     async def main():
-        limits = ModelLimits(vocab_size=1024, max_model_len=256, tokenizer=tokenizer)
+        limits = ModelLimits(vocab_size=1024, max_model_len=max_model_len, tokenizer=tokenizer)
         front = OpenAIFrontend(pipeline=pipeline, limits=limits, model_name="m", chat_template=template)
         server = HttpServer(build_app(front), host="127.0.0.1", port=0, drain_timeout=1)
         await server.start()
@@ -124,12 +124,14 @@ class ChoicePipeline:
     def __init__(self, fail: set[str] = frozenset(), delay: float = 0.0, hold: float = 0.0) -> None:
         self.fail, self.delay, self.hold = fail, delay, hold
         self.seen: list[tuple[str, int | None]] = []
+        self.admitted: list = []  # the Admitted requests, in order
         self.cancelled: list[str] = []
 
     async def run(self, req, timeout):
         from router.pipeline import Done, ServingMeta, Tokens
 
         self.seen.append((req.request_id, req.params.seed))
+        self.admitted.append(req)
         try:
             if req.request_id in self.fail:
                 await asyncio.sleep(self.delay)

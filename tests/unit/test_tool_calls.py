@@ -15,7 +15,7 @@ from engine.checkpoint import LLAMA3_CHAT_TEMPLATE
 from pdserve.v1 import common_pb2, router_pb2
 from router.chat_template import ChatTemplate
 from router.http.responses import Collector
-from router.http.tools import ToolStream, detect, parse
+from router.http.tools import ToolStream, detect, marks_are_special, parse
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                              "parameters": {"type": "object",
@@ -98,12 +98,38 @@ def test_collector_whole_and_streamed_tool_calls() -> None:
     assert deltas[-1]["finish_reason"] == "tool_calls"
 
 
-def _chat(body: dict, template: str | None = LLAMA3_CHAT_TEMPLATE, **kw):
+def _chat(body: dict, template: str | None = LLAMA3_CHAT_TEMPLATE, pipeline=None, **kw):
     from engine.tokenizer import Tokenizer
 
     tpl = ChatTemplate(template, special_tokens={"bos_token": "<|begin_of_text|>"}) if template else None
-    return serve_and_call(ChoicePipeline(), "/v1/chat/completions", {"model": "m", "max_tokens": 2, **body},
-                          template=tpl, tokenizer=kw.get("tokenizer") or Tokenizer.from_dir(kw["model_dir"]))
+    return serve_and_call(pipeline or ChoicePipeline(), "/v1/chat/completions",
+                          {"model": "m", "max_tokens": 2, **body}, template=tpl, max_model_len=1024,
+                          tokenizer=kw.get("tokenizer") or Tokenizer.from_dir(kw["model_dir"]))
+
+
+def test_call_markers_that_are_special_tokens_keep_special_tokens_in_the_text(tiny_llama_dir) -> None:
+    """The text leaves special tokens out by default; where a parser's marker is one (Llama 3.1's
+    ``<|python_tag|>`` is), a chat with tools keeps them, unless the request says otherwise."""
+    from engine.tokenizer import Tokenizer
+
+    plain = Tokenizer.from_dir(tiny_llama_dir)
+    assert not marks_are_special("llama3_json", plain) and not marks_are_special("hermes", plain)
+    added = Tokenizer.from_dir(tiny_llama_dir)
+    added.backend.add_tokens(["<tool_call>", "</tool_call>"])  # ordinary added tokens (Qwen2.5's)
+    assert not marks_are_special("hermes", added)
+    special = Tokenizer.from_dir(tiny_llama_dir)
+    special.backend.add_special_tokens(["<|python_tag|>", "<tool_call>"])
+    assert marks_are_special("llama3_json", special) and marks_are_special("hermes", special)
+    msgs = {"messages": [{"role": "user", "content": "hi"}]}
+    for body, tok, want in (({**msgs, "tools": [WEATHER]}, special, False),
+                            ({**msgs, "tools": [WEATHER], "skip_special_tokens": True}, special, True),
+                            ({**msgs, "tools": [WEATHER]}, plain, True),
+                            (msgs, special, True),
+                            ({**msgs, "skip_special_tokens": False}, plain, False)):
+        pipeline = ChoicePipeline()
+        status, _, raw = _chat(body, pipeline=pipeline, tokenizer=tok)
+        assert status == 200, raw
+        assert [a.skip_special_tokens for a in pipeline.admitted] == [want], body
 
 
 @pytest.mark.parametrize("body, template, contains", [
