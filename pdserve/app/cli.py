@@ -29,11 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    bytecode.enable()  # before the commands' imports (torch): see pdserve/bytecode.py
+    cache = bytecode.enable()  # before the commands' imports (torch): see pdserve/bytecode.py
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cache:
+        logging.getLogger("pdserve.bytecode").info("this install ships no bytecode: compiled modules are "
+                                                   "cached in %s", cache)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
