@@ -14,8 +14,9 @@ ways, the copies spread over ``threads`` lanes (a thread and a stream each; ``PD
   take it back from the imports (up to the 5 ms switch interval), so one lane crawls beside them
   (measured: the upload 5.6-6.4 s for 16 GB, where the files alone read in 2.3-3.1 s); lanes wait for
   the GIL side by side: four lanes put 16 GB from the page cache on the GPU in 2.3-2.5 s beside the
-  imports (eight: 2.1 s, but the imports took 0.3-0.6 s longer). Files not wholly in the page cache
-  (``mincore``) are read in one lane, the way measured from a cold disk.
+  imports (eight: 2.1 s, but the imports took 0.3-0.6 s longer). ``auto`` reads files not wholly in the
+  page cache (``mincore``) in one lane, the way measured from a cold disk; ``read`` reads every file
+  in lanes.
 * ``mapped``: the file is memory-mapped and its data section handed to the driver as pageable memory,
   ``MAPPED_PIECE`` at a time: the driver stages it through buffers of its own. No page is pinned, but
   the driver's staging does not go faster in lanes: 3.2-3.8 s for 16 GB with one to eight.
@@ -233,9 +234,10 @@ class EarlyUpload:
         cuda.cuStreamCreate(ctypes.byref(stream), 1)  # CU_STREAM_NON_BLOCKING
         mapped = plans if self.mode in ("mapped", "register") else []
         pieces = [fp for fp in plans if fp not in mapped]
-        # auto and read: the files the page cache holds in lanes; the others in one lane, the one way
-        # measured from a cold disk (docs/gpu.md, "Boot")
-        cold = [fp for fp in pieces if not _cached(fp.path, fp.data_start + fp.size)]
+        # auto: the files the page cache holds in lanes, the others in one lane, the one way measured
+        # from a cold disk (docs/gpu.md, "Boot"); read: every file in lanes
+        cold = [] if self.mode == "read" else [fp for fp in pieces
+                                               if not _cached(fp.path, fp.data_start + fp.size)]
         warm = [fp for fp in pieces if fp not in cold]
         methods = []
         try:

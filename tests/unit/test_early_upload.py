@@ -209,6 +209,12 @@ def test_auto_reads_the_files_the_disk_must_give_in_one_lane(make_checkpoint, mo
     for name, tensor in iter_tensors_of(files[0]):
         assert _arena_bytes(up, files[0], name) == tensor.contiguous().view(torch.uint8).numpy().tobytes()
     up.release()
+    fake = FakeDriver()  # read: every file in lanes, the cold one too
+    up = _upload(model, fake, monkeypatch, chunk=8192, mode="read", threads=3)
+    assert up.wait() and up.method == "read" and fake.calls.count("cuStreamCreate") == 3
+    for name, tensor in iter_tensors_of(files[0]):
+        assert _arena_bytes(up, files[0], name) == tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    up.release()
 
 
 def test_release_before_the_end_stops_the_upload_and_frees_the_arena(make_checkpoint, monkeypatch):
