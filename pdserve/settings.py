@@ -405,8 +405,9 @@ def early_upload_mode() -> str:
     """``PDSERVE_EARLY_UPLOAD``: how a one-GPU worker puts its checkpoint on the GPU while it imports
     torch (engine.early_upload). ``read`` reads every file in pieces into page-locked buffers, in
     lanes; ``auto`` (unset, ``1``) does so for the files the page cache holds and reads the others in
-    one lane; ``mapped`` hands each file's mapping to the driver as pageable memory; ``register`` pins the page cache's pages of each file and copies the file
-    in one piece; ``off`` (or ``0``) leaves it to the load."""
+    one lane; ``mapped`` hands each file's mapping to the driver as pageable memory; ``register`` pins
+    the page cache's pages of each file and copies the file in one piece; ``off`` (or ``0``) leaves it
+    to the load."""
     raw = os.environ.get("PDSERVE_EARLY_UPLOAD", "").strip() or "auto"
     mode = {"1": "auto", "0": "off"}.get(raw, raw)
     if mode not in EARLY_UPLOAD_MODES:
