@@ -27,3 +27,10 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
             raise ValueError("--event-loop uvloop: uvloop is not installed (pip install uvloop)") from None
         return None
     return uvloop.new_event_loop
+
+
+def run(coro, choice: str = "auto"):
+    """``coro`` run to completion on a new loop of ``choice`` (``asyncio.run`` on uvloop where it is
+    installed): the load generator's client side, whose CPU shares the box with what it measures."""
+    with asyncio.Runner(loop_factory=loop_factory(choice)) as runner:
+        return runner.run(coro)

@@ -20,7 +20,6 @@ Never fails on a timing; exits 1 only when every request failed (one rate) or no
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shlex
 import sys
@@ -112,12 +111,13 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
+    from pdserve import event_loop
     from pdserve.app.loadgen import cpu
     from pdserve.app.loadgen.runner import run
     from pdserve.app.loadgen.stats import format_table, summarize
 
     cpu_before = cpu.try_read(args.router, backend=args.backend, api_key=args.api_key)
-    samples, duration = asyncio.run(run(cfg))
+    samples, duration = event_loop.run(run(cfg))
     cpu_after = cpu.try_read(args.router, backend=args.backend, api_key=args.api_key)
     summary = summarize(samples, duration, ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
                         block_size=args.block_size)

@@ -29,7 +29,6 @@ facts.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import platform
@@ -38,6 +37,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from pdserve import event_loop
 from pdserve.app.launcher.local import QUIET_ENV, LocalCluster
 from pdserve.app.launcher.procs import spawn
 from pdserve.app.loadgen.dist import parse_dist
@@ -89,14 +89,14 @@ def chat(router: str, *, sessions: int, turns: int, system_len: int, user_len: s
     cfg = RunConfig(router=router, rate=session_rate, num_requests=0, input_len=parse_dist(user_len),
                     output_len=parse_dist(output_len), sessions=sessions, turns=turns, seed=seed,
                     system_prompt_len=system_len, session_prefix=label)
-    samples, _ = asyncio.run(run(cfg))
+    samples, _ = event_loop.run(run(cfg))
     return samples
 
 
 def burst(router: str, *, n: int, system_len: int, output_len: int, seed: int) -> list[Sample]:
     cfg = RunConfig(router=router, rate=float("inf"), num_requests=n, input_len=parse_dist("16"),
                     output_len=parse_dist(str(output_len)), seed=seed, system_prompt_len=system_len)
-    samples, _ = asyncio.run(run(cfg))
+    samples, _ = event_loop.run(run(cfg))
     return samples
 
 

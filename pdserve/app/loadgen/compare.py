@@ -10,7 +10,6 @@ as ratios taken in one run on one machine; nothing here asserts them.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 import re
@@ -18,6 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pdserve import event_loop
 from pdserve.app.loadgen.dist import parse_dist
 from pdserve.app.loadgen.modes import ModeOptions, cluster_spec, describe, started
 from pdserve.app.loadgen.runner import RunConfig, run
@@ -30,7 +30,7 @@ ROUTER_METRICS = re.compile(r"^pdserve_router_(prefill_decisions|admission_|allo
 def warm(router: str, vocab_size: int, input_lens: tuple[int, ...] = (8,)) -> None:
     """Two requests per prompt length (cold kernels and allocator growth stay out of the first point)."""
     for i, n in enumerate(input_lens):
-        asyncio.run(run(RunConfig(router=router, rate=float("inf"), num_requests=2,
+        event_loop.run(run(RunConfig(router=router, rate=float("inf"), num_requests=2,
                                   input_len=parse_dist(str(n)), output_len=parse_dist("4"),
                                   vocab_size=vocab_size, seed=(1 << 25) + i)))
 

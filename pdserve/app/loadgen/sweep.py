@@ -16,7 +16,6 @@ the cluster's CPU cores per 1k output tokens/s; ``loadgen/cpu.py``), where the c
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 import sys
@@ -25,6 +24,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve import event_loop
 from pdserve.app.loadgen import cpu
 from pdserve.app.loadgen.runner import RunConfig, run
 from pdserve.app.loadgen.stats import Sample, summarize
@@ -84,7 +84,7 @@ def run_point(base: RunConfig, cfg: SweepConfig, rate: float,
     n = cfg.requests_at(rate)
     run_cfg = dataclasses.replace(base, rate=rate, num_requests=n, seed=point_seed(cfg.label, rate))
     before = cpu.try_read(base.router, backend=base.backend, api_key=base.api_key)
-    samples, duration = asyncio.run(run(run_cfg, on_done))
+    samples, duration = event_loop.run(run(run_cfg, on_done))
     after = cpu.try_read(base.router, backend=base.backend, api_key=base.api_key)
     summary = summarize(samples, duration, ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms)
     if before and after:  # what the point cost each process of the cluster (loadgen/cpu.py)
