@@ -35,7 +35,7 @@ import time
 import grpc
 
 from bench.relay_cpu import proc_cpu_s, thread_cpu_s
-from pdserve.event_loop import loop_factory
+from pdserve import event_loop
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -136,9 +136,7 @@ def _serve(kind: str, arg: int, ports: multiprocessing.Queue) -> None:
         await server.wait_for_termination()
 
     # the uvloop relay: the same code on the loop the router runs on by default (pdserve/event_loop.py)
-    loop = "uvloop" if kind == "uvloop-relay" else "asyncio"
-    with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
-        runner.run(main())
+    event_loop.run(main(), "uvloop" if kind == "uvloop-relay" else "asyncio")
 
 
 async def _load(port: int, rate: float, requests: int, tokens: int, relay_pid: int) -> dict:

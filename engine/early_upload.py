@@ -7,7 +7,7 @@ page cache; from a cold disk as long as the read), then flashinfer and the graph
 the imports although it needs none of them. This module needs only the standard library and the CUDA
 driver (``libcuda.so.1`` through ``ctypes``), so ``pdserve serve`` starts it before anything else. Its
 thread puts every weight file's (``weight_files``) data section into one device arena in one of three
-ways, the copies spread over ``threads`` lanes (a thread and a stream each; ``PDSERVE_EARLY_UPLOAD_THREADS``):
+ways, the copies spread over ``threads`` lanes (engine/copy_lanes.py; ``PDSERVE_EARLY_UPLOAD_THREADS``):
 
 * ``read`` (and ``auto``): ``CHUNK`` pieces read into page-locked buffers (``os.preadv``) and copied
   from there, ``NUM_BUFFERS`` in flight a lane. Each call releases the GIL, but each return waits to
@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine import copy_lanes
 from engine.cuda_driver import DriverError, _Driver, driver
 from engine.cuda_driver import cached as _cached
 from engine.cuda_driver import map_file as _map
@@ -272,7 +273,8 @@ class EarlyUpload:
                        min(MAPPED_PIECE, fp.size - off))
                       for fp, (addr, _length) in zip(plans, maps, strict=True)
                       for off in range(0, fp.size, MAPPED_PIECE)]
-            self._lanes(pieces, stream, self._copy_pageable, self.threads)
+            copy_lanes.run(self._cuda, self._ctx, pieces, stream, self._copy_pageable, self.threads,
+                           self._cancel, "early-upload")
         finally:
             for addr, length in maps:
                 _unmap(addr, length)
@@ -284,43 +286,6 @@ class EarlyUpload:
             self._cuda.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(dst), ctypes.c_void_p(src), size, stream)
             with self._lock:
                 self.num_bytes += size
-
-    def _lanes(self, pieces: list, stream: ctypes.c_void_p, work, lanes: int) -> None:
-        """``work(pieces, stream, stop)`` over ``lanes`` lanes, the pieces dealt round robin, each
-        helper lane on a thread and a stream of its own (the first lane: this thread, on ``stream``);
-        ``stop()`` turns true on a cancel or once any lane failed, and the first failure is raised here
-        after every lane has ended and synchronized its stream."""
-        cuda, n = self._cuda, max(1, min(lanes, len(pieces)))
-        errors: list[BaseException] = []
-
-        def stop() -> bool:
-            return self._cancel.is_set() or bool(errors)
-
-        def lane(items: list, own: ctypes.c_void_p | None) -> None:
-            s = own or ctypes.c_void_p()
-            try:
-                if own is None:
-                    cuda.cuCtxSetCurrent(self._ctx)
-                    cuda.cuStreamCreate(ctypes.byref(s), 1)  # CU_STREAM_NON_BLOCKING
-                try:
-                    work(items, s, stop)
-                finally:
-                    if s.value:
-                        cuda.cuStreamSynchronize(s)
-                        if own is None:
-                            cuda.cuStreamDestroy_v2(s)
-            except BaseException as exc:  # noqa: BLE001 - raised on the upload's thread below
-                errors.append(exc)
-
-        helpers = [threading.Thread(target=lane, args=(pieces[i::n], None), name=f"early-upload-{i}",
-                                    daemon=True) for i in range(1, n)]
-        for t in helpers:
-            t.start()
-        lane(pieces[0::n], stream)
-        for t in helpers:
-            t.join()
-        if errors:
-            raise next((e for e in errors if str(e) != "cancelled"), errors[0])
 
     def _registered(self, plans: list[FilePlan], stream: ctypes.c_void_p) -> None:
         """Each file pinned in the page cache and copied in one piece; file k+1 is pinned while file k's
@@ -371,7 +336,8 @@ class EarlyUpload:
                 fds.append(os.open(fp.path, os.O_RDONLY))
             pieces = [(fd, fp.data_start + off, self._base + fp.offset + off, min(CHUNK, fp.size - off))
                       for fp, fd in zip(plans, fds, strict=True) for off in range(0, fp.size, CHUNK)]
-            self._lanes(pieces, stream, self._read_pieces, lanes)
+            copy_lanes.run(self._cuda, self._ctx, pieces, stream, self._read_pieces, lanes, self._cancel,
+                           "early-upload")
         finally:
             for fd in fds:
                 os.close(fd)

@@ -90,9 +90,11 @@ async def run_role(settings: ServeSettings) -> int:
     settings = _with_port(settings, port)
     try:
         await finish(settings)
-    except BaseException:  # a start that failed (bad settings, a model that does not load): nothing to
-        await server.server.stop(0)  # drain, and no running server left for the collector to stop on a
-        raise  # closed loop (a traceback after the error's own message)
+    except BaseException:
+        # A start that failed (bad settings, a model that does not load): nothing to drain, and no
+        # running server left for the collector to stop on a closed loop (a traceback after the error).
+        await server.server.stop(0)
+        raise
     await server.set_serving(True)
     print(f"pdserve {settings.role} {settings.worker_id} listening on {settings.advertise_host}:{port}",
           flush=True)

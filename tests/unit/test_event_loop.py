@@ -46,10 +46,8 @@ def test_serve_refuses_a_missing_uvloop_with_exit_status_2(tmp_path: Path) -> No
 
 
 def test_run_gives_the_coroutines_result_on_the_chosen_loop() -> None:
-    import uvloop
-
     async def which() -> str:
         return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
-    assert event_loop.run(which()) == "uvloop" and uvloop.Loop.__module__.startswith("uvloop")
+    assert event_loop.run(which()) == "uvloop"
     assert event_loop.run(which(), "asyncio") == "asyncio"

@@ -8,7 +8,6 @@ wait for it), and exits 0 after a graceful drain on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -51,8 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("event loop: %s", "asyncio" if factory is None else factory.__module__.split(".")[0])
     status = 0
     try:
-        with asyncio.Runner(loop_factory=factory) as runner:
-            status = runner.run(run_role(settings))
+        status = event_loop.run(run_role(settings), settings.event_loop)
     except KeyboardInterrupt:
         pass
     # Every stop callback has run (drained, transport closed, engine thread joined): skip the slow
