@@ -6,21 +6,28 @@
 #   docker build --build-arg VARIANT=cuda -t pdserve:0.1.0-cuda .         # CUDA image (GPU nodes)
 #
 # Build arguments (docs/deploy.md#the-image):
-#   CPU_BASE / CUDA_BASE  runtime base image of each variant (pinned tags; any image with python3 >= 3.11
-#                         and its venv module, or an apt-based one where the build installs them)
-#   TORCH_INDEX_URL       package index torch comes from (default: the PyTorch index of the variant)
-#   TORCH_SPEC            torch requirement (default torch==2.13.0)
+#   CPU_BASE / CUDA_BASE  runtime base image of each variant (pinned tags; any image with python3 and its
+#                         venv module, or an apt-based one where the build installs them; the Python must
+#                         be the lock's: 3.11 for cpu, 3.12 for cuda)
+#   TORCH_INDEX_URL       extra package index holding the lock's torch build (cpu default: PyTorch's CPU
+#                         index; cuda: none, PyPI's torch is the CUDA build)
 #   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL   index for every other package (default PyPI)
+# Every Python package is the lock's (locks/image-<variant>.txt: exact versions and sha256 hashes, written
+# by `make lock`); pip refuses anything else, so the same build gives the same bytes in six months.
 # Behind a TLS-intercepting proxy give pip the proxy's CA bundle as a build secret (never stored in a layer):
 #   docker build --secret id=pip_cert,src=/etc/ssl/certs/ca-certificates.crt ...
 #
-# Stages: base-<variant> (OS + python3) -> deps (venv: torch, then the dependencies in pyproject.toml)
-#         -> wheel (the pdserve wheel from the source tree) -> runtime (base + venv + wheel, non-root).
-# Layers are ordered so that a source change rebuilds only the wheel and the last, small runtime layer.
+# Stages: base-<variant> (OS + python3) -> lock (the variant's lock, and its torch entry alone) -> deps
+#         (venv: torch, then the rest of the lock) -> wheel (the pdserve wheel from the source tree)
+#         -> runtime (base + venv + wheel, non-root).
+# Layers are ordered so that a source change rebuilds only the wheel and the last, small runtime layer,
+# and a lock refresh that keeps torch's pin keeps the torch layer.
 
 ARG VARIANT=cpu
 ARG CPU_BASE=python:3.11-slim-bookworm
-ARG CUDA_BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# PyPI's torch 2.13.0 is the CUDA 13 build and carries the CUDA libraries as wheels (cuda-toolkit,
+# nvidia-*), so the CUDA base needs only python3; the node needs an NVIDIA driver for CUDA 13 (>= 580).
+ARG CUDA_BASE=nvidia/cuda:13.0.0-base-ubuntu24.04
 
 # ---- runtime bases ---------------------------------------------------------------------------------
 FROM ${CPU_BASE} AS base-cpu
@@ -34,36 +41,40 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 
-# ---- deps: a self-contained virtualenv in /opt/venv ---------------------------------------------------
+# ---- lock: the variant's lock, and torch's entry of it on its own ------------------------------------
+# COPY --from of torch.txt is cached by its content: a lock refresh that keeps torch keeps the torch layer.
+FROM base-${VARIANT} AS lock
+ARG VARIANT
+COPY locks/image-${VARIANT}.txt /lock/all.txt
+RUN awk '/^torch==/ {keep = 1; print; next} keep && /^ / {print; next} {keep = 0}' /lock/all.txt \
+      > /lock/torch.txt \
+ && grep -q '^torch==' /lock/torch.txt
+
+# ---- deps: a self-contained virtualenv in /opt/venv, exactly the lock ------------------------------------
 FROM base-${VARIANT} AS deps
 ARG VARIANT
 ARG TORCH_INDEX_URL=""
-ARG TORCH_SPEC=torch==2.13.0
 ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PYTHONDONTWRITEBYTECODE=1
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # torch first, on its own layer: the largest download, and it changes least often.
+COPY --from=lock /lock/torch.txt /tmp/lock/torch.txt
 RUN --mount=type=secret,id=pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
  && index="${TORCH_INDEX_URL}" \
  && if [ -z "$index" ]; then case "$VARIANT" in \
       cpu) index=https://download.pytorch.org/whl/cpu ;; \
-      cuda) index=https://download.pytorch.org/whl/cu128 ;; \
+      cuda) index="" ;; \
       *) echo "VARIANT must be cpu or cuda, got '$VARIANT'" >&2; exit 2 ;; esac; fi \
- && pip install --index-url "$index" "${TORCH_SPEC}"
-# Then the dependencies pyproject.toml names (plus the nixl extra and the Kubernetes client the router's
-# k8s discovery uses), read from pyproject.toml alone so that source changes keep this layer cached.
-COPY pyproject.toml /src/pyproject.toml
+ && pip install --require-hashes --no-deps ${index:+--extra-index-url "$index"} -r /tmp/lock/torch.txt
+# Then the rest of the lock (pip itself and setuptools, which the wheel stage builds with, included).
+COPY --from=lock /lock/all.txt /tmp/lock/all.txt
 RUN --mount=type=secret,id=pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
- && python3 -c "import tomllib; p = tomllib.load(open('/src/pyproject.toml', 'rb'))['project']; \
-extra = p['optional-dependencies']; \
-print('\n'.join(p['dependencies'] + extra['nixl'] + [r for r in extra['cluster'] if r.startswith('kubernetes')]))" \
-    > /tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt \
- && rm /tmp/requirements.txt \
+ && pip install --require-hashes --no-deps -r /tmp/lock/all.txt \
+ && rm -r /tmp/lock \
  && pip check \
  && rm -rf /opt/venv/lib/python3*/site-packages/nixl_ep_cu*
 # (nixl's wheel also carries nixl_ep, its expert-parallel all-to-all library, ~105 MB: not imported by

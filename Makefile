@@ -4,9 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# CPU torch where no GPU is present. Override TORCH_SPEC / TORCH_PIP_ARGS for another build.
-HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
-TORCH_SPEC ?= $(if $(HAS_GPU),torch,torch==2.13.0)
+# Every dependency comes from a lock (locks/, written by `make lock` with uv; CONTRIBUTING.md): exact
+# versions with hashes, for CPython 3.11 on Linux x86_64 with PyTorch's CPU build. torch 2.13.0+cpu is
+# not on PyPI: pip finds it where its configuration says (a find-links directory), or give
+# TORCH_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu".
+LOCK ?= locks/dev-cpu.txt
 TORCH_PIP_ARGS ?=
 MODEL ?= .models/tiny
 PYTEST_ARGS ?=
@@ -18,7 +20,7 @@ TOOLS := .tools
 HELM_VERSION ?= 3.6.2
 HELM := $(TOOLS)/node_modules/.bin/helm
 
-.PHONY: setup tools run test test-repeat proto proto-check lint bench soak clean help kind-test
+.PHONY: setup lock tools run test test-repeat proto proto-check lint bench soak clean help kind-test
 
 help:
 	@echo "make run    - set up, start a local cluster on the tiny random model, answer a prompt"
@@ -26,16 +28,19 @@ help:
 	@echo "make test-repeat N=10 - the whole suite N times, a fresh random order each, a line per run"
 	@echo "make bench  - CPU benchmarks (tables printed, JSON under bench/results/)"
 	@echo "make soak   - 30 min of mixed traffic while workers are killed and restarted (SOAK_SECONDS=N)"
+	@echo "make lock   - refresh locks/ from pyproject.toml (uv; UPGRADE=1 for newest releases)"
 	@echo "make proto  - regenerate Python code from proto/"
 	@echo "make lint   - ruff, the layer contracts (import-linter), dead code (vulture)"
 	@echo "make kind-test - kind cluster, CPU image, helm install, e2e suite (needs docker + kind)"
 	@echo "make container-test - build the image, run the e2e suite against the chart's pods as containers"
 
-$(VENV)/.stamp: pyproject.toml
+$(VENV)/.stamp: pyproject.toml $(LOCK)
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if v == (3, 11) else \
+	    f"$(LOCK) is for CPython 3.11; $(PYTHON) is {v[0]}.{v[1]}: give PYTHON=python3.11")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,cluster,nixl]"
+	$(PIP) install -q --require-hashes --no-deps $(TORCH_PIP_ARGS) -r $(LOCK)
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PY) -m locks.check venv $(LOCK)
 	touch $@
 
 setup: $(VENV)/.stamp
@@ -70,6 +75,15 @@ run: setup $(MODEL)/config.json
 	    -d '{"model": "tiny", "messages": [{"role": "user", "content": "The quick brown fox"}], "max_tokens": 24}'; \
 	echo
 
+# Refresh the locks (locks/compile.sh): keeps every pin pyproject.toml still admits; UPGRADE=1 moves
+# everything to the newest releases, UPGRADE_PACKAGE=name one package. TORCH_CPU_FIND_LINKS: where
+# torch 2.13.0+cpu lies (default: this machine's pip find-links, else PyTorch's CPU index).
+TORCH_CPU_FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+lock: setup
+	TORCH_CPU_FIND_LINKS="$(TORCH_CPU_FIND_LINKS)" UV=$(VENV)/bin/uv locks/compile.sh
+	$(PY) -m locks.check drift
+
+# grpcio-tools is the locked one (pyproject.toml pins the version that generated pdserve/v1).
 proto: setup
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/pdserve/v1/*.proto
 

@@ -8,9 +8,9 @@
 #      CPU_BASE      base image; default python:3.11-slim-bookworm, or, when that cannot be pulled, one
 #                    made here with debootstrap (make-base.sh -> pdserve-base:bookworm)
 #      TORCH_INDEX_URL  default: the Dockerfile's (PyTorch's CPU index); when that is unreachable, a local
-#                    index of the wheels this machine's pip resolves for $TORCH_SPEC (local-torch-index.py),
-#                    served on 127.0.0.1 for the duration of the build
-#      TORCH_SPEC    (torch==2.13.0)    PIP_CERT_BUNDLE  CA bundle handed to pip as a build secret
+#                    index of the wheels this machine's pip resolves for the lock's torch (the torch==
+#                    line of locks/image-cpu.txt; local-torch-index.py), served on 127.0.0.1 for the build
+#      PIP_CERT_BUNDLE  CA bundle handed to pip as a build secret
 #                    (default $PIP_CERT, else /etc/ssl/certs/ca-certificates.crt when present)
 # Builds run with --network host (pip inside the build then uses the host's network, and can reach the
 # local index). Prints the build time and the size of every layer; writes them to $STATE/build.json.
@@ -20,7 +20,7 @@ pick_docker
 VARIANT="${VARIANT:-cpu}"
 IMAGE="${IMAGE:-pdserve:${APP_VERSION}-${VARIANT}}"
 REDIS_IMAGE="${REDIS_IMAGE:-pdserve-lane-redis:bookworm}"
-TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+TORCH_SPEC="$(sed -n -E 's/^(torch==[^ ]+).*/\1/p' "$ROOT/locks/image-$VARIANT.txt")"
 DEFAULT_CPU_BASE="python:3.11-slim-bookworm"
 DEFAULT_TORCH_INDEX="https://download.pytorch.org/whl/cpu"
 
@@ -60,9 +60,9 @@ secret=()
 bundle="${PIP_CERT_BUNDLE:-${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}}"
 if [[ -s "$bundle" ]]; then secret=(--secret "id=pip_cert,src=$bundle"); fi
 
-args=(--network host --build-arg "VARIANT=$VARIANT" --build-arg "CPU_BASE=$CPU_BASE" --build-arg "TORCH_SPEC=$TORCH_SPEC")
+args=(--network host --build-arg "VARIANT=$VARIANT" --build-arg "CPU_BASE=$CPU_BASE")
 if [[ -n "${TORCH_INDEX_URL:-}" ]]; then args+=(--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL"); fi
-log "building $IMAGE with $DOCKER (torch: ${TORCH_SPEC} from ${TORCH_INDEX_URL:-the Dockerfile default})"
+log "building $IMAGE with $DOCKER (locks/image-$VARIANT.txt; ${TORCH_SPEC} from ${TORCH_INDEX_URL:-the Dockerfile default})"
 start=$(date +%s.%N)
 docker_build "${args[@]}" "${secret[@]}" --progress plain -t "$IMAGE" "$ROOT" >"$STATE/build.log" 2>&1 \
   || { tail -40 "$STATE/build.log" >&2; log "build failed; full log: $STATE/build.log"; exit 1; }

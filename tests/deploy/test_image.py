@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -58,7 +59,7 @@ def test_cpu_and_cuda_variants_from_pinned_base_arguments() -> None:
     assert args["VARIANT"] == "cpu"
     stages = _stages()
     assert stages["base-cpu"] == "${CPU_BASE}" and stages["base-cuda"] == "${CUDA_BASE}"
-    assert stages["deps"] == stages["runtime"] == "base-${VARIANT}"
+    assert stages["deps"] == stages["runtime"] == stages["lock"] == "base-${VARIANT}"
     assert stages["wheel"] == "deps"
     for var in ("CPU_BASE", "CUDA_BASE"):
         image = args[var]
@@ -67,20 +68,38 @@ def test_cpu_and_cuda_variants_from_pinned_base_arguments() -> None:
     assert "latest" not in " ".join(ln for ln in INSTRUCTIONS if ln.startswith("FROM"))
 
 
-def test_torch_comes_from_the_index_the_builder_names() -> None:
-    deps = _stage("deps")
-    assert re.search(r"^ARG TORCH_INDEX_URL", deps, flags=re.M) and re.search(r"^ARG TORCH_SPEC", deps, re.M)
-    assert 'pip install --index-url "$index" "${TORCH_SPEC}"' in deps
-    # the variant's PyTorch index only when none is named
-    assert 'index="${TORCH_INDEX_URL}"' in deps and 'if [ -z "$index" ]' in deps
+def test_every_package_comes_from_the_variant_lock_with_hashes() -> None:
+    lock, deps = _stage("lock"), _stage("deps")
+    assert "COPY locks/image-${VARIANT}.txt /lock/all.txt" in lock
+    installs = [ln for ln in deps.splitlines() if "pip install" in ln]
+    assert len(installs) == 2 and all("--require-hashes --no-deps" in ln for ln in installs), installs
+    assert "-r /tmp/lock/torch.txt" in installs[0] and "-r /tmp/lock/all.txt" in installs[1]
+    assert "pyproject.toml" not in deps and "pip check" in deps
+    # torch's extra index: the builder's, else PyTorch's CPU index for cpu and none for cuda (PyPI's torch)
+    assert re.search(r"^ARG TORCH_INDEX_URL", deps, flags=re.M) and 'index="${TORCH_INDEX_URL}"' in deps
+    assert 'cpu) index=https://download.pytorch.org/whl/cpu' in deps and 'cuda) index=""' in deps
     # a proxy CA reaches pip as a build secret, never as a layer
-    assert deps.count("--mount=type=secret,id=pip_cert") == 2 and "COPY" not in deps.split("pyproject")[0]
+    assert deps.count("--mount=type=secret,id=pip_cert") == 2
+
+
+def test_the_lock_stage_keeps_torch_entry_alone() -> None:
+    # The awk of the lock stage, run on each image lock: exactly torch's line and its hashes.
+    awk = re.search(r"awk '([^']+)'", _stage("lock")).group(1)
+    for variant in ("cpu", "cuda"):
+        lock = REPO / "locks" / f"image-{variant}.txt"
+        out = subprocess.run(["awk", awk, str(lock)], check=True, capture_output=True, text=True).stdout
+        lines = out.splitlines()
+        assert lines[0].startswith("torch==") and lines[0].endswith("\\"), lines[0]
+        hashes = [ln for ln in lines[1:] if "--hash=sha256:" in ln]
+        assert hashes and all(ln.startswith("    ") for ln in lines[1:])
+        assert not any(re.match(r"^[a-z]", ln) for ln in lines[1:])
 
 
 def test_layers_are_ordered_for_the_build_cache() -> None:
     deps = _stage("deps")
-    torch_at, pyproject_at = deps.index("TORCH_SPEC}\""), deps.index("COPY pyproject.toml")
-    assert torch_at < pyproject_at < deps.index("pip install -r /tmp/requirements.txt")
+    torch_at = deps.index("COPY --from=lock /lock/torch.txt")
+    all_at = deps.index("COPY --from=lock /lock/all.txt")
+    assert torch_at < deps.index("-r /tmp/lock/torch.txt") < all_at < deps.index("-r /tmp/lock/all.txt")
     assert "COPY . " not in deps  # source changes leave torch and the dependencies cached
     assert "COPY . /src" in _stage("wheel")
     runtime = _stage("runtime")

@@ -6,15 +6,14 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROTOS = sorted((ROOT / "proto" / "pdserve" / "v1").glob("*.proto"))
 
 
 def test_generated_code_is_fresh(tmp_path: pathlib.Path) -> None:
-    pytest.importorskip("grpc_tools")
-    assert PROTOS, "no .proto files found"
+    import grpc_tools  # the locked grpcio-tools (pyproject.toml pins the version that generated the stubs)
+
+    assert grpc_tools is not None and PROTOS, "no .proto files found"
     cmd = [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto'}", f"--python_out={tmp_path}",
            f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", *map(str, PROTOS)]
     subprocess.run(cmd, check=True, capture_output=True)
@@ -70,3 +69,11 @@ def test_the_per_request_report_prints_every_fact() -> None:
     assert list(out) == ["finish_reason", *names, "usage"]  # every field, zeros included
     assert out["kv_bytes_sent"] == 1 << 40 and out["decode_ms"] == 1.5 and out["decode_worker"] == "d0"
     assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "cached_tokens": 2}
+
+
+def test_the_locked_grpcio_tools_is_the_one_that_generated_the_stubs() -> None:
+    from importlib import metadata
+
+    from pdserve.v1 import router_pb2_grpc
+
+    assert metadata.version("grpcio-tools") == router_pb2_grpc.GRPC_GENERATED_VERSION
