@@ -19,6 +19,7 @@ this rank's heads, and ``close()`` releases the followers.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from engine.config import ModelConfig
 from engine.engine_types import EngineConfig, Reservation, StepOutput
 from engine.errors import DuplicateRequest, KVCacheFull, QueueFull, UnknownRequest
 from engine.kv_layout import KVLayout, dtype_name
+from engine.kv_tiers import KVTiers
 from engine.layer_sink import LayerSink
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
@@ -97,6 +99,14 @@ class LLMEngine(LaunchAhead):
                                   launch_ahead_layers=config.launch_ahead_layers)
         if config.cuda_graphs:
             self.runner.enable_cuda_graphs(max_batch=config.max_num_seqs, max_model_len=self.max_model_len)
+        self.tiers: KVTiers | None = None
+        if config.tiers.enabled:
+            if tp is not None:
+                raise ValueError("KV tiers (--kv-host-gb, --kv-disk-dir) do not support tensor parallelism "
+                                 "yet")
+            self.tiers = KVTiers(config.tiers, self.rank_kv_layout, self.runner.kv_cache)
+            self.block_manager.on_evict = self.tiers.offload
+            self.scheduler.tiers = self.tiers
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self._requests: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # outputs decided outside step() (abort, commit)
@@ -241,13 +251,18 @@ class LLMEngine(LaunchAhead):
         sched = self.scheduler.schedule()
         outputs += self._rejected(sched)
         if not sched.scheduled:
+            if self.tiers is not None and not outputs and self.scheduler.loading():
+                self.tiers.wait_any(timeout=0.002)  # only tier loads to wait for: no busy loop
             return outputs
         self.stats.preemptions += sched.num_preempted
         if self.overlap_steps and goes_ahead(sched.scheduled):
             self._inflight = self._launch(sched.scheduled, None)
             return outputs
-        self._count(sched.scheduled)
+        prompt_tokens = self._count(sched.scheduled)
+        started = time.perf_counter()
         tokens, logprobs = self.runner.execute(sched.scheduled)
+        if self.tiers is not None and prompt_tokens:  # the recompute side of load-or-recompute
+            self.tiers.cost.record_prefill(prompt_tokens, time.perf_counter() - started)
         sampled = []
         for s in sched.scheduled:
             s.seq.num_computed += s.num_tokens
@@ -266,11 +281,15 @@ class LLMEngine(LaunchAhead):
             outputs.append(self._output(seq, [], None))
         return outputs
 
-    def _count(self, batch: list[ScheduledSeq]) -> None:
+    def _count(self, batch: list[ScheduledSeq]) -> int:
+        """Count a step; returns its prompt tokens."""
         self.stats.steps += 1
+        prompt = 0
         for s in batch:
             if s.num_tokens > 1 or s.context_len < s.seq.num_prompt_tokens:
-                self.stats.prompt_tokens += s.num_tokens
+                prompt += s.num_tokens
+        self.stats.prompt_tokens += prompt
+        return prompt
 
     def _take_tokens(self, sampled: list[Sequence], tokens: list[int], logprobs, *,
                      register: bool = False) -> list[StepOutput]:
@@ -322,6 +341,8 @@ class LLMEngine(LaunchAhead):
         if self.tp is not None and not self._closed:
             self._closed = True
             send_stop(self.tp)
+        if self.tiers is not None:
+            self.tiers.close()
 
     # ---- internals ----------------------------------------------------------------------------
     def _get(self, request_id: str) -> Sequence:
@@ -408,6 +429,9 @@ class LLMEngine(LaunchAhead):
         bm = self.block_manager.leak_report()
         if bm:
             problems.append(bm)
+        tiers = self.tiers.leak_report() if self.tiers is not None else None
+        if tiers:
+            problems.append(tiers)
         return "; ".join(problems) or None
 
 

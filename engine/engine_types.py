@@ -9,6 +9,7 @@ import torch
 
 from engine.errors import KVCacheFull
 from engine.kv_layout import dtype_name
+from engine.kv_tiers.tiers import TierConfig
 from engine.model_runner import TokenLogprob
 from pdserve.settings import GPU_WAITS
 
@@ -42,6 +43,9 @@ class EngineConfig:
     # until the forward drains (measured on an H200: 80-210 ms per post, the loop frozen meanwhile).
     launch_ahead_layers: int = 4
     enable_prefix_caching: bool = True
+    # host-memory and local-disk tiers behind the KV cache (engine.kv_tiers); off by default here,
+    # sized by `pdserve serve --kv-host-gb / --kv-disk-dir / --kv-disk-gb`
+    tiers: TierConfig = TierConfig()
     seed: int | None = None  # for requests without their own seed
     # decode CUDA graphs (engine.cuda_graphs) where the backend supports them; a prefill worker, which
     # never runs a decode step, turns them off
@@ -99,6 +103,8 @@ class EngineConfig:
                              f"max_num_seqs ({self.max_num_seqs})")
         if self.dtype is not None:
             object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if not isinstance(self.tiers, TierConfig):
+            raise TypeError(f"EngineConfig.tiers must be a TierConfig, got {type(self.tiers).__name__}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,6 +23,13 @@ Every ``schedule()`` builds one step of at most ``max_num_batched_tokens`` token
    nothing holds blocks that could ever come back, it is rejected with a clear error instead of
    waiting forever.
 
+With KV tiers (``engine.kv_tiers``), admission also looks past the GPU prefix hit: the blocks that
+follow it in the host or disk tier, as far as loading them beats recomputing, get their bytes copied
+into the request's fresh blocks by the load thread. The request is RUNNING but not scheduled while
+that load runs (``seq.loading``), so decodes and other prompts go on; once it is done the loaded
+blocks count as computed and published, and the prompt continues from the first block that did not
+load.
+
 The engine validates requests before they are queued (too long for the context or the whole cache:
 ``RequestTooLong``; queue at ``max_queue``: ``QueueFull``), so a queued request always fits alone.
 """
@@ -79,6 +86,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: oldest first, preemption takes the tail
         self.held: dict[str, Sequence] = {}  # PINNED and RESERVED sequences (blocks owned by a caller)
         self.num_preemptions = 0
+        self.tiers = None  # engine.kv_tiers.KVTiers behind the cache, set by the engine
 
     # ---- queries ------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -86,6 +94,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def loading(self) -> bool:
+        """Some running request waits for its blocks to come back from a tier."""
+        return any(seq.loading is not None for seq in self.running)
 
     # ---- request lifecycle --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -154,6 +166,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted_before = self.num_preemptions
         prefills: list[ScheduledSeq] = []
+        self._finish_loads()
 
         # 1. decodes
         i = 0
@@ -170,7 +183,7 @@ class Scheduler:
         # 2. chunks of prompts already admitted
         for seq in self.running:
             remaining = seq.num_tokens - seq.num_computed
-            if remaining > 1 and budget > 0:
+            if remaining > 1 and budget > 0 and seq.loading is None:
                 n = min(remaining, budget)
                 prefills.append(ScheduledSeq(seq=seq, context_len=seq.num_computed, num_tokens=n))
                 budget -= n
@@ -179,7 +192,7 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self._prefix_hit(seq, leave_one=True)
             watermark = self.watermark_blocks if self.running else 0
-            if not self._take_blocks(seq, hit, watermark=watermark):
+            if not self._take_blocks(seq, hit, watermark=watermark, tier_limit=seq.num_tokens - 1):
                 if self.running or self.held:
                     break  # blocks will come back when something finishes or is released
                 self.waiting.popleft()
@@ -196,6 +209,8 @@ class Scheduler:
             if seq.first_scheduled_at is None:  # a preempted request keeps its first admission
                 seq.first_scheduled_at = time.monotonic()
             self.running.append(seq)
+            if seq.loading is not None:
+                continue  # scheduled once its blocks are back from the tiers
             n = min(seq.num_tokens - seq.num_computed, budget)
             sched = ScheduledSeq(seq=seq, context_len=seq.num_computed, num_tokens=n)
             (out.scheduled if n == 1 else prefills).append(sched)
@@ -206,14 +221,37 @@ class Scheduler:
         return out
 
     # ---- internals ----------------------------------------------------------------------------
+    def _finish_loads(self) -> None:
+        """Requests whose tier load is done: the blocks that loaded count as computed and cached."""
+        for seq in self.running:
+            if seq.loading is not None and seq.loading.done():
+                self._settle_load(seq)
+
+    def _settle_load(self, seq: Sequence) -> None:
+        loaded, seq.loading = seq.loading.result(), None
+        seq.num_computed += loaded * self.block_size
+        seq.num_tier_tokens = loaded * self.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed
+        self.register_computed(seq)
+
+    def _start_tier_load(self, seq: Sequence, limit: int) -> None:
+        """After admission took ``seq``'s GPU prefix hit: load the blocks after it that a tier holds."""
+        first = seq.num_computed // self.block_size  # the GPU hit
+        hashes = seq.full_block_hashes(self.block_size, limit)[first:limit // self.block_size]
+        n = self.tiers.plan(hashes) if hashes else 0
+        if n:
+            seq.loading = self.tiers.start_load(hashes[:n], seq.block_table[first:first + n])
+
     def _prefix_hit(self, seq: Sequence, *, leave_one: bool) -> list[int]:
         if not self.enable_prefix_caching:
             return []
         limit = seq.num_tokens - 1 if leave_one else seq.num_tokens
         return self.bm.match_prefix(seq.full_block_hashes(self.block_size, limit)[:limit // self.block_size])
 
-    def _take_blocks(self, seq: Sequence, hit: list[int], *, watermark: int) -> bool:
-        """Blocks for all of ``seq``'s tokens: the cached ``hit`` prefix plus fresh ones."""
+    def _take_blocks(self, seq: Sequence, hit: list[int], *, watermark: int, tier_limit: int = 0) -> bool:
+        """Blocks for all of ``seq``'s tokens: the cached ``hit`` prefix plus fresh ones, the first of
+        which get the tiers' blocks for the tokens up to ``tier_limit`` (0: none)."""
         need = self.blocks_for(seq.num_tokens) - len(hit)
         # Hit blocks nobody references sit in the evictable pool, so taking them uses up free blocks.
         revived = sum(1 for b in hit if self.bm.ref_count(b) == 0)
@@ -225,6 +263,8 @@ class Scheduler:
         seq.num_registered = len(hit)
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed
+        if self.tiers is not None and self.enable_prefix_caching and tier_limit:
+            self._start_tier_load(seq, tier_limit)
         return True
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -256,6 +296,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _free_blocks(self, seq: Sequence) -> None:
+        if seq.loading is not None:  # the load thread writes these blocks: let it finish first
+            seq.loading.result()
+            seq.loading = None
         if seq.block_table:
             self.bm.release(seq.block_table)
             seq.block_table = []

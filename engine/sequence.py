@@ -37,7 +37,9 @@ class Sequence:
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_computed = 0
-        self.num_cached_tokens = 0  # prefix-cache hit at first admission
+        self.num_cached_tokens = 0  # prefix-cache hit at first admission (GPU and tiers)
+        self.num_tier_tokens = 0  # of those, tokens loaded back from the host or disk tier
+        self.loading = None  # engine.kv_tiers.LoadHandle while blocks come back from a tier
         self.num_registered = 0  # leading blocks already published to the prefix cache
         self.hashes: list[int] = []  # chained hashes of the full blocks of ``tokens``
         self.generator: torch.Generator | None = None

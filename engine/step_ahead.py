@@ -39,6 +39,7 @@ What it costs, and the rules that keep it exact:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +62,8 @@ class InFlight:
     computing: dict[int, int] = field(default_factory=dict)  # id() of each sequence -> tokens it computes
     chunks: list[Sequence] = field(default_factory=list)  # its rows that sample nothing (prompt chunks)
     deferred: list[list[int]] = field(default_factory=list)  # block tables freed once it is read
+    prompt_tokens: int = 0  # of its tokens, prompt tokens (the KV tiers' cost model times them)
+    launched_at: float = 0.0  # time.perf_counter() before its launch
 
     def holds(self, seq: Sequence) -> bool:
         return id(seq) in self.computing
@@ -146,14 +149,16 @@ class LaunchAhead:
     def _launch(self, batch: list[ScheduledSeq], prev: InFlight | None) -> InFlight:
         """Launch a step without reading its tokens; KV counts as computed, prefix-cache blocks are
         registered when it is read (its input tokens may still be placeholders)."""
-        self._count(batch)
+        prompt_tokens = self._count(batch)
+        launched_at = time.perf_counter()
         launched = self.runner.launch(batch, prev_tokens(prev, batch) if prev is not None else None,
                                       feeds_next=True)
         for s in batch:
             s.seq.num_computed += s.num_tokens
         return InFlight(launched=launched, seqs=[s.seq for s in batch if s.samples],
                         computing={id(s.seq): s.num_tokens for s in batch},
-                        chunks=[s.seq for s in batch if not s.samples])
+                        chunks=[s.seq for s in batch if not s.samples], prompt_tokens=prompt_tokens,
+                        launched_at=launched_at)
 
     def _launch_ahead(self, flight: InFlight) -> InFlight | None:
         """Schedule and launch the step after ``flight`` before reading it, or None when it cannot go
@@ -177,6 +182,8 @@ class LaunchAhead:
     def _read(self, flight: InFlight) -> list[StepOutput]:
         """Wait for ``flight``'s tokens and take them; then free what finished while it was in flight."""
         tokens, logprobs = flight.launched.result()
+        if self.tiers is not None and flight.prompt_tokens:  # launch to tokens: an upper bound of its time
+            self.tiers.cost.record_prefill(flight.prompt_tokens, time.perf_counter() - flight.launched_at)
         live = [(seq, t, lp) for seq, t, lp in zip(flight.seqs, tokens, logprobs, strict=True)
                 if seq.status is Status.RUNNING]  # aborted meanwhile: already answered
         outputs = self._take_tokens([x[0] for x in live], [x[1] for x in live], [x[2] for x in live],

@@ -36,3 +36,4 @@ def engine_factory():
         assert engine.leak_report() is None, engine.leak_report()
         bm = engine.block_manager
         assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
+        engine.close()
