@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -100,11 +100,16 @@ class LLMEngine(LaunchAhead):
         if config.cuda_graphs:
             self.runner.enable_cuda_graphs(max_batch=config.max_num_seqs, max_model_len=self.max_model_len)
         self.tiers: KVTiers | None = None
-        if config.tiers.enabled:
+        tiers = config.tiers
+        if tiers.host_auto and tp is not None:
+            tiers = replace(tiers, host_auto=False)  # tensor parallel workers: tiers only when asked for
+        tiers = tiers.resolved(device_cache_bytes=self.rank_kv_layout.cache_bytes(num_blocks),
+                               device_type=self.device.type)
+        if tiers.enabled:
             if tp is not None:
                 raise ValueError("KV tiers (--kv-host-gb, --kv-disk-dir) do not support tensor parallelism "
                                  "yet")
-            self.tiers = KVTiers(config.tiers, self.rank_kv_layout, self.runner.kv_cache)
+            self.tiers = KVTiers(tiers, self.rank_kv_layout, self.runner.kv_cache)
             self.block_manager.on_evict = self.tiers.offload
             self.scheduler.tiers = self.tiers
         self.eos_token_ids = frozenset(cfg.eos_token_ids)

@@ -50,6 +50,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--block-size", type=int, help="tokens per KV block (default 16)")
     a("--num-blocks", type=int, help="KV blocks to allocate")
     a("--kv-memory-gb", type=float, help="KV cache size in GiB (instead of --num-blocks)")
+    a("--kv-host-gb", type=float, help="worker roles: host-memory KV tier in GiB, where blocks evicted from "
+      "the device cache wait to be reused (pinned; 0: off; default on CUDA twice the device cache, at most a "
+      "quarter of the host's available memory; off on CPU, whose cache is host memory already)")
+    a("--kv-disk-dir", help="worker roles: local-disk KV tier in this directory (with --kv-disk-gb): the "
+      "host tier's evictions, kept across restarts for the same model and KV layout")
+    a("--kv-disk-gb", type=float, help="size of the disk KV tier in GiB (with --kv-disk-dir)")
     a("--max-num-seqs", type=int, help="max sequences in the running batch")
     a("--max-num-batched-tokens", type=int, help="chunked-prefill token budget per step")
     a("--stream-interval", type=int, help="decode/colocated: send generated tokens N at a time (a "

@@ -80,6 +80,11 @@ class ServeSettings:
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_gb: float | None = None
+    # KV tiers behind the device cache (engine.kv_tiers): host memory in GiB (None: sized from the
+    # machine, 0: off), and a local-disk directory with its size in GiB ("" / 0: off)
+    kv_host_gb: float | None = None
+    kv_disk_dir: str = ""
+    kv_disk_gb: float = 0.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     launch_ahead_layers: int | None = None  # None: the engine's default (EngineConfig)
@@ -216,6 +221,10 @@ class ServeSettings:
             raise ValueError("give either --num-blocks or --kv-memory-gb, not both")
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ValueError(f"--kv-memory-gb must be > 0, got {self.kv_memory_gb}")
+        if self.kv_host_gb is not None and not self.kv_host_gb >= 0:
+            raise ValueError(f"--kv-host-gb must be >= 0 (0: no host tier), got {self.kv_host_gb}")
+        if bool(self.kv_disk_dir) != (self.kv_disk_gb > 0) or self.kv_disk_gb < 0:
+            raise ValueError("a disk KV tier needs both --kv-disk-dir DIR and --kv-disk-gb N > 0")
         _one_of("migration", self.migration, ON_OFF)
         _one_of("admission_drain", self.admission_drain, ADMISSION_DRAIN)
         _one_of("decode_mux", self.decode_mux, ON_OFF)
@@ -283,7 +292,8 @@ _INT = {"port", "metrics_port", "http_port", "block_size", "num_blocks", "max_nu
         "launch_ahead_layers", "tensor_parallel_size", "kv_source_tp", "kv_staging_blocks",
         "kv_port", "kv_connections", "kv_tls_procs", "lease_ms", "min_uncached_tokens",
         "allocate_queue_size", "max_request_bytes", "max_request_retries"}
-_FLOAT = {"retry_wait_s", "kv_memory_gb", "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
+_FLOAT = {"retry_wait_s", "kv_memory_gb", "kv_host_gb", "kv_disk_gb",
+          "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
           "local_prefill_tokens_per_s", "max_prefill_wait_s", "local_prefill_duty", "local_prefill_burst_s",
           "local_prefill_max_stall_s", "local_prefill_stall_weight",
           "max_queue_wait_s", "allocate_queue_wait_s"}

@@ -22,11 +22,13 @@ bookkeeping for the metrics (``stats``) and the leak checks.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -40,9 +42,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class TierConfig:
-    """Sizes of the tiers behind the GPU (device) KV cache; both zero / None: no tiers."""
+    """Sizes of the tiers behind the GPU (device) KV cache; both zero / None: no tiers. ``host_auto``:
+    the host tier is sized from the machine once the device cache is known (``resolved``)."""
 
     host_bytes: int = 0
+    host_auto: bool = False
     disk_dir: str | None = None
     disk_bytes: int = 0
 
@@ -57,6 +61,36 @@ class TierConfig:
     @property
     def enabled(self) -> bool:
         return self.host_bytes > 0 or self.disk_dir is not None
+
+    def resolved(self, *, device_cache_bytes: int, device_type: str) -> TierConfig:
+        """``host_auto`` made a size: on CUDA twice the device cache (SGLang HiCache's default ratio),
+        at most a quarter of the memory this process may still take (the host's available memory,
+        or its cgroup's limit, the pod's); on CPU none (the cache is host memory already)."""
+        if not self.host_auto:
+            return self
+        host = 0
+        if device_type == "cuda":
+            host = min(2 * device_cache_bytes, available_memory_bytes() // 4)
+        return replace(self, host_bytes=host, host_auto=False)
+
+
+def available_memory_bytes() -> int:
+    """Memory this process may still allocate: MemAvailable, capped by a cgroup v2 limit's headroom."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 @dataclass

@@ -42,6 +42,7 @@ def build_engine(settings: ServeSettings):
         kwargs["num_blocks"] = settings.num_blocks
     if settings.kv_memory_gb is not None:
         kwargs["kv_cache_bytes"] = int(settings.kv_memory_gb * 2**30)
+    kwargs["tiers"] = tier_config(settings)
     if settings.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
     if settings.launch_ahead_layers is not None:
@@ -60,6 +61,15 @@ def build_engine(settings: ServeSettings):
         raise
     engine.tp_ranks = ranks
     return engine
+
+
+def tier_config(settings: ServeSettings):
+    """The KV tiers of a worker (engine.kv_tiers.TierConfig) from --kv-host-gb / --kv-disk-dir / -gb."""
+    from engine.kv_tiers import TierConfig
+
+    host = settings.kv_host_gb
+    return TierConfig(host_bytes=0 if host is None else int(host * 2**30), host_auto=host is None,
+                      disk_dir=settings.kv_disk_dir or None, disk_bytes=int(settings.kv_disk_gb * 2**30))
 
 
 def close_engine(engine) -> None:

@@ -59,6 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ray-num-cpus", type=int, default=2, help="CPUs of the embedded local Ray (default 2)")
     p.add_argument("--num-blocks", type=int, help="KV blocks per worker")
     p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--kv-host-gb", type=float,
+                   help="every worker: host-memory KV tier in GiB (0: off; default: `pdserve serve`'s)")
+    p.add_argument("--kv-disk-dir", help="every worker: a local-disk KV tier in DIR/<worker name> (with "
+                   "--kv-disk-gb); a restarted worker finds its blocks there again")
+    p.add_argument("--kv-disk-gb", type=float, help="every worker: size of its disk KV tier in GiB")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S)
     p.add_argument("--prefill-args", default="", metavar="FLAGS",
@@ -105,6 +110,12 @@ def _run(args: argparse.Namespace) -> int:
         worker_args += ["--num-blocks", str(args.num_blocks)]
     if args.max_num_seqs:
         worker_args += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.kv_host_gb is not None:
+        worker_args += ["--kv-host-gb", str(args.kv_host_gb)]
+    if bool(args.kv_disk_dir) != bool(args.kv_disk_gb):
+        raise SystemExit("pdserve up: give --kv-disk-dir and --kv-disk-gb together")
+    if args.kv_disk_gb:
+        worker_args += ["--kv-disk-gb", str(args.kv_disk_gb)]
     router_args: list[str] = []
     if args.conditional_disagg:
         router_args += ["--conditional-disagg", args.conditional_disagg]
@@ -133,6 +144,7 @@ def _run(args: argparse.Namespace) -> int:
                            decode_args=(*decode_tp_args, *shlex.split(args.decode_args)),
                            drain_timeout=args.drain_timeout, router_args=tuple(router_args), devices=devices,
                            tls_dir=str(Path(args.tls_dir).resolve()) if args.tls_dir else "",
+                           kv_disk_dir=str(Path(args.kv_disk_dir).resolve()) if args.kv_disk_dir else "",
                            restart=RestartPolicy(enabled=args.max_restarts > 0,
                                                  max_restarts=max(args.max_restarts, 0),
                                                  backoff_s=args.restart_backoff_s,

@@ -74,6 +74,8 @@ class ClusterSpec:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     # TLS on every gRPC port (pdserve/tls.py: `pdserve certs init DIR`); "" = plaintext
     tls_dir: str = ""
+    # each worker's disk KV tier in <kv_disk_dir>/<worker name> (a restart finds its blocks); "" = none
+    kv_disk_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.colocated and (self.num_prefill != 0 or self.num_decode < 1):
@@ -172,8 +174,10 @@ class Cluster:
         return self._devices.next(role)
 
     def _worker_args(self, role: str, name: str) -> list[str]:
+        disk = ["--kv-disk-dir", str(Path(self.spec.kv_disk_dir) / name)] if self.spec.kv_disk_dir else []
         return ["--model", self.spec.model, "--transport", self.spec.transport, "--worker-id", name,
-                "--drain-timeout", str(self.spec.drain_timeout), *self._tls_args(), *self.spec.worker_args,
+                "--drain-timeout", str(self.spec.drain_timeout), *self._tls_args(), *disk,
+                *self.spec.worker_args,
                 *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args)]
 
     def _start_worker(self, role: str, name: str, devices: tuple[str, ...] = ()) -> WorkerHandle:
