@@ -207,7 +207,8 @@ class LLMEngine(LaunchAhead):
             raise KVCacheFull(f"cannot reserve {need} KV blocks for request {request_id!r}: "
                               f"{self.num_free_blocks} of {self.num_total_blocks} free")
         self._requests[request_id] = seq
-        return Reservation(block_ids=list(seq.block_table), num_cached_tokens=seq.num_computed)
+        return Reservation(block_ids=list(seq.block_table),
+                           num_cached_tokens=seq.num_computed + seq.tier_planned)
 
     def commit_prefilled(self, request_id: str, first_token_id: int) -> None:
         """The reserved request's prompt KV is written: decode on from ``first_token_id``."""

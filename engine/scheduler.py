@@ -131,20 +131,27 @@ class Scheduler:
         self.held[seq.request_id] = seq
 
     def reserve(self, seq: Sequence) -> bool:
-        """Decode side: blocks for the whole prompt now, reusing cached full blocks (no compute).
-        False (nothing taken) when blocks are short."""
+        """Decode side: blocks for the whole prompt now, reusing cached full blocks (no compute) and
+        loading the tiers' blocks after them while the prefill worker computes the rest (the
+        caller counts ``seq.num_computed + seq.tier_planned`` tokens as cached). False (nothing
+        taken) when blocks are short."""
         hit = self._prefix_hit(seq, leave_one=False)
-        if not self._take_blocks(seq, hit, watermark=0):
+        if not self._take_blocks(seq, hit, watermark=0, tier_limit=seq.num_tokens):
             return False
         seq.status = Status.RESERVED
         self.held[seq.request_id] = seq
         return True
 
     def commit_reserved(self, seq: Sequence) -> None:
-        """The reserved prompt's KV is in place: it becomes a running decode."""
+        """The reserved prompt's KV is in place: it becomes a running decode. With a tier load still
+        running it waits (unscheduled) for the load; a block that failed to load is recomputed here,
+        from it to the end of the prompt (the prefill worker did not send it)."""
         self.held.pop(seq.request_id)
-        seq.num_computed = seq.num_prompt_tokens
-        self.register_computed(seq)
+        if seq.loading is None:
+            seq.num_computed = seq.num_prompt_tokens
+            self.register_computed(seq)
+        else:
+            seq.load_target = seq.num_prompt_tokens
         seq.status = Status.RUNNING
         self.running.append(seq)
 
@@ -229,7 +236,11 @@ class Scheduler:
 
     def _settle_load(self, seq: Sequence) -> None:
         loaded, seq.loading = seq.loading.result(), None
-        seq.num_computed += loaded * self.block_size
+        first, n = seq.load_span
+        if loaded == n and seq.load_target is not None:
+            seq.num_computed = seq.load_target  # a committed reservation: the rest was pushed
+        else:
+            seq.num_computed = (first + loaded) * self.block_size
         seq.num_tier_tokens = loaded * self.block_size
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed
@@ -242,6 +253,8 @@ class Scheduler:
         n = self.tiers.plan(hashes) if hashes else 0
         if n:
             seq.loading = self.tiers.start_load(hashes[:n], seq.block_table[first:first + n])
+            seq.load_span, seq.load_target = (first, n), None
+            seq.tier_planned = n * self.block_size
 
     def _prefix_hit(self, seq: Sequence, *, leave_one: bool) -> list[int]:
         if not self.enable_prefix_caching:
@@ -261,6 +274,7 @@ class Scheduler:
         seq.block_table = hit + self.bm.allocate(need)
         seq.num_computed = len(hit) * self.block_size
         seq.num_registered = len(hit)
+        seq.tier_planned = 0
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed
         if self.tiers is not None and self.enable_prefix_caching and tier_limit:

@@ -40,6 +40,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prefix-cache hit at first admission (GPU and tiers)
         self.num_tier_tokens = 0  # of those, tokens loaded back from the host or disk tier
         self.loading = None  # engine.kv_tiers.LoadHandle while blocks come back from a tier
+        self.load_span = (0, 0)  # (first block, blocks) of that load
+        self.tier_planned = 0  # tokens that load brings (a reservation counts them as cached)
+        self.load_target: int | None = None  # num_computed once it all loads (a committed reservation)
         self.num_registered = 0  # leading blocks already published to the prefix cache
         self.hashes: list[int] = []  # chained hashes of the full blocks of ``tokens``
         self.generator: torch.Generator | None = None

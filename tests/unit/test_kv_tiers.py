@@ -93,7 +93,7 @@ def test_disk_only_tier(make, model, tmp_path):
 def _evict_everything(engine, seed=9):
     """Prompts unrelated to anything before, enough to push every cached block out of the device."""
     rng = random.Random(seed)
-    for _ in range(4):
+    for _ in range(8):
         engine.generate([[rng.randrange(3, 1000) for _ in range(40)]], ANSWER)
     engine.tiers.flush()
 
@@ -173,3 +173,80 @@ def test_recompute_wins_when_loading_is_slower(make, model):
     reference = conversations(make(model), seed=13)
     assert conversations(engine, seed=13) == reference
     assert engine.tiers.stats.hit_blocks["host"] == hits and engine.tiers.stats.declined_blocks > 0
+
+
+def test_disaggregated_turns_load_tier_blocks_on_both_sides(make, model, tmp_path):
+    """Prefill in one engine, decode in another (the KV of the blocks the decode side lacks copied
+    between their caches, as the transfer does): the decode side counts its tier hits as cached at
+    reserve time, so fewer blocks travel, and loads them while the prefill side computes."""
+    import torch
+
+    reference = conversations(make(model), seed=17)
+    prefill = make(model, tiers=tiers(host_blocks=64))
+    decode = make(model, tiers=tiers(host_blocks=8, disk_dir=tmp_path, disk_blocks=200))
+    shipped = {"blocks": 0}
+
+    class Disaggregated:
+        """Just enough of an engine for ``conversations``: generate one prompt over both engines."""
+
+        def generate(self, prompts, params):
+            (prompt,) = prompts
+            rid = f"r{shipped.setdefault('n', 0)}"
+            shipped["n"] += 1
+            prefill.add_prefill_request(rid, prompt, params)
+            outs = []
+            while prefill.has_unfinished():
+                outs += prefill.step()
+            (first,) = outs
+            src = prefill.block_table(rid)
+            res = decode.reserve(rid, prompt, params)
+            skip = res.num_cached_tokens // BLOCK
+            with torch.no_grad():
+                decode.kv_cache[:, res.block_ids[skip:]] = prefill.kv_cache[:, src[skip:]]
+            shipped["blocks"] += len(src) - skip
+            prefill.release(rid)
+            decode.commit_prefilled(rid, first.new_token_ids[0])
+            rest = []
+            while decode.has_unfinished():
+                rest += [t for o in decode.step() for t in o.new_token_ids]
+            return [[first.new_token_ids[0]] + rest]
+
+    assert conversations(Disaggregated(), seed=17) == reference
+    assert prefill.tiers.stats.hit_blocks["host"] > 0
+    hits = decode.tiers.stats.hit_blocks
+    assert hits["host"] > 0 and hits["disk"] > 0, decode.tiers.stats
+
+
+def test_a_reservation_whose_tier_load_fails_recomputes_the_gap(make, model, tmp_path):
+    """A block counted as cached at reserve time that then fails to load (its disk file damaged) is
+    computed by the decode engine itself: the prefill side never sent it."""
+    import torch
+
+    from engine.prefix_hash import block_hashes
+
+    rng = random.Random(21)
+    prompt = [rng.randrange(3, 1000) for _ in range(30)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = make(model).generate([prompt], params)[0]
+    prefill = make(model)
+    decode = make(model, tiers=tiers(disk_dir=tmp_path, disk_blocks=200))
+    decode.generate([prompt[:24]], SamplingParams(max_tokens=1, ignore_eos=True))  # 6 blocks cached
+    _evict_everything(decode)
+    hashes = block_hashes(prompt, BLOCK)
+    damaged = decode.tiers.disk.path(hashes[3])
+    damaged.write_bytes(damaged.read_bytes()[:-1])
+
+    prefill.add_prefill_request("r", prompt, params)
+    (first,) = [o for _ in range(100) if prefill.has_unfinished() for o in prefill.step()]
+    src = prefill.block_table("r")
+    res = decode.reserve("r", prompt, params)
+    assert res.num_cached_tokens == 24  # the 6 blocks on disk, counted before they are read
+    with torch.no_grad():
+        decode.kv_cache[:, res.block_ids[6:]] = prefill.kv_cache[:, src[6:]]
+    prefill.release("r")
+    decode.commit_prefilled("r", first.new_token_ids[0])
+    rest = []
+    while decode.has_unfinished():
+        rest += [t for o in decode.step() for t in o.new_token_ids]
+    assert [first.new_token_ids[0]] + rest == expected
+    assert decode.tiers.stats.hit_blocks["disk"] == 3 and decode.tiers.disk.corrupt == 1
