@@ -63,6 +63,12 @@ class HostTier:
         slot = self._slot_of.get(block_hash)
         return slot is not None and slot not in self._unwritten
 
+    def touch(self, block_hash: int) -> None:
+        """Mark ``block_hash`` most recently used (it left the device cache again)."""
+        with self.lock:
+            if block_hash in self._slot_of:
+                self._slot_of.move_to_end(block_hash)
+
     def reserve(self, block_hash: int) -> int | None:
         """A slot to write ``block_hash`` into (the caller copies, then ``written``); None when it is
         already held or every slot is pinned. Evicts the least recently used slot when none is free,

@@ -156,7 +156,18 @@ class KVTiers:
                     self._to_disk(block_hash, self.kv_cache[:, block].contiguous())
 
     def _offload_to_host(self, evicted: list[tuple[int, int]]) -> None:
-        targets = [(b, h, s) for b, h in evicted if (s := self.host.reserve(h)) is not None]
+        targets, spill = [], []
+        for block, block_hash in evicted:
+            if block_hash in self.host:
+                self.host.touch(block_hash)
+            elif (slot := self.host.reserve(block_hash)) is not None:
+                targets.append((block, block_hash, slot))
+            else:  # every slot is being written (a batch larger than the host tier): straight to disk
+                spill.append((block, block_hash))
+        if spill and self.disk is not None:
+            for block, block_hash in spill:
+                if block_hash not in self.disk:
+                    self._to_disk(block_hash, self.kv_cache[:, block].contiguous())
         if not targets:
             return
         ids = torch.tensor([b for b, _, _ in targets], dtype=torch.int64)

@@ -6,12 +6,17 @@ of them were launched ahead of the previous step's read, engine.step_ahead), pro
 tokens generated, preemptions, and finished requests by reason. The counters are read at scrape time
 from the engine thread's plain integers (a scrape never waits for a step); ``rate()`` over them gives
 tokens per second, steps per second and the share of steps launched ahead.
+
+Prefix-cache hits are counted in tokens by tier: ``device`` (the paged cache itself), ``host`` and
+``disk`` (engine.kv_tiers, loaded back instead of recomputed). With tiers on, the tiers' traffic (bytes
+and seconds moved each way), the blocks declined because recomputing was cheaper, the loads that failed
+(recomputed) and each tier's bytes used and capacity are exported too.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _GAUGES = (("pdserve_worker_free_blocks", "Free KV blocks", "free_blocks"),
            ("pdserve_worker_total_blocks", "KV blocks", "total_blocks"),
@@ -43,6 +48,58 @@ class _EngineCounters:
         yield finished
 
 
+class _TierMetrics:
+    """Prefix-cache hits by tier, and the KV tiers' traffic and occupancy, read at scrape time."""
+
+    def __init__(self, engine, labels: dict[str, str]) -> None:
+        self.engine, self.labels = engine, labels
+
+    def collect(self):
+        names, values = list(self.labels), list(self.labels.values())
+        block_tokens = self.engine.block_manager.block_size
+        tiers = getattr(self.engine, "tiers", None)
+        hits = CounterMetricFamily("pdserve_worker_prefix_cache_hit_tokens",
+                                   "Prompt tokens whose KV was reused instead of computed, by the tier it "
+                                   "came from (device: the paged cache; host, disk: loaded back)",
+                                   labels=[*names, "tier"])
+        hits.add_metric([*values, "device"], self.engine.block_manager.hits * block_tokens)
+        if tiers is not None:
+            for tier, n in tiers.stats.hit_blocks.items():
+                hits.add_metric([*values, tier], n * block_tokens)
+        yield hits
+        if tiers is None:
+            return
+        stats = tiers.stats
+        moved = (("pdserve_worker_kv_tier_offload_bytes", "KV bytes copied into a tier",
+                  stats.offloaded_bytes),
+                 ("pdserve_worker_kv_tier_onload_bytes", "KV bytes loaded back from a tier",
+                  stats.loaded_bytes),
+                 ("pdserve_worker_kv_tier_onload_seconds", "Seconds spent loading KV back from a tier",
+                  stats.load_seconds))
+        for name, help_, by_tier in moved:
+            family = CounterMetricFamily(name, help_, labels=[*names, "tier"])
+            for tier, value in by_tier.items():
+                family.add_metric([*values, tier], value)
+            yield family
+        for name, help_, value in (
+                ("pdserve_worker_kv_tier_declined_blocks", "Blocks a tier held that were recomputed because "
+                 "that was predicted faster than loading them", stats.declined_blocks),
+                ("pdserve_worker_kv_tier_load_failures", "Blocks that failed to load from a tier (missing, "
+                 "truncated or corrupted; recomputed)", stats.load_failures)):
+            family = CounterMetricFamily(name, help_, labels=names)
+            family.add_metric(values, value)
+            yield family
+        used = GaugeMetricFamily("pdserve_worker_kv_tier_used_bytes", "Bytes a KV tier holds",
+                                 labels=[*names, "tier"])
+        capacity = GaugeMetricFamily("pdserve_worker_kv_tier_capacity_bytes", "Bytes a KV tier may hold",
+                                     labels=[*names, "tier"])
+        for tier, (n, cap) in tiers.occupancy().items():
+            used.add_metric([*values, tier], n)
+            capacity.add_metric([*values, tier], cap)
+        yield used
+        yield capacity
+
+
 def worker_registry(*, role: str, worker_id: str, engine, aengine) -> CollectorRegistry:
     """The registry of one worker: ``engine`` its rank-0 ``LLMEngine``, ``aengine`` its ``AsyncEngine``."""
     registry = CollectorRegistry()
@@ -52,6 +109,8 @@ def worker_registry(*, role: str, worker_id: str, engine, aengine) -> CollectorR
         g.labels(**labels).set_function(lambda a=attr: getattr(aengine.snapshot, a))
     if getattr(engine, "stats", None) is not None:
         registry.register(_EngineCounters(engine.stats, labels))
+    if getattr(engine, "block_manager", None) is not None:
+        registry.register(_TierMetrics(engine, labels))
     return registry
 
 

@@ -63,3 +63,41 @@ def test_scrape_reports_the_engine_counters(engine_factory, ahead):
     reasons = {dict(labels)["reason"]: v for (name, labels), v in got.items()
                if name == "pdserve_worker_finished_requests_total"}
     assert reasons == stats.finish_reasons and reasons.get("length") == 5
+
+
+def test_scrape_reports_prefix_hits_by_tier_and_the_tiers_traffic(engine_factory, tmp_path):
+    from engine.kv_layout import KVLayout
+    from engine.kv_tiers import TierConfig
+
+    layout = KVLayout.for_model(preset_config("tiny"), block_size=4)
+    per_block = layout.num_layers * layout.block_bytes
+    engine = engine_factory(build_model(preset_config("tiny"), seed=0), device="cpu", num_blocks=24,
+                            block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                            tiers=TierConfig(host_bytes=4 * per_block, disk_dir=str(tmp_path),
+                                             disk_bytes=100 * (per_block + 64)))
+    registry = worker_registry(role="decode", worker_id="d0", engine=engine,
+                               aengine=SimpleNamespace(snapshot=EngineSnapshot()))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 1000) for _ in range(33)] for _ in range(4)]
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for _ in range(2):  # the second round finds its blocks in the tiers (4 x 9 blocks > 24 in the cache)
+        for p in prompts:
+            engine.generate([p], params)
+    engine.generate([prompts[-1]], params)  # the last one still in the device cache
+    engine.tiers.flush()
+
+    got = _samples(registry)
+    stats = engine.tiers.stats
+    hit = {t: got[("pdserve_worker_prefix_cache_hit_tokens_total", (("tier", t),))]
+           for t in ("device", "host", "disk")}
+    assert hit["device"] == engine.block_manager.hits * 4 and hit["device"] > 0
+    assert hit["host"] == stats.hit_blocks["host"] * 4 and hit["disk"] == stats.hit_blocks["disk"] * 4
+    assert hit["host"] + hit["disk"] > 0
+    for tier in ("host", "disk"):
+        label = (("tier", tier),)
+        assert got[("pdserve_worker_kv_tier_offload_bytes_total", label)] == stats.offloaded_bytes[tier]
+        assert got[("pdserve_worker_kv_tier_onload_bytes_total", label)] == stats.loaded_bytes[tier]
+        used, cap = engine.tiers.occupancy()[tier]
+        assert got[("pdserve_worker_kv_tier_used_bytes", (("tier", tier),))] == used <= cap
+        assert got[("pdserve_worker_kv_tier_capacity_bytes", (("tier", tier),))] == cap
+    assert got[("pdserve_worker_kv_tier_load_failures_total", ())] == 0
