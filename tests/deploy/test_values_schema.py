@@ -110,6 +110,16 @@ BAD_VALUES = [
     ({"decode": {"resources": {"limits": {"cpu": "lots"}}}}, "decode.resources.limits.cpu"),
     ({"decode": {"autoscaling": {"targetCPUUtilizationPercentage": 150}}}, "decode.autoscaling"),
     ({"kvTransport": {"ucx": {"extraEnv": {"PATH": "/x"}}}}, "kvTransport.ucx.extraEnv"),
+    ({"decode": {"kvTiers": {"disk": {"sizeGb": -5}}}}, "decode.kvTiers.disk.sizeGb"),
+    ({"prefill": {"kvTiers": {"disk": {"sizeGb": 0}}}}, "prefill.kvTiers.disk.sizeGb"),
+    ({"decode": {"kvTiers": {"hostGb": -1}}}, "decode.kvTiers.hostGb"),
+    ({"decode": {"kvTiers": {"hostGb": "16Gi"}}}, "decode.kvTiers.hostGb"),
+    ({"prefill": {"kvTiers": {"hostGB": 4}}}, "prefill.kvTiers"),  # typo: unknown key
+    ({"decode": {"kvTiers": {"disk": {"sizeLimit": "20Gi"}}}}, "decode.kvTiers.disk"),  # unknown key
+    ({"decode": {"kvTiers": {"disk": {"enabled": "yes"}}}}, "decode.kvTiers.disk.enabled"),
+    ({"decode": {"kvTiers": {"disk": {"mountPath": "var/cache/kv"}}}}, "decode.kvTiers.disk.mountPath"),
+    ({"decode": {"kvTiers": {"disk": {"volume": {"emptyDir": {}, "hostPath": {"path": "/x"}}}}}},
+     "decode.kvTiers.disk.volume"),  # one volume source
     ({"decode": {"replica": 2}}, "decode"),  # typo: unknown key
     ({"prefil": {"replicas": 2}}, ""),  # typo: unknown top-level key
 ]
@@ -126,6 +136,8 @@ def test_schema_rejects_bad_values(override: dict, where: str) -> None:
     (("decode.replicas=-1",), "decode.replicas"),
     (("kvTransport.type=infiniband",), "kvTransport.type"),
     (("prefill.unknownKey=1",), "unknownKey"),
+    (("decode.kvTiers.disk.sizeGb=-1",), "sizeGb"),
+    (("prefill.kvTiers.disk.sizeMb=5",), "sizeMb"),
 ])
 def test_helm_enforces_the_schema(sets: tuple[str, ...], needle: str) -> None:
     assert needle in render_fails("default", sets)

@@ -18,6 +18,11 @@ pool's objects: `helm upgrade --set decode.replicas=4` never restarts prefill po
 {{- $tp := include "pdserve.poolTP" (dict "root" $root "role" $role) | int }}
 {{- $sourceTP := include "pdserve.kvSourceTP" $root | int }}
 {{- $gpus := and (gt $tp 1) (ne $v.engine.device "cpu") }}
+{{- $tiers := $pool.kvTiers }}
+{{- $hostTier := not (kindIs "invalid" $tiers.hostGb) }}
+{{- if and (gt $tp 1) (or $tiers.disk.enabled (and $hostTier (gt (float64 $tiers.hostGb) 0.0))) }}
+{{- fail (printf "%s.kvTiers: KV tiers do not support tensor parallelism yet (%s.tensorParallelSize is %d); set hostGb to null or 0 and disk.enabled to false" $role $role $tp) }}
+{{- end }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -116,6 +121,16 @@ spec:
             - name: PDSERVE_KV_MEMORY_GB
               value: {{ $pool.kvMemoryGb | quote }}
             {{- end }}
+            {{- if $hostTier }}
+            - name: PDSERVE_KV_HOST_GB
+              value: {{ $tiers.hostGb | quote }}
+            {{- end }}
+            {{- if $tiers.disk.enabled }}
+            - name: PDSERVE_KV_DISK_DIR
+              value: {{ $tiers.disk.mountPath | quote }}
+            - name: PDSERVE_KV_DISK_GB
+              value: {{ $tiers.disk.sizeGb | quote }}
+            {{- end }}
             - name: PDSERVE_TRANSPORT
               value: {{ $t.type | quote }}
             - name: PDSERVE_KV_PORT
@@ -204,6 +219,10 @@ spec:
               mountPath: /dev/shm
             - name: kernel-cache
               mountPath: /var/cache/pdserve-kernels
+            {{- if $tiers.disk.enabled }}
+            - name: kv-disk
+              mountPath: {{ $tiers.disk.mountPath | quote }}
+            {{- end }}
             {{- with (include "pdserve.tlsMount" $root | trim) }}
             {{- . | nindent 12 }}
             {{- end }}
@@ -228,6 +247,18 @@ spec:
           emptyDir:
             sizeLimit: {{ $kc.sizeLimit }}
           {{- end }}
+        {{- with $tiers.disk }}
+        {{- if .enabled }}
+        # the disk KV tier (<pool>.kvTiers.disk): writable by the pod's user (emptyDir; fsGroup for claims)
+        - name: kv-disk
+          {{- if .volume }}
+          {{- toYaml .volume | nindent 10 }}
+          {{- else }}
+          emptyDir:
+            sizeLimit: {{ include "pdserve.kvDiskSizeLimit" .sizeGb }}
+          {{- end }}
+        {{- end }}
+        {{- end }}
         {{- with (include "pdserve.tlsVolume" (dict "root" $root "role" $role) | trim) }}
         {{- . | nindent 8 }}
         {{- end }}
@@ -313,6 +344,14 @@ spec:
     {{- with $a.metrics }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+{{- end }}
+
+{{/* The disk KV tier's emptyDir sizeLimit from its sizeGb: the tier's own bound (it keeps at most sizeGb
+GiB of block files) plus 5% and at least 1Gi for what it does not count (a file being written before the
+oldest is removed, filesystem rounding), so the kubelet never evicts a pod for a size the tier keeps. */}}
+{{- define "pdserve.kvDiskSizeLimit" -}}
+{{- $mi := ceil (mulf (float64 .) 1024.0) | int64 }}
+{{- printf "%dMi" (add $mi (max 1024 (div (add $mi 19) 20))) -}}
 {{- end }}
 
 {{/* A pool's tensor parallel size: (dict "root" $ "role" "prefill"|"decode") */}}
