@@ -6,6 +6,13 @@ local agent and the remote ones alike (``link.RankedLink``). The servicer only t
 travel as gRPC statuses (the ``code`` of kvtransfer's errors) and come back as the same
 ``TransferError`` classes. Every call carries a deadline; a waiting call (WaitReceived, WaitSent)
 gets the transfer's own plus a margin.
+
+Under the cluster's TLS (``--tls-dir``, pdserve/tls.py) the service is mutual TLS like every other
+internal port, though it binds loopback: otherwise any local process could drive a rank's agent (send
+its KV blocks anywhere, abort transfers). The server presents the worker's certificate
+(``<role>.crt``, the KV plane's too) and requires a client certificate signed by the cluster CA; rank 0's
+client presents the same identity and asks for it as the server's name (``ssl_target_name_override``).
+A plaintext client, or one with another CA's certificate, is refused in the handshake (UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import json
 
 import grpc
 
+from pdserve.tls import TlsDir, open_channel
 from pdserve.v1 import kvrank_pb2 as pb
 from pdserve.v1 import kvrank_pb2_grpc as pb_grpc
 
@@ -91,22 +99,33 @@ class KVRankServicer(pb_grpc.KVRankServicer):
         return pb.RankStats(counts=self.agent.stats())
 
 
-async def serve_agent(agent: RankAgent, host: str = "127.0.0.1") -> tuple[grpc.aio.Server, int]:
-    """Start the KVRank service over ``agent`` on ``host`` (a free port); returns (server, port)."""
+async def serve_agent(agent: RankAgent, host: str = "127.0.0.1", *, tls: TlsDir | None = None,
+                      identity: str = "") -> tuple[grpc.aio.Server, int]:
+    """Start the KVRank service over ``agent`` on ``host`` (a free port); returns (server, port). With
+    ``tls``: presents ``identity``'s certificate and admits only clients with one of the cluster CA."""
+    if tls is not None and not identity:
+        raise ValueError("a KVRank service under TLS needs the worker's identity (its role)")
     server = grpc.aio.server()
     pb_grpc.add_KVRankServicer_to_server(KVRankServicer(agent), server)
-    port = server.add_insecure_port(f"{host}:0")
+    if tls is None:
+        port = server.add_insecure_port(f"{host}:0")
+    else:
+        port = server.add_secure_port(f"{host}:0", tls.server_credentials(identity, require_client_cert=True))
     await server.start()
     return server, port
 
 
 class RankClient:
-    """Another rank's agent, through its KVRank service (the agent's async surface)."""
+    """Another rank's agent, through its KVRank service (the agent's async surface). With ``tls``: mutual
+    TLS, presenting ``identity`` and expecting the service to hold a certificate for it too."""
 
-    def __init__(self, rank: int, address: str) -> None:
+    def __init__(self, rank: int, address: str, *, tls: TlsDir | None = None, identity: str = "") -> None:
+        if tls is not None and not identity:
+            raise ValueError("a KVRank client under TLS needs the worker's identity (its role)")
         self.rank = rank
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = open_channel(address, tls=tls, identity=identity or None, server_role=identity,
+                                    aio=True)
         self.stub = pb_grpc.KVRankStub(self.channel)
 
     async def _call(self, method, request, timeout: float = CALL_TIMEOUT_S):

@@ -14,7 +14,9 @@ Prefill and decode workers move KV per rank (kvtransfer/ranks): with a ``KVRankC
 also starts its rank's ``RankAgent`` (its own transports over its own KV heads) and the KVRank
 control service on 127.0.0.1, on an event loop thread beside the follower, and publishes both in the
 rendezvous store (``kvrank/<r>``: control address, transport endpoints). Rank 0 builds its own agent,
-reads the others' from the store and presents the worker as one KV link (``make_rank_link``).
+reads the others' from the store and presents the worker as one KV link (``make_rank_link``). Under
+``--tls-dir`` the config carries the directory and the worker's identity (its role) to every rank, and
+each control service speaks mutual TLS with the cluster's CA (kvtransfer/ranks/control.py).
 """
 
 from __future__ import annotations
@@ -41,10 +43,17 @@ class KVRankConfig:
     options: dict = dataclasses.field(default_factory=dict)  # TransportConfig fields (kv_transport_options)
     source_tp: int = 0  # decode: the largest sender TP (WorkerShape.receiving)
     staging_blocks: int = 0
+    # The cluster's TLS directory (--tls-dir; "" = plaintext) and the identity every rank's KVRank control
+    # service presents and rank 0's client presents to it: the worker's role, as on its gRPC port
+    tls_dir: str = ""
+    tls_identity: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in ("auto", "nixl", "tcp") or self.source_tp < 0 or self.staging_blocks < 0:
             raise ValueError(f"bad KVRankConfig {self}")
+        if bool(self.tls_dir) != bool(self.tls_identity):
+            raise ValueError(f"KVRankConfig: tls_dir and tls_identity go together, got {self.tls_dir!r} and "
+                             f"{self.tls_identity!r}")
 
     @classmethod
     def from_settings(cls, settings) -> KVRankConfig:
@@ -52,8 +61,19 @@ class KVRankConfig:
 
         options = kv_transport_options(settings)
         options["ucx_env"] = [list(kv) for kv in options.get("ucx_env", ())]
+        tls_dir = str(settings.tls_dir or "")
         return cls(kind=settings.transport, options=options, source_tp=settings.kv_source_tp,
-                   staging_blocks=settings.kv_staging_blocks)
+                   staging_blocks=settings.kv_staging_blocks, tls_dir=tls_dir,
+                   tls_identity=settings.role if tls_dir else "")
+
+    def control_tls(self) -> dict:
+        """``serve_agent`` / ``RankClient`` keyword arguments: the cluster's TLS for the KVRank control
+        service, or none (plaintext) without a TLS directory."""
+        if not self.tls_dir:
+            return {}
+        from pdserve.tls import TlsDir
+
+        return {"tls": TlsDir(self.tls_dir), "identity": self.tls_identity}
 
     def rank_options(self, rank: int) -> dict:
         """A fixed --kv-port P is rank 0's; rank r listens on P + r (0 stays 0: any free port)."""
@@ -156,6 +176,7 @@ async def make_rank_link(settings, engine, *, own_loop: bool = False):
     from kvtransfer.ranks.link import RankedLink
 
     kv = KVRankConfig.from_settings(settings)
+    tls = kv.control_tls()
     ranks: TPRanks | None = getattr(engine, "tp_ranks", None)
     size = ranks.group.size if ranks is not None else 1
     layout = engine.kv_layout
@@ -169,7 +190,7 @@ async def make_rank_link(settings, engine, *, own_loop: bool = False):
         agent = kv.agent(layout=layout, num_kv_heads=layout.num_kv_heads, tp=size, rank=0, cache=cache)
         await agent.start()
         try:
-            server, made["port"] = await serve_agent(agent)
+            server, made["port"] = await serve_agent(agent, **tls)
         except BaseException:
             await agent.close()
             raise
@@ -186,14 +207,15 @@ async def make_rank_link(settings, engine, *, own_loop: bool = False):
     controls = [f"127.0.0.1:{made['port']}"]
     for r in range(1, size):
         info = await asyncio.to_thread(ranks.kv_agent_info, r)
-        members.append(RankClient(r, info["control"]))
+        members.append(RankClient(r, info["control"], **tls))
         endpoints.append(info["endpoint"])
         views.append(info.get("view"))
         controls.append(info["control"])
     link = RankedLink(ranks=members, layout=layout, shape=agent.shape, lease_s=settings.lease_ms / 1000.0)
     link.set_rank_endpoints(endpoints, views)
     link.closers.extend(closers)
-    log.info("KV ranks: %s; control %s; rank 0 on %s", agent.shape.describe(), " ".join(controls),
+    log.info("KV ranks: %s; control %s (%s); rank 0 on %s", agent.shape.describe(), " ".join(controls),
+             "mutual TLS" if tls else "plaintext",
              "an event loop of its own" if own_loop else "the worker's event loop")
     return link
 
@@ -215,7 +237,7 @@ def _serve_kv_rank(follower, group, kv: KVRankConfig, store):
                          cache=follower.kv_cache)
         await agent.start()
         state["agent"] = agent
-        state["server"], state["port"] = await serve_agent(agent)
+        state["server"], state["port"] = await serve_agent(agent, **kv.control_tls())
 
     async def stop() -> None:
         await state["server"].stop(0)
@@ -242,7 +264,7 @@ def _serve_kv_rank(follower, group, kv: KVRankConfig, store):
     endpoint, view = state["agent"].endpoints()
     control = f"127.0.0.1:{state['port']}"
     store.set(f"kvrank/{group.rank}", json.dumps({"control": control, "endpoint": endpoint, "view": view}))
-    log.info("KV rank %d: control %s", group.rank, control)
+    log.info("KV rank %d: control %s (%s)", group.rank, control, "mutual TLS" if kv.tls_dir else "plaintext")
 
     def stop_all() -> None:
         loop.call_soon_threadsafe(loop.stop)

@@ -2,7 +2,7 @@
 kvtransfer transports on loopback, rank 0's ``RankedLink`` on each side. Each decode rank must end up with
 exactly its KV heads of the source blocks (split, regrouped from pieces, or replicated), nothing else
 written; every rank's transports hold nothing afterwards. One case drives the other ranks through their
-KVRank gRPC services, as a worker's processes do."""
+KVRank gRPC services, as a worker's processes do, plaintext and under the cluster's mutual TLS."""
 
 from __future__ import annotations
 
@@ -35,9 +35,10 @@ def run(coro):
 
 
 async def worker(full: torch.Tensor | None, k: int, tp: int, source_tp: int = 0, *, remote: bool = False,
-                 threaded: bool = False):
+                 threaded: bool = False, tls: dict | None = None):
     """A worker's ranks over ``full`` (the whole model's cache; zeros if None): (link, agents, servers).
-    ``threaded``: rank 0's agent on an event loop of its own thread, as a decode worker runs it."""
+    ``threaded``: rank 0's agent on an event loop of its own thread, as a decode worker runs it.
+    ``tls``: the control services' ``serve_agent`` / ``RankClient`` keywords (mutual TLS)."""
     shape = WorkerShape.receiving(num_kv_heads=k, tp=tp, source_tp=source_tp)
     whole = full if full is not None else base(k).allocate(NB)
     agents = []
@@ -61,9 +62,9 @@ async def worker(full: torch.Tensor | None, k: int, tp: int, source_tp: int = 0,
     agents = [a.agent if isinstance(a, ThreadedAgent) else a for a in agents]
     if remote:
         for r in range(1, tp):
-            server, port = await serve_agent(agents[r])
+            server, port = await serve_agent(agents[r], **(tls or {}))
             servers.append(server)
-            members[r] = RankClient(r, f"127.0.0.1:{port}")
+            members[r] = RankClient(r, f"127.0.0.1:{port}", **(tls or {}))
     link = RankedLink(ranks=members, layout=base(k), shape=shape, lease_s=20.0)
     link.set_rank_endpoints(*zip(*(a.endpoints() for a in agents), strict=True))
     return link, agents, servers
@@ -87,10 +88,11 @@ def expected_rank(full: torch.Tensor, heads: tuple[int, int]) -> torch.Tensor:
 
 
 async def transfer(k: int, a: int, b: int, *, streamed: bool, source_tp: int = 0,
-                   remote: bool = False, threaded: bool = False) -> None:
+                   remote: bool = False, threaded: bool = False, tls: dict | None = None) -> None:
     full = base(k).allocate(NB).uniform_(-1, 1)
-    p = await worker(full, k, a, remote=remote, threaded=threaded)
-    d = await worker(None, k, b, source_tp, remote=remote, threaded=threaded)
+    p = await worker(full, k, a, remote=remote, threaded=threaded, tls=tls and {**tls, "identity": "prefill"})
+    d = await worker(None, k, b, source_tp, remote=remote, threaded=threaded,
+                     tls=tls and {**tls, "identity": "decode"})
     rid = "req-1"
     await d[0].expect(rid, DST)
     wait = asyncio.ensure_future(d[0].wait(rid))
@@ -154,9 +156,21 @@ def test_a_cancelled_wait_on_a_threaded_rank_0_aborts_it_on_every_rank() -> None
     run(_threaded_wait_cancelled())
 
 
-def test_other_ranks_driven_through_their_control_services() -> None:
-    run(transfer(4, 2, 4, streamed=True, remote=True))
-    run(transfer(2, 2, 1, streamed=False, source_tp=2, remote=True))
+@pytest.fixture(scope="module")
+def cluster_tls(tmp_path_factory):
+    from pdserve.app.certs import init_certs
+    from pdserve.tls import TlsDir
+
+    d = tmp_path_factory.mktemp("tls")
+    init_certs(d, names=("prefill", "decode"), days=2)
+    return TlsDir(d)
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["plaintext", "mutual-tls"])
+def test_other_ranks_driven_through_their_control_services(secure, request) -> None:
+    tls = {"tls": request.getfixturevalue("cluster_tls")} if secure else None
+    run(transfer(4, 2, 4, streamed=True, remote=True, tls=tls))
+    run(transfer(2, 2, 1, streamed=False, source_tp=2, remote=True, tls=tls))
 
 
 def test_plan_names_both_shapes_when_it_cannot_bridge() -> None:
