@@ -77,6 +77,7 @@ class BlockManager:
         # Called once per allocation with the cached blocks it evicted, before they are handed out.
         self.on_evict: Callable[[list[tuple[int, int]]], None] | None = None
         self._evicted: list[tuple[int, int]] = []
+        self.events = None  # engine.kv_events.KVEvents: hashes gained and lost ("device" tier)
 
     # ---- queries ------------------------------------------------------------------------------
     @property
@@ -93,6 +94,10 @@ class BlockManager:
 
     def block_hash(self, block_id: int) -> int | None:
         return self._hash_of[block_id]
+
+    def hashes(self) -> list[int]:
+        """Every prefix hash a block holds now (in use or cached), oldest registration first."""
+        return list(self._block_of)
 
     def match_prefix(self, hashes: Sequence[int]) -> list[int]:
         """Block ids of the longest run of leading ``hashes`` that are cached (does not take them)."""
@@ -135,6 +140,8 @@ class BlockManager:
                 nxt += 1
         if self._evicted:
             evicted, self._evicted = self._evicted, []
+            if self.events is not None:
+                self.events.removed("device", [h for _, h in evicted])
             if self.on_evict is not None:
                 self.on_evict(evicted)
         return out
@@ -202,11 +209,15 @@ class BlockManager:
             return False
         self._hash_of[block_id] = block_hash
         self._block_of[block_hash] = block_id
+        if self.events is not None:
+            self.events.stored("device", [block_hash])
         return True
 
     def reset_prefix_cache(self) -> int:
         """Forget every evictable cached block (e.g. after weights change); returns how many."""
         n = len(self._evictable)
+        if self.events is not None:
+            self.events.removed("device", [self._hash_of[b] for b in self._evictable])
         while self._evictable:
             block, _ = self._evictable.popitem(last=False)
             del self._block_of[self._hash_of[block]]

@@ -29,6 +29,7 @@ from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.engine_types import EngineConfig, Reservation, StepOutput
 from engine.errors import DuplicateRequest, KVCacheFull, QueueFull, UnknownRequest
+from engine.kv_events import KVEvents
 from engine.kv_layout import KVLayout, dtype_name
 from engine.kv_tiers import KVTiers
 from engine.layer_sink import LayerSink
@@ -99,6 +100,8 @@ class LLMEngine(LaunchAhead):
                                   launch_ahead_layers=config.launch_ahead_layers)
         if config.cuda_graphs:
             self.runner.enable_cuda_graphs(max_batch=config.max_num_seqs, max_model_len=self.max_model_len)
+        self.kv_events = KVEvents()  # what the cache gains and loses, by tier, for the router
+        self.block_manager.events = self.kv_events
         self.tiers: KVTiers | None = None
         tiers = config.tiers
         if tiers.host_auto and tp is not None:
@@ -112,6 +115,7 @@ class LLMEngine(LaunchAhead):
             self.tiers = KVTiers(tiers, self.rank_kv_layout, self.runner.kv_cache)
             self.block_manager.on_evict = self.tiers.offload
             self.scheduler.tiers = self.tiers
+            self.tiers.attach_events(self.kv_events)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self._requests: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # outputs decided outside step() (abort, commit)
@@ -419,6 +423,16 @@ class LLMEngine(LaunchAhead):
                           finished=finished, finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
                           num_cached_tokens=seq.num_cached_tokens, error=seq.error, text=text,
                           block_ids=block_ids, first_scheduled_at=first_scheduled_at)
+
+    def cache_snapshot(self, limit: int) -> tuple[int, dict[str, list[int]]]:
+        """What the cache holds by tier (``device``, and ``host`` / ``disk`` with tiers), at most the
+        ``limit`` most recently used hashes of each, and the number of the last cache event before it
+        (engine.kv_events: apply the events after it on top). Run on the engine thread."""
+        last = self.kv_events.last
+        held = {"device": self.block_manager.hashes()}
+        if self.tiers is not None:
+            held.update(self.tiers.hashes())
+        return last, {tier: hashes[-limit:] for tier, hashes in held.items()}
 
     def request_states(self) -> dict[str, str]:
         """Every request this engine holds, by id: waiting / running / reserved / pinned. A worker

@@ -57,6 +57,7 @@ class DiskTier:
         self.dropped = 0  # offloads dropped because the writer was behind
         self.corrupt = 0  # files that failed their checks
         self.evictions = 0
+        self.events = None  # engine.kv_events.KVEvents ("disk" tier); set before the first write
         self._rebuild()
         self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue(maxsize=_WRITE_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
@@ -123,10 +124,15 @@ class DiskTier:
         with self.lock:
             self._index[block_hash] = None
             self._index.move_to_end(block_hash)
+            victims = []
             while len(self._index) > self.capacity_blocks:
                 victim, _ = self._index.popitem(last=False)
                 self.evictions += 1
                 self.path(victim).unlink(missing_ok=True)
+                victims.append(victim)
+            if self.events is not None:
+                self.events.stored("disk", [block_hash])
+                self.events.removed("disk", victims)
 
     # ---- reads ------------------------------------------------------------------------------------
     def read(self, block_hash: int) -> bytes | None:
@@ -162,9 +168,16 @@ class DiskTier:
 
     def forget(self, block_hash: int, *, unlink: bool = False) -> None:
         with self.lock:
-            self._index.pop(block_hash, None)
+            held = self._index.pop(block_hash, 0) is None
+            if held and self.events is not None:
+                self.events.removed("disk", [block_hash])
         if unlink:
             self.path(block_hash).unlink(missing_ok=True)
+
+    def hashes(self) -> list[int]:
+        """Every hash held, least recently used first (a snapshot for the router)."""
+        with self.lock:
+            return list(self._index)
 
     def _rebuild(self) -> None:
         """Index the files a previous process left (names only; contents are checked when read)."""

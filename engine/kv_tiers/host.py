@@ -51,6 +51,7 @@ class HostTier:
         self._unwritten: set[int] = set()  # reserved, not yet written
         self.on_evict = on_evict
         self.evictions = 0
+        self.events = None  # engine.kv_events.KVEvents ("host" tier)
 
     @property
     def nbytes(self) -> int:
@@ -88,7 +89,11 @@ class HostTier:
                 self._wait_written(slot)
                 if self.on_evict is not None:
                     self.on_evict(victim, self.slots[slot])
+                if self.events is not None:
+                    self.events.removed("host", [victim])
             self._slot_of[block_hash] = slot
+            if self.events is not None:
+                self.events.stored("host", [block_hash])
             self._pins[slot] = 1
             self._unwritten.add(slot)
             return slot
@@ -139,14 +144,24 @@ class HostTier:
             del self._slot_of[block_hash]
             self._pending.pop(slot, None)
             self._free.append(slot)
+            if self.events is not None:
+                self.events.removed("host", [block_hash])
 
     def clear(self) -> None:
         """Forget every unpinned block (the model's weights changed)."""
         with self.lock:
-            for h in [h for h, s in self._slot_of.items() if self._pins[s] == 0]:
+            dropped = [h for h, s in self._slot_of.items() if self._pins[s] == 0]
+            for h in dropped:
                 slot = self._slot_of.pop(h)
                 self._pending.pop(slot, None)
                 self._free.append(slot)
+            if self.events is not None:
+                self.events.removed("host", dropped)
+
+    def hashes(self) -> list[int]:
+        """Every hash held, least recently used first (a snapshot for the router)."""
+        with self.lock:
+            return [h for h, s in self._slot_of.items() if s not in self._unwritten]
 
     def leak_report(self) -> str | None:
         pinned = [s for s, n in enumerate(self._pins) if n]

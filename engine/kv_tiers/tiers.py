@@ -301,6 +301,23 @@ class KVTiers:
                     self.cost.record_load(tier, nbytes, seconds)
         return loaded
 
+    def attach_events(self, events) -> None:
+        """Report the tiers' gains and losses to ``events`` (engine.kv_events.KVEvents)."""
+        if self.host is not None:
+            self.host.events = events
+        if self.disk is not None:
+            with self.disk.lock:
+                self.disk.events = events
+
+    def hashes(self) -> dict[str, list[int]]:
+        """What each tier holds, least recently used first."""
+        out = {}
+        if self.host is not None:
+            out["host"] = self.host.hashes()
+        if self.disk is not None:
+            out["disk"] = self.disk.hashes()
+        return out
+
     # ---- lifecycle --------------------------------------------------------------------------------
     def flush(self) -> None:
         """Wait for queued loads and disk writes (tests, shutdown)."""
