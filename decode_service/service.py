@@ -11,7 +11,7 @@ from decode_service.mux import DecodeManySession
 from decode_service.worker import DecodeWorker
 from pdserve.server import abort_from
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
-from pdserve.wire import sampling_from_proto, top_logprobs, worker_stats
+from pdserve.wire import cache_events_reply, sampling_from_proto, top_logprobs, worker_stats
 
 DEFAULT_KV_WAIT_MS = 30_000
 
@@ -50,7 +50,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.AllocateResponse(
             worker_id=self.worker.worker_id, block_ids=alloc.block_ids,
             num_cached_tokens=alloc.num_cached_tokens, kv_endpoint=alloc.kv_endpoint,
-            transports=self.transports, incarnation=self.worker.incarnation)
+            transports=self.transports, incarnation=self.worker.incarnation,
+            num_tier_tokens=alloc.num_tier_tokens)
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         try:
@@ -102,11 +103,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def GetStats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext):
         w = self.worker
         snap = w.engine.snapshot
-        return worker_stats(worker_id=w.worker_id, role=self.role, incarnation=w.incarnation,
-                            engine=w.engine.engine, snapshot=snap, transports=self.transports,
-                            kv_endpoint=w.kv.endpoint(), address=self.address, num_leased=len(w.leases),
-                            # in flight here: leased (waiting for KV) + decoding (from the KV wait on)
-                            num_running=len(w.active) + len(w.leases))
+        stats = worker_stats(worker_id=w.worker_id, role=self.role, incarnation=w.incarnation,
+                             engine=w.engine.engine, snapshot=snap, transports=self.transports,
+                             kv_endpoint=w.kv.endpoint(), address=self.address, num_leased=len(w.leases),
+                             # in flight here: leased (waiting for KV) + decoding (from the KV wait on)
+                             num_running=len(w.active) + len(w.leases))
+        cache = await cache_events_reply(request, w.engine.engine, w.engine.call)
+        if cache is not None:
+            stats.cache.CopyFrom(cache)
+        return stats
 
 
 def _logprob_list(lps: list) -> list[float]:

@@ -49,6 +49,7 @@ class Allocation:
     block_ids: list[int]
     num_cached_tokens: int
     kv_endpoint: bytes
+    num_tier_tokens: int = 0  # of num_cached_tokens, loading back from the KV tiers
 
 
 class DecodeWorker:
@@ -113,7 +114,8 @@ class DecodeWorker:
         except BaseException:
             await asyncio.shield(self._free(request_id, expects_kv=bool(missing)))
             raise
-        return Allocation(block_ids=block_ids, num_cached_tokens=cached, kv_endpoint=self.kv.endpoint())
+        return Allocation(block_ids=block_ids, num_cached_tokens=cached, kv_endpoint=self.kv.endpoint(),
+                          num_tier_tokens=int(getattr(res, "num_tier_tokens", 0)))
 
     async def decode(self, request_id: str, first_token_id: int, kv_wait_s: float, *,
                      prefill_locally: bool = False) -> AsyncIterator[list[Any]]:

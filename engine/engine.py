@@ -211,7 +211,7 @@ class LLMEngine(LaunchAhead):
             raise KVCacheFull(f"cannot reserve {need} KV blocks for request {request_id!r}: "
                               f"{self.num_free_blocks} of {self.num_total_blocks} free")
         self._requests[request_id] = seq
-        return Reservation(block_ids=list(seq.block_table),
+        return Reservation(block_ids=list(seq.block_table), num_tier_tokens=seq.tier_planned,
                            num_cached_tokens=seq.num_computed + seq.tier_planned)
 
     def commit_prefilled(self, request_id: str, first_token_id: int) -> None:

@@ -129,4 +129,5 @@ class StepOutput:
 @dataclass(frozen=True)
 class Reservation:
     block_ids: list[int]
-    num_cached_tokens: int  # leading prompt tokens whose KV is already in those blocks
+    num_cached_tokens: int  # leading prompt tokens whose KV is already in those blocks (or is loading)
+    num_tier_tokens: int = 0  # of those, tokens being loaded back from the host or disk tier

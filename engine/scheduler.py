@@ -311,8 +311,11 @@ class Scheduler:
 
     def _free_blocks(self, seq: Sequence) -> None:
         if seq.loading is not None:  # the load thread writes these blocks: let it finish first
-            seq.loading.result()
-            seq.loading = None
+            loaded, seq.loading = seq.loading.result(), None
+            # what loaded is valid KV: published, it stays in the cache for the next request (a
+            # reservation dropped for a local prefill takes it straight back)
+            seq.num_computed = max(seq.num_computed, (seq.load_span[0] + loaded) * self.block_size)
+            self.register_computed(seq)
         if seq.block_table:
             self.bm.release(seq.block_table)
             seq.block_table = []

@@ -1,7 +1,8 @@
 """Translation between pdserve.v1 messages and engine types, with validation.
 
 Every service converts through here so that a bad value gets the same INVALID_ARGUMENT message
-whichever process first sees it. Nothing here does I/O.
+whichever process first sees it. Nothing here does I/O (``cache_events_reply`` awaits only the engine
+thread it is handed).
 """
 
 from __future__ import annotations
@@ -168,3 +169,33 @@ def worker_stats(*, worker_id: str, role: str, incarnation: str, engine: object,
         max_model_len=int(getattr(config, "max_position_embeddings", 0) or 0),
         kv_bytes_per_block=int(getattr(layout, "num_layers", 0) * getattr(layout, "block_bytes", 0)),
         max_num_seqs=int(getattr(getattr(engine, "config", None), "max_num_seqs", 0) or 0))
+
+
+# Cache events per GetStats answer (8 bytes each): a router catching up takes the rest on its next calls.
+CACHE_EVENTS_PER_ANSWER = 65_536
+# A snapshot's hashes per tier, most recently used: about what the router's prefix index keeps per worker.
+CACHE_SNAPSHOT_PER_TIER = 131_072
+
+
+async def cache_events_reply(request: common_pb2.StatsRequest, engine: object,
+                             call) -> common_pb2.CacheEvents | None:
+    """GetStats' ``cache`` field (engine/kv_events.py): the events after ``cache_events_after``, or a
+    snapshot when there is no number yet or its events are no longer kept. ``engine`` is the worker's
+    LLMEngine, ``call`` runs a function on its thread (``AsyncEngine.call``; only a snapshot needs it).
+    None when not asked for, or the engine keeps no events."""
+    events = getattr(engine, "kv_events", None)
+    if not request.cache_events or events is None:
+        return None
+    after = request.cache_events_after
+    got = events.since(after, CACHE_EVENTS_PER_ANSWER) if after else None
+    if got is None:
+        last, held = await call(lambda e: e.cache_snapshot(CACHE_SNAPSHOT_PER_TIER))
+        return common_pb2.CacheEvents(
+            last=last, snapshot=True, more=events.last > last,
+            batches=[common_pb2.CacheEventBatch(tier=tier, stored=True, hashes=hashes)
+                     for tier, hashes in held.items() if hashes])
+    last, batches = got
+    return common_pb2.CacheEvents(
+        last=last, more=events.last > last,
+        batches=[common_pb2.CacheEventBatch(tier=tier, stored=stored, hashes=hashes)
+                 for tier, stored, hashes in batches])

@@ -6,7 +6,7 @@ import grpc
 
 from pdserve.server import abort_from
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from pdserve.wire import sampling_from_proto, top_logprobs, worker_stats
+from pdserve.wire import cache_events_reply, sampling_from_proto, top_logprobs, worker_stats
 from prefill_service.worker import PrefillWorker, Target
 
 
@@ -45,7 +45,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def GetStats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext):
         w = self.worker
-        return worker_stats(worker_id=w.worker_id, role="prefill", incarnation=w.incarnation,
-                            engine=w.engine.engine, snapshot=w.engine.snapshot, transports=self.transports,
-                            kv_endpoint=b"", address=self.address,
-                            num_running=max(w.engine.snapshot.num_running, len(w.in_flight)))
+        stats = worker_stats(worker_id=w.worker_id, role="prefill", incarnation=w.incarnation,
+                             engine=w.engine.engine, snapshot=w.engine.snapshot, transports=self.transports,
+                             kv_endpoint=b"", address=self.address,
+                             num_running=max(w.engine.snapshot.num_running, len(w.in_flight)))
+        cache = await cache_events_reply(request, w.engine.engine, w.engine.call)
+        if cache is not None:
+            stats.cache.CopyFrom(cache)
+        return stats

@@ -41,6 +41,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.kv_tiers.cost import SEED_BANDWIDTH as TIER_BANDWIDTH
+
 
 class LinkStats:
     """Measured prefill->decode bandwidth per pair (EWMA) and the KV size of one block (learnt from
@@ -230,6 +232,15 @@ class CostModel:
         if outstanding_tokens <= 0:
             return 0.0
         return max(outstanding_tokens / self.prefill_rate(worker_id) - max(busy_for_s, 0.0), 0.0)
+
+    def tier_load_s(self, worker_id: str, host_blocks: int, disk_blocks: int) -> float:
+        """Seconds ``worker_id`` takes to load blocks back from its host and disk KV tiers, at the
+        bandwidths a worker assumes before it has measured its own (engine.kv_tiers.cost): the same
+        model the worker uses to choose between loading and recomputing."""
+        if host_blocks <= 0 and disk_blocks <= 0:
+            return 0.0
+        per_block = self.kv_bytes_per_token(worker_id) * self.block_size
+        return per_block * (host_blocks / TIER_BANDWIDTH["host"] + disk_blocks / TIER_BANDWIDTH["disk"])
 
     def kv_bytes_per_token(self, decode_id: str) -> int:
         got = self._kv_per_token.get(decode_id)

@@ -7,8 +7,12 @@ change) opens channels for new addresses and retires removed ones. ``poll_foreve
 owner of liveness, load and pending work); one that fails (dead process, deadline) is dropped from
 that view at once, so no new request is placed on it. A restarted worker comes back with a new
 ``incarnation``. What this module keeps per worker is transport plumbing only: the channel, the
-stub, the last raw stats (transports, KV endpoint; ``ListWorkers``) and the count of requests bound
-to the handle, for draining.
+stub, the last raw stats (transports, KV endpoint; ``ListWorkers``), the count of requests bound
+to the handle, for draining, and how far it has read the worker's cache events.
+
+Cache events (engine/kv_events.py) ride on the same poll: each GetStats asks for the events after the
+last one applied, or a snapshot (a new worker, a new incarnation, a router that just started, or
+events no longer kept), and they go to the placer's prefix index once the view knows the worker.
 
 Removal drains, it does not cut: a request holds its two handles from placement to its last
 cleanup RPC (``acquire`` / ``release``, an in-flight count). A removed handle leaves the placer's
@@ -25,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -52,6 +56,10 @@ class WorkerHandle:
     inflight: int = 0      # requests bound to this handle (acquire .. release)
     removed: bool = False  # gone from discovery: never placed on again, closed once drained
     closed: bool = False
+    cache_after: int = 0  # the worker's last cache event applied (0: ask for a snapshot)
+    cache_incarnation: str = ""  # the incarnation those events came from
+    # cache events read, applied once the placer's view has this poll's membership: (snapshot, batches)
+    cache_pending: list = field(default_factory=list)
 
     @property
     def worker_id(self) -> str:
@@ -179,7 +187,8 @@ class WorkerDirectory:
 
     async def _poll(self, h: WorkerHandle) -> None:
         try:
-            stats = await h.stub.GetStats(common_pb2.StatsRequest(), timeout=STATS_TIMEOUT_S)
+            stats = await h.stub.GetStats(common_pb2.StatsRequest(
+                cache_events=True, cache_events_after=h.cache_after), timeout=STATS_TIMEOUT_S)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
             why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "timeout"
             if h.answering:
@@ -193,12 +202,36 @@ class WorkerDirectory:
             log.error("worker at %s says role %r, expected %r; ignoring it", h.address, stats.role, h.role)
             self.mark_failed(h)
             return
+        self._take_cache_events(h, stats)
         h.stats, h.answering = stats, True
         self.lifecycle.answered(h, stats)
         with contextlib.suppress(ValueError):
             self.placer.update_load(stats.worker_id, WorkerLoad(
                 queue_depth=stats.queue_depth, num_running=stats.num_running, free_blocks=stats.free_blocks,
                 total_blocks=stats.total_blocks, incarnation=stats.incarnation, reported_at=time.time()))
+
+    def _take_cache_events(self, h: WorkerHandle, stats: common_pb2.WorkerStats) -> None:
+        """Keep the answer's cache events for ``_publish``; drop them from the stats kept."""
+        if not stats.HasField("cache"):
+            return
+        cache = stats.cache
+        if cache.snapshot:
+            h.cache_pending = [(True, [(b.tier, True, list(b.hashes)) for b in cache.batches])]
+        elif stats.incarnation != h.cache_incarnation:
+            h.cache_pending, h.cache_after = [], 0  # numbered by another incarnation's log: start over
+            stats.ClearField("cache")
+            return
+        else:
+            h.cache_pending.append((False, [(b.tier, b.stored, list(b.hashes)) for b in cache.batches]))
+        h.cache_after, h.cache_incarnation = cache.last, stats.incarnation
+        stats.ClearField("cache")
+
+    def _apply_cache_events(self) -> None:
+        for h in self._by_addr.values():
+            if h.cache_pending and h.answering and h.stats is not None:
+                pending, h.cache_pending = h.cache_pending, []
+                for snapshot, batches in pending:
+                    self.placer.apply_cache_events(h.stats.worker_id, snapshot=snapshot, batches=batches)
 
     def mark_failed(self, h: WorkerHandle) -> None:
         was_healthy = h.answering
@@ -216,6 +249,7 @@ class WorkerDirectory:
     def _publish(self) -> None:
         infos = [h.info() for h in self._by_addr.values() if h.answering]
         self.placer.update_workers(infos)
+        self._apply_cache_events()
 
     async def poll_forever(self) -> None:
         while True:

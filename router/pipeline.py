@@ -251,6 +251,8 @@ class Pipeline:
         f = meta.facts
         f.allocate_ms = (t1 - t0) * 1e3
         f.kv_blocks_reused = alloc.num_cached_tokens // self.block_size
+        f.decode_tier_tokens = alloc.num_tier_tokens
+        f.predicted_decode_blocks = placement.predicted_decode_cached_blocks
         decision: Decision = self.local.decide(req.request_id, len(req.prompt_ids), alloc.num_cached_tokens,
                                                placement)
         f.prefill_mode_reason = decision.reason

@@ -1,5 +1,17 @@
-"""Tiers behind the paged KV cache: host memory, then local disk (``engine.kv_tiers.tiers``)."""
+"""Tiers behind the paged KV cache: host memory, then local disk (``engine.kv_tiers.tiers``).
 
-from engine.kv_tiers.tiers import KVTiers, LoadHandle, TierConfig
+The package imports nothing heavy itself: the router reads ``engine.kv_tiers.cost`` (the load-or-
+recompute model both sides share) without importing torch.
+"""
+
+from __future__ import annotations
 
 __all__ = ["KVTiers", "LoadHandle", "TierConfig"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from engine.kv_tiers import tiers
+
+        return getattr(tiers, name)
+    raise AttributeError(f"module 'engine.kv_tiers' has no attribute {name!r}")

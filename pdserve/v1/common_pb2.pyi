@@ -78,11 +78,37 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("cache_events", "cache_events_after")
+    CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVENTS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    cache_events: bool
+    cache_events_after: int
+    def __init__(self, cache_events: _Optional[bool] = ..., cache_events_after: _Optional[int] = ...) -> None: ...
+
+class CacheEventBatch(_message.Message):
+    __slots__ = ("tier", "stored", "hashes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    stored: bool
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tier: _Optional[str] = ..., stored: _Optional[bool] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CacheEvents(_message.Message):
+    __slots__ = ("last", "snapshot", "batches", "more")
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    last: int
+    snapshot: bool
+    batches: _containers.RepeatedCompositeFieldContainer[CacheEventBatch]
+    more: bool
+    def __init__(self, last: _Optional[int] = ..., snapshot: _Optional[bool] = ..., batches: _Optional[_Iterable[_Union[CacheEventBatch, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "incarnation", "layout_hash", "model_fingerprint", "queue_depth", "num_running", "free_blocks", "total_blocks", "block_size", "transports", "kv_endpoint", "address", "num_leased", "max_model_len", "kv_bytes_per_block", "max_num_seqs")
+    __slots__ = ("worker_id", "role", "incarnation", "layout_hash", "model_fingerprint", "queue_depth", "num_running", "free_blocks", "total_blocks", "block_size", "transports", "kv_endpoint", "address", "num_leased", "max_model_len", "kv_bytes_per_block", "max_num_seqs", "cache")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +126,7 @@ class WorkerStats(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     incarnation: str
@@ -117,10 +144,11 @@ class WorkerStats(_message.Message):
     max_model_len: int
     kv_bytes_per_block: int
     max_num_seqs: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., incarnation: _Optional[str] = ..., layout_hash: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., queue_depth: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., kv_endpoint: _Optional[bytes] = ..., address: _Optional[str] = ..., num_leased: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    cache: CacheEvents
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., incarnation: _Optional[str] = ..., layout_hash: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., queue_depth: _Optional[int] = ..., num_running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., kv_endpoint: _Optional[bytes] = ..., address: _Optional[str] = ..., num_leased: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., cache: _Optional[_Union[CacheEvents, _Mapping]] = ...) -> None: ...
 
 class RequestFacts(_message.Message):
-    __slots__ = ("prefill_worker", "decode_worker", "transport", "fallback", "fallback_reason", "placement_policy", "session_hit", "session_moved", "moved_from", "move_reason", "decode_load", "decode_load_cap", "prefill_mode", "prefill_mode_reason", "kv_blocks_sent", "kv_bytes_sent", "kv_blocks_reused", "prefill_cached_tokens", "allocate_ms", "prefill_rpc_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "kv_wait_ms", "decode_ms", "admission_wait_est_ms")
+    __slots__ = ("prefill_worker", "decode_worker", "transport", "fallback", "fallback_reason", "placement_policy", "session_hit", "session_moved", "moved_from", "move_reason", "decode_load", "decode_load_cap", "prefill_mode", "prefill_mode_reason", "kv_blocks_sent", "kv_bytes_sent", "kv_blocks_reused", "prefill_cached_tokens", "allocate_ms", "prefill_rpc_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "kv_wait_ms", "decode_ms", "admission_wait_est_ms", "decode_tier_tokens", "predicted_decode_blocks")
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +175,8 @@ class RequestFacts(_message.Message):
     KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_WAIT_EST_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_DECODE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     prefill_worker: str
     decode_worker: str
     transport: str
@@ -173,4 +203,6 @@ class RequestFacts(_message.Message):
     kv_wait_ms: float
     decode_ms: float
     admission_wait_est_ms: float
-    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transport: _Optional[str] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., placement_policy: _Optional[str] = ..., session_hit: _Optional[bool] = ..., session_moved: _Optional[bool] = ..., moved_from: _Optional[str] = ..., move_reason: _Optional[str] = ..., decode_load: _Optional[int] = ..., decode_load_cap: _Optional[int] = ..., prefill_mode: _Optional[str] = ..., prefill_mode_reason: _Optional[str] = ..., kv_blocks_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., allocate_ms: _Optional[float] = ..., prefill_rpc_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_wait_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., admission_wait_est_ms: _Optional[float] = ...) -> None: ...
+    decode_tier_tokens: int
+    predicted_decode_blocks: int
+    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transport: _Optional[str] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., placement_policy: _Optional[str] = ..., session_hit: _Optional[bool] = ..., session_moved: _Optional[bool] = ..., moved_from: _Optional[str] = ..., move_reason: _Optional[str] = ..., decode_load: _Optional[int] = ..., decode_load_cap: _Optional[int] = ..., prefill_mode: _Optional[str] = ..., prefill_mode_reason: _Optional[str] = ..., kv_blocks_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., allocate_ms: _Optional[float] = ..., prefill_rpc_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_wait_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., admission_wait_est_ms: _Optional[float] = ..., decode_tier_tokens: _Optional[int] = ..., predicted_decode_blocks: _Optional[int] = ...) -> None: ...

@@ -21,20 +21,22 @@ class AllocateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("worker_id", "block_ids", "num_cached_tokens", "kv_endpoint", "transports", "incarnation")
+    __slots__ = ("worker_id", "block_ids", "num_cached_tokens", "kv_endpoint", "transports", "incarnation", "num_tier_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     kv_endpoint: bytes
     transports: _containers.RepeatedScalarFieldContainer[str]
     incarnation: str
-    def __init__(self, worker_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., kv_endpoint: _Optional[bytes] = ..., transports: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    num_tier_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., kv_endpoint: _Optional[bytes] = ..., transports: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ..., num_tier_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token_id", "kv_wait_ms", "prefill_locally")

@@ -22,7 +22,11 @@ Lifecycle of one request:
    failed worker is marked unhealthy for a cooldown.
 3. Membership comes from the worker directory through ``update_workers``: a worker that left or
    came back under a new incarnation loses everything learnt about it; bindings naming an old
-   incarnation are dead (the session moves on its next turn). ``update_load`` feeds queue/KV reports.
+   incarnation are dead (the session moves on its next turn). ``update_load`` feeds queue/KV reports,
+   ``apply_cache_events`` the workers' own cache events (what each tier gained and lost): the index
+   then follows what they hold rather than what placement guessed, and a block a worker holds only
+   in its host or disk tier costs its load time in the pair score (below a device hit, far below a
+   recompute).
 
 With a shared store (Redis) ``start()`` runs a background task that publishes this replica's
 load reports and pulls everyone's; if the store is down the Placer keeps deciding from its last
@@ -112,6 +116,18 @@ class Placer:
             load = dataclasses.replace(load, reported_at=self._wall())
         if self.view.set_load(worker_id, load) and self.store.shared:
             self._sync.publish_load(worker_id, load)
+
+    def apply_cache_events(self, worker_id: str, *, snapshot: bool,
+                           batches: list[tuple[str, bool, list[int]]]) -> None:
+        """A worker's cache events (engine/kv_events.py) in order, or a snapshot of all it holds
+        (what the index knew of it is forgotten first; the slowest tier is stamped first, so the
+        index's LRU keeps the device blocks longest)."""
+        if snapshot:
+            self.index.drop(worker_id)
+            rank = {"disk": 0, "host": 1, "device": 2}
+            batches = sorted(batches, key=lambda b: rank.get(b[0], 0))
+        for tier, stored, hashes in batches:
+            self.index.apply(worker_id, tier, stored, hashes)
 
     def mark_unhealthy(self, worker_id: str) -> None:
         self.view.mark_unhealthy(worker_id)
@@ -206,14 +222,20 @@ class Placer:
         costs, view, bs, n = self.costs, self.view, self.config.block_size, req.prompt_len
         local = pp is None
 
+        def tier_s(c: Candidate) -> float:
+            """Loading the matched blocks the worker holds only in its host or disk tier."""
+            host, disk = self.index.tier_split(c[0], req.block_hashes, c[2]) if c[2] else (0, 0)
+            return costs.tier_load_s(c[0], host, disk)
+
         def prefill_cost(c: Candidate) -> float:
             cached = min(c[2] * bs, n)
             return (costs.queue_s(c[0], view.outstanding_tokens(c[0]), view.busy_for(c[0]))
-                    + costs.prefill_s(c[0], n - cached, cached))
+                    + costs.prefill_s(c[0], n - cached, cached) + tier_s(c))
 
         def decode_cost(c: Candidate) -> float:
             if not local:
-                return 0.0
+                # its tier blocks need no transfer (counted by choose_pair) but are loaded back
+                return tier_s(c)
             # no prefill pool: it prefills what it does not hold itself, after its queued prefills
             return prefill_cost(c)
 

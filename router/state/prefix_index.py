@@ -10,12 +10,20 @@ recompute or a transfer, never a wrong answer, because the workers check hashes 
 Lookup exploits the chain: block i's hash covers blocks 0..i, so a worker "has the first n
 blocks" exactly when it holds hash n-1 — matching walks the request's hashes once, keeping the
 set of workers still matching, and stops when it is empty.
+
+Tiers: each entry records which of a worker's tiers hold the block (``DEVICE``, ``HOST``, ``DISK``
+bits). The workers' cache events (``apply``) set and clear them; what placement adds optimistically is
+a device block. ``match`` counts a block held in any tier; ``tier_split`` says how many of a matched
+prefix would come from the host or disk tier, which placement charges at their load cost.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+DEVICE, HOST, DISK = 1, 2, 4
+TIER_BITS = {"device": DEVICE, "host": HOST, "disk": DISK}
 
 
 class PrefixIndex:
@@ -55,19 +63,22 @@ class PrefixIndex:
             self._slot[worker_id] = slot
         return 1 << slot
 
-    def add(self, worker_id: str, hashes: Sequence[int]) -> None:
-        """Insert/refresh ``hashes`` (a prefix chain, first block first). They are stamped last to
-        first, so the LRU evicts a chain's tail before its head and what stays is still a prefix."""
+    def add(self, worker_id: str, hashes: Sequence[int], tier: int = DEVICE) -> None:
+        """Insert/refresh ``hashes`` (a prefix chain, first block first) as held in ``tier``. They are
+        stamped last to first, so the LRU evicts a chain's tail before its head and what stays is
+        still a prefix."""
         lru = self._lru.get(worker_id)
         if lru is None:
             lru = self._lru[worker_id] = OrderedDict()
         bit = self._bit(worker_id)
         holders = self._holders
         for h in reversed(hashes):
-            if h in lru:
+            tiers = lru.get(h)
+            if tiers is not None:
+                lru[h] = tiers | tier
                 lru.move_to_end(h)
                 continue
-            lru[h] = None
+            lru[h] = tier
             holders[h] = holders.get(h, 0) | bit
         if len(lru) > self.capacity:
             keep = ~bit
@@ -84,8 +95,42 @@ class PrefixIndex:
         if not lru:
             return
         for h in hashes:
-            if lru.pop(h, 0) is None:
+            if lru.pop(h, None) is not None:
                 self._unhold(h, worker_id)
+
+    def apply(self, worker_id: str, tier: str, stored: bool, hashes: Sequence[int]) -> None:
+        """A worker's cache event: ``hashes`` became reusable in ``tier`` (stored) or stopped being."""
+        bit = TIER_BITS[tier]
+        if stored:
+            self.add(worker_id, hashes, bit)
+            return
+        lru = self._lru.get(worker_id)
+        if not lru:
+            return
+        for h in hashes:
+            tiers = lru.get(h)
+            if tiers is None:
+                continue
+            if tiers & ~bit:
+                lru[h] = tiers & ~bit
+            else:
+                del lru[h]
+                self._unhold(h, worker_id)
+
+    def tier_split(self, worker_id: str, hashes: Sequence[int], n: int) -> tuple[int, int]:
+        """Of the first ``n`` of ``hashes`` (held by ``worker_id``), how many only its host tier holds
+        and how many only its disk tier (the rest are in its device cache)."""
+        lru = self._lru.get(worker_id)
+        host = disk = 0
+        if lru:
+            for h in hashes[:n]:
+                tiers = lru.get(h, DEVICE)
+                if not tiers & DEVICE:
+                    if tiers & HOST:
+                        host += 1
+                    else:
+                        disk += 1
+        return host, disk
 
     def drop(self, worker_id: str) -> None:
         """Forget everything about a worker (it left, or restarted with an empty cache)."""
