@@ -116,6 +116,7 @@ class StepOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefilled" | "error"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_tier_tokens: int = 0  # of num_cached_tokens, loaded back from the host or disk tier
     error: str | None = None
     # Finished requests with stop strings: the output text cut before the matched stop string.
     text: str | None = None

@@ -31,6 +31,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         facts = common_pb2.RequestFacts(
             prefill_worker=self.worker.worker_id, transport=res.transport, kv_blocks_sent=res.kv_blocks_sent,
             kv_bytes_sent=res.kv_bytes_sent, prefill_cached_tokens=res.num_cached_tokens,
+            prefill_tier_tokens=res.num_tier_tokens,
             prefill_queue_ms=res.queue_s * 1e3, prefill_compute_ms=res.compute_s * 1e3,
             kv_transfer_ms=res.kv_transfer_s * 1e3, kv_wait_ms=res.kv_wait_s * 1e3)
         msg = prefill_pb2.PrefillResponse(first_token_id=res.first_token_id, facts=facts)

@@ -60,6 +60,7 @@ class PrefillResult:
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_blocks_sent: int
+    num_tier_tokens: int = 0  # of num_cached_tokens, loaded back from the host or disk tier
     kv_bytes_sent: int
     transport: str
     # From the send's start (one piece: after the prefill; streamed: when its final chunk began) to
@@ -163,6 +164,7 @@ class PrefillWorker:
                 first_token_id=int(out.new_token_ids[0]), first_logprob=first_logprob(out),
                 first_top=tuple(getattr(out.new_logprobs[0], "top", ())) if out.new_logprobs else (),
                 num_prompt_tokens=len(prompt_ids), num_cached_tokens=int(out.num_cached_tokens or 0),
+                num_tier_tokens=int(getattr(out, "num_tier_tokens", 0) or 0),
                 kv_blocks_sent=len(src), kv_bytes_sent=int(nbytes), transport=backend,
                 kv_transfer_s=transfer_s, kv_streamed=streamed, kv_wait_s=t_ack - t_out if src else 0.0,
                 kv_stream_timeline=timeline, queue_s=max(0.0, started - mono_in),

@@ -114,8 +114,9 @@ def _run(args: argparse.Namespace) -> int:
         worker_args += ["--kv-host-gb", str(args.kv_host_gb)]
     if bool(args.kv_disk_dir) != bool(args.kv_disk_gb):
         raise SystemExit("pdserve up: give --kv-disk-dir and --kv-disk-gb together")
-    if args.kv_disk_gb:
-        worker_args += ["--kv-disk-gb", str(args.kv_disk_gb)]
+    if args.kv_disk_gb:  # each worker in DIR/<its name> (launcher.cluster.per_worker_disk_dir)
+        worker_args += ["--kv-disk-dir", str(Path(args.kv_disk_dir).resolve()),
+                        "--kv-disk-gb", str(args.kv_disk_gb)]
     router_args: list[str] = []
     if args.conditional_disagg:
         router_args += ["--conditional-disagg", args.conditional_disagg]
@@ -144,7 +145,6 @@ def _run(args: argparse.Namespace) -> int:
                            decode_args=(*decode_tp_args, *shlex.split(args.decode_args)),
                            drain_timeout=args.drain_timeout, router_args=tuple(router_args), devices=devices,
                            tls_dir=str(Path(args.tls_dir).resolve()) if args.tls_dir else "",
-                           kv_disk_dir=str(Path(args.kv_disk_dir).resolve()) if args.kv_disk_dir else "",
                            restart=RestartPolicy(enabled=args.max_restarts > 0,
                                                  max_restarts=max(args.max_restarts, 0),
                                                  backoff_s=args.restart_backoff_s,

@@ -47,6 +47,17 @@ WORKERS_FILE = "workers.json"
 SCALE_FILE = "scale-request.json"
 
 
+def per_worker_disk_dir(args: list[str], name: str) -> list[str]:
+    """In a cluster, ``--kv-disk-dir DIR`` names where every worker keeps its disk KV tier: each in
+    ``DIR/<worker name>``, so workers on one host never share one, and a restarted worker (same name)
+    finds its blocks again."""
+    out = list(args)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--kv-disk-dir":
+            out[i + 1] = str(Path(out[i + 1]) / name)
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
     model: str
@@ -74,8 +85,6 @@ class ClusterSpec:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     # TLS on every gRPC port (pdserve/tls.py: `pdserve certs init DIR`); "" = plaintext
     tls_dir: str = ""
-    # each worker's disk KV tier in <kv_disk_dir>/<worker name> (a restart finds its blocks); "" = none
-    kv_disk_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.colocated and (self.num_prefill != 0 or self.num_decode < 1):
@@ -174,11 +183,10 @@ class Cluster:
         return self._devices.next(role)
 
     def _worker_args(self, role: str, name: str) -> list[str]:
-        disk = ["--kv-disk-dir", str(Path(self.spec.kv_disk_dir) / name)] if self.spec.kv_disk_dir else []
-        return ["--model", self.spec.model, "--transport", self.spec.transport, "--worker-id", name,
-                "--drain-timeout", str(self.spec.drain_timeout), *self._tls_args(), *disk,
-                *self.spec.worker_args,
+        args = ["--model", self.spec.model, "--transport", self.spec.transport, "--worker-id", name,
+                "--drain-timeout", str(self.spec.drain_timeout), *self._tls_args(), *self.spec.worker_args,
                 *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args)]
+        return per_worker_disk_dir(args, name)
 
     def _start_worker(self, role: str, name: str, devices: tuple[str, ...] = ()) -> WorkerHandle:
         args = self._worker_args(role, name)
