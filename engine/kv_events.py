@@ -21,8 +21,6 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-TIERS = ("device", "host", "disk")
-
 
 class KVEvents:
     def __init__(self, capacity: int = 262_144) -> None:

@@ -44,10 +44,6 @@ class TierCost:
     def load_seconds(self, tier: str, blocks: int) -> float:
         return blocks * self.block_bytes / self.bandwidth[tier]
 
-    def recompute_seconds(self, blocks: int) -> float | None:
-        rate = self.prefill_tokens_per_s
-        return None if rate is None else blocks * self.block_tokens / rate
-
     def plan(self, tiers: list[str]) -> int:
         """How many of the leading matched blocks (``tiers[i]`` holds block ``i``) to load."""
         if self.prefill_tokens_per_s is None:

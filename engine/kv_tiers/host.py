@@ -147,17 +147,6 @@ class HostTier:
             if self.events is not None:
                 self.events.removed("host", [block_hash])
 
-    def clear(self) -> None:
-        """Forget every unpinned block (the model's weights changed)."""
-        with self.lock:
-            dropped = [h for h, s in self._slot_of.items() if self._pins[s] == 0]
-            for h in dropped:
-                slot = self._slot_of.pop(h)
-                self._pending.pop(slot, None)
-                self._free.append(slot)
-            if self.events is not None:
-                self.events.removed("host", dropped)
-
     def hashes(self) -> list[int]:
         """Every hash held, least recently used first (a snapshot for the router)."""
         with self.lock:

@@ -331,11 +331,6 @@ class KVTiers:
         if self.disk is not None:
             self.disk.close()
 
-    def clear(self) -> None:
-        """Forget the host tier (the model's weights changed; the disk tier's identity changes with them)."""
-        if self.host is not None:
-            self.host.clear()
-
     def occupancy(self) -> dict[str, tuple[int, int]]:
         """(bytes used, bytes of capacity) per tier."""
         out = {}

@@ -85,7 +85,10 @@ class _TierMetrics:
                 ("pdserve_worker_kv_tier_declined_blocks", "Blocks a tier held that were recomputed because "
                  "that was predicted faster than loading them", stats.declined_blocks),
                 ("pdserve_worker_kv_tier_load_failures", "Blocks that failed to load from a tier (missing, "
-                 "truncated or corrupted; recomputed)", stats.load_failures)):
+                 "truncated or corrupted; recomputed)", stats.load_failures),
+                ("pdserve_worker_kv_tier_disk_dropped_blocks", "Blocks not written to the disk tier because "
+                 "its writer was behind (the disk is slower than the offloads)",
+                 tiers.disk.dropped if tiers.disk is not None else 0)):
             family = CounterMetricFamily(name, help_, labels=names)
             family.add_metric(values, value)
             yield family

@@ -240,3 +240,29 @@ def test_gpu_frontier_plan_and_report_without_a_gpu(monkeypatch) -> None:
         assert "| colocated | 6 | 1.00x |" in text and "1p1d-tcp: StartFailed: boom" in text
     finally:
         sys.modules.pop("gpu_frontier", None)
+
+
+def test_returning_turns_count_reuse_where_the_prompt_was_computed() -> None:
+    from pdserve.app.loadgen.stats import Sample, returning_turns, summarize
+    from pdserve.app.loadgen.turns import format_turns
+
+    first = Sample(ok=True, ttft_s=0.5, prompt_tokens=100, turn=0, reusable_tokens=0, final={})
+    remote = Sample(ok=True, ttft_s=0.2, tpot_s=0.01, prompt_tokens=200, turn=1, reusable_tokens=160,
+                    final={"prefill_mode": "remote", "prefill_cached_tokens": 144, "prefill_tier_tokens": 96,
+                           "kv_blocks_reused": 9, "decode_tier_tokens": 32})
+    local = Sample(ok=True, ttft_s=0.1, tpot_s=0.02, prompt_tokens=300, turn=2, reusable_tokens=260,
+                   final={"prefill_mode": "local", "kv_blocks_reused": 16, "decode_tier_tokens": 256,
+                          "prefill_cached_tokens": 0})
+    t = returning_turns([first, remote, local], block_size=16)
+    assert t["turns"] == 2 and t["reusable_tokens"] == 420
+    # remote: 144 not computed on the prefill worker (96 from its tiers); local: 256 on the decode worker
+    assert t["reuse_share"] == (144 + 256) / 420
+    assert t["reuse_share_from_tiers"] == (96 + 256) / 420
+    assert t["reuse_share_device_only"] == (144 - 96) / 420
+    assert t["prefill_tokens_per_turn"] == ((200 - 144) + (300 - 256)) / 2
+    assert t["ttft_ms"]["p50"] == 150.0 and t["decode_tier_tokens"] == 288 and t["prefill_tier_tokens"] == 96
+    summary = summarize([first, remote, local], 1.0)
+    assert summary["returning_turns"] == t
+    assert "returning_turns" not in summarize([first], 1.0)  # single turns have none
+    table = format_turns({"off": {**summary, "blocks_back": {"all_back": True}}, "broken": {"error": "boom"}})
+    assert "95.2%" in table and "83.8%" in table and "boom" in table

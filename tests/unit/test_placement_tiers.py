@@ -36,13 +36,6 @@ def test_index_follows_tier_events():
     assert idx.match(hs) == {"w": 2} and idx.blocks_of("w") == 2  # disk hs[0] + device hs[1]
 
 
-def _placer() -> Placer:
-    clock = Clock(1000.0)
-    pl = Placer(PlacerConfig(policy="prefix_only"), clock=clock, wall=clock)
-    pl.update_workers(workers(1, 3))
-    return pl
-
-
 def test_placement_prefers_device_over_host_over_nothing():
     """On the prefill side a tier hit saves the prompt's compute: host far above nothing, below
     device. On the decode side it saves the transfer and costs its load: device above host."""

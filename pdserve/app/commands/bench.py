@@ -12,6 +12,12 @@ PNG of p90 TTFT and ITL against rate (``--plot``, default next to ``--json``). A
 sweeps that cluster; with ``--model DIR --modes 1p1d-nixl,1p1d-tcp,conditional,colocated`` it starts
 each mode itself, one after the other on this host (``--gpus N``), and compares them side by side.
 
+Sessions side by side (``--model DIR --modes M1,M2 --sessions K --turns T``, no ``--sweep``): each
+configuration started in turn and sent the same seeded conversations, ``--think-time`` seconds (mean)
+between an answer and the next turn; the table compares the returning turns' reuse (any tier, device
+cache only, from the host/disk tiers), prompt tokens computed per turn, TTFT and TPOT. ``MODE@TAG``
+adds ``--variant TAG=FLAGS`` to every process of that mode (e.g. KV tiers off against on).
+
 Lengths: ``--input-len`` / ``--output-len`` take N, uniform:LO:HI, normal:MEAN:STD or
 lognormal:MEDIAN:SIGMA[:LO:HI]; ``--trace FILE`` replays a JSONL trace of (input, output) lengths.
 Never fails on a timing; exits 1 only when every request failed (one rate) or no mode ran (sweep).
@@ -42,6 +48,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", help="JSONL of {\"input\": N, \"output\": M} lengths, replayed in order")
     p.add_argument("--sessions", type=int, default=0, help="multi-turn: number of sessions")
     p.add_argument("--turns", type=int, default=1, help="multi-turn: turns per session")
+    p.add_argument("--think-time", type=float, default=0.0, metavar="S",
+                   help="multi-turn: mean seconds (exponential) between an answer and the session's next "
+                        "turn")
+    p.add_argument("--variant", action="append", default=[], metavar="TAG=FLAGS",
+                   help="with --model: the flags a MODE@TAG adds to every process of that mode (repeatable), "
+                        "e.g. \"tiers=--kv-host-gb 1 --kv-disk-dir .run/kv --kv-disk-gb 8\"")
     p.add_argument("--vocab-size", type=int, default=1000, help="prompt ids are drawn below this")
     p.add_argument("--seed", type=int, default=0,
                    help="prompts and arrivals are drawn from it: a second run with the same seed against the "
@@ -94,7 +106,7 @@ def _base_config(args: argparse.Namespace, router: str):
                      sessions=args.sessions, turns=args.turns, vocab_size=args.vocab_size, seed=args.seed,
                      timeout_s=args.timeout, system_prompt_len=args.system_prompt_len,
                      trace=load_trace(args.trace) if args.trace else (), backend=args.backend,
-                     api_key=args.api_key)
+                     api_key=args.api_key, think_time_s=args.think_time)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -105,6 +117,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.sweep:
             return _sweep(args)
+        if args.model:
+            return _sessions_side_by_side(args)
         if not args.router:
             raise ValueError("--router HOST:PORT is required (or --sweep --model DIR to start clusters)")
         cfg = _base_config(args, args.router)
@@ -139,9 +153,47 @@ def _write_json(path: str | None, data: dict) -> None:
         Path(path).write_text(json.dumps(data, indent=2, default=float) + "\n")
 
 
+def _variants(args: argparse.Namespace) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    out = []
+    for item in args.variant:
+        tag, sep, flags = item.partition("=")
+        if not sep or not tag:
+            raise ValueError(f"--variant wants TAG=FLAGS, got {item!r}")
+        out.append((tag, tuple(shlex.split(flags))))
+    return tuple(out)
+
+
+def _mode_options(args: argparse.Namespace):
+    from pdserve.app.loadgen.modes import ModeOptions
+
+    return ModeOptions(model=args.model, gpus=args.gpus, colocated_workers=args.colocated_workers,
+                       transport=args.transport, worker_args=tuple(shlex.split(args.worker_args)),
+                       prefill_args=tuple(shlex.split(args.prefill_args)),
+                       router_args=tuple(shlex.split(args.router_args)), variants=_variants(args))
+
+
+def _sessions_side_by_side(args: argparse.Namespace) -> int:
+    from pdserve.app.loadgen.modes import check_modes
+    from pdserve.app.loadgen.turns import format_turns, run_turns
+
+    if args.sessions < 1 or args.turns < 2:
+        raise ValueError("--model without --sweep compares multi-turn sessions: give --sessions K --turns T "
+                         "(T >= 2)")
+    modes = [m for m in args.modes.split(",") if m]
+    check_modes(modes)
+    results = run_turns(modes, _mode_options(args), _base_config(args, ""), run_dir=args.run_dir,
+                        block_size=args.block_size)
+    print(format_turns(results))
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    _write_json(args.json, {"results": results, "config": config,
+                            "command": shlex.join(["pdserve", *sys.argv[1:]]) if sys.argv else "",
+                            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    return 0 if any(r.get("num_ok") for r in results.values()) else 1
+
+
 def _sweep(args: argparse.Namespace) -> int:
     from pdserve.app.loadgen.compare import frontier_summary, run_modes
-    from pdserve.app.loadgen.modes import ModeOptions, check_modes
+    from pdserve.app.loadgen.modes import check_modes
     from pdserve.app.loadgen.sweep import SweepConfig, parse_rates, sweep, table
 
     if bool(args.router) == bool(args.model):
@@ -160,10 +212,7 @@ def _sweep(args: argparse.Namespace) -> int:
     else:
         modes = [m for m in args.modes.split(",") if m]
         check_modes(modes)
-        opts = ModeOptions(model=args.model, gpus=args.gpus, colocated_workers=args.colocated_workers,
-                           transport=args.transport, worker_args=tuple(shlex.split(args.worker_args)),
-                           prefill_args=tuple(shlex.split(args.prefill_args)),
-                           router_args=tuple(shlex.split(args.router_args)))
+        opts = _mode_options(args)
         results = run_modes(modes, opts, base, cfg, run_dir=args.run_dir, progress=progress)
     print(table(results))
     from pdserve.app.loadgen.cpu import format_sweep

@@ -4,7 +4,10 @@ Single-turn: ``num_requests`` requests; inter-arrival times are exponential with
 (``rate`` = inf sends all at once). Sessions (``sessions`` K x ``turns`` T): K conversations start at
 Poisson times; each turn's prompt is the previous prompt + the previous answer + fresh tokens, sent
 with the same ``session_id`` once the previous turn finished (so prefix reuse and affinity show).
-``system_prompt_len`` prepends one shared prefix to every request (shared-system-prompt workload).
+``think_time_s``: a session waits an exponential time of that mean between an answer and its next
+turn (a person reading, an agent's tool running), so returning turns find their KV evicted as they
+would in a fleet. ``system_prompt_len`` prepends one shared prefix to every request
+(shared-system-prompt workload).
 Prompts are random token ids (no tokenizer needed), generated from ``seed``; ``ignore_eos`` keeps
 output lengths as asked. ``trace``: (input, output) pairs replayed in order (cycling) instead of the two
 length distributions. ``run(cfg, on_done=f)`` calls ``f(sample)`` as each request ends (a progress bar).
@@ -43,6 +46,7 @@ class RunConfig:
     timeout_s: float = 300.0
     system_prompt_len: int = 0   # shared by every request / session (drawn once from the seed)
     session_prefix: str = "bench"
+    think_time_s: float = 0.0  # mean seconds between an answer and the session's next turn
     trace: tuple[tuple[int, int], ...] = ()  # (input, output) lengths, replayed in order
     # "grpc", or "openai": the router's HTTP door (loadgen/openai_backend.py; router = its HOST:PORT)
     backend: str = "grpc"
@@ -57,6 +61,8 @@ class RunConfig:
             raise ValueError("--sessions must be >= 0 and --turns >= 1")
         if self.vocab_size < 2:
             raise ValueError("vocab_size must be >= 2")
+        if not self.think_time_s >= 0:
+            raise ValueError(f"--think-time must be >= 0, got {self.think_time_s}")
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -66,7 +72,7 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 async def _one(client: AsyncClient, cfg: RunConfig, prompt: list[int], out_len: int,
-               session: str, turn: int = 0) -> tuple[Sample, list[int]]:
+               session: str, turn: int = 0, reusable: int = 0) -> tuple[Sample, list[int]]:
     req = build_request(prompt_ids=prompt, max_tokens=out_len, session_id=session, ignore_eos=True)
     req.skip_text = True
     try:
@@ -76,7 +82,7 @@ async def _one(client: AsyncClient, cfg: RunConfig, prompt: list[int], out_len: 
                       turn=turn, retry_after_ms=retry_after_ms(exc.trailing_metadata())), []
     return Sample(ok=True, ttft_s=r.ttft_s, itl_s=r.itl_s, tpot_s=r.tpot_s, e2e_s=r.e2e_s,
                   prompt_tokens=len(prompt), output_tokens=len(r.token_ids), session=session, turn=turn,
-                  final=r.final), r.token_ids
+                  final=r.final, reusable_tokens=reusable), r.token_ids
 
 
 def length_source(cfg: RunConfig, rng: random.Random) -> Callable[[], tuple[int, int]]:
@@ -111,11 +117,14 @@ async def run(cfg: RunConfig, on_done: Callable[[Sample], None] | None = None) -
             in_len, out_len = lengths()
             prompt = history + _tokens(rng, in_len, cfg.vocab_size)
             name = f"{cfg.session_prefix}-{cfg.seed}-{k}"
-            sample, answer = await _one(client, cfg, prompt, out_len, name, t)
+            # a returning turn's reusable tokens: the conversation so far (a first turn's: the system prompt)
+            sample, answer = await _one(client, cfg, prompt, out_len, name, t, len(history))
             done(sample)
             if not sample.ok:
                 return
             history = prompt + answer
+            if cfg.think_time_s and t < cfg.turns - 1:
+                await asyncio.sleep(rng.expovariate(1.0 / cfg.think_time_s))
 
     async def single() -> None:
         in_len, out_len = lengths()

@@ -36,6 +36,7 @@ class Sample:
     session: str = ""
     turn: int = 0                               # 0-based turn of its session (0 for single requests)
     final: dict = field(default_factory=dict)   # the response's FinalInfo (pdserve.client dict form)
+    reusable_tokens: int = 0                    # a session's turn: the conversation before its new tokens
     retry_after_ms: float | None = None         # a refused request: the router's retry hint
 
 
@@ -79,7 +80,43 @@ def summarize(samples: Sequence[Sample], duration_s: float, *, ttft_slo_ms: floa
     out["errors"] = errors
     out["kv"] = kv_summary(ok, block_size)
     out["ttft_breakdown_ms"] = ttft_breakdown(ok)
+    if any(s.turn for s in ok):
+        out["returning_turns"] = returning_turns(ok, block_size)
     return out
+
+
+def returning_turns(ok: Sequence[Sample], block_size: int = 16) -> dict:
+    """The turns of sessions after their first, which could reuse their conversation's KV.
+
+    Reuse of a turn: the prompt tokens it did not compute, where its prompt was computed (the prefill
+    worker's cache for a remote prefill; the decode worker's for a local one), of its reusable tokens;
+    ``from_tiers`` the share of those loaded back from a host or disk tier, ``device_only`` the share a
+    device cache alone served. ``prefill_tokens`` are the prompt tokens computed per returning turn."""
+    turns = [s for s in ok if s.turn > 0]
+    reusable = sum(s.reusable_tokens for s in turns)
+    served = tiered = computed = 0
+    for s in turns:
+        f = s.final
+        if f.get("prefill_mode") == "local":
+            cached, tier = int(f.get("kv_blocks_reused", 0)) * block_size, int(f.get("decode_tier_tokens", 0))
+        else:
+            cached, tier = int(f.get("prefill_cached_tokens", 0)), int(f.get("prefill_tier_tokens", 0))
+        got = min(cached, s.reusable_tokens)
+        served += got
+        tiered += min(tier, got)
+        computed += s.prompt_tokens - cached
+    ttft = [s.ttft_s * 1e3 for s in turns]
+    tpot = [s.tpot_s * 1e3 for s in turns if not math.isnan(s.tpot_s)]
+    n = len(turns)
+    return {"turns": n, "reusable_tokens": reusable,
+            "reuse_share": served / reusable if reusable else float("nan"),
+            "reuse_share_device_only": (served - tiered) / reusable if reusable else float("nan"),
+            "reuse_share_from_tiers": tiered / reusable if reusable else float("nan"),
+            "prefill_tokens_per_turn": computed / n if n else float("nan"),
+            "ttft_ms": {f"p{q}": percentile(ttft, q) for q in (50, 90)},
+            "tpot_ms": {f"p{q}": percentile(tpot, q) for q in (50, 90)},
+            "decode_tier_tokens": sum(int(s.final.get("decode_tier_tokens", 0)) for s in turns),
+            "prefill_tier_tokens": sum(int(s.final.get("prefill_tier_tokens", 0)) for s in turns)}
 
 
 TTFT_STAGES = ("allocate_ms", "prefill_rpc_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_wait_ms",
