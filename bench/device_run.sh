@@ -33,6 +33,9 @@
 #   lane-staging  TCP transfers between two transports of one process on one GPU, staged on the lanes'
 #              threads vs on the event loop (bench.lane_staging_probe; the one-GPU stand-in for kv-concurrency)
 #   staging    the TCP path's staging copies alone and beside a loopback socket blast (bench.staging_probe)
+#   kv-tiers   KV tiers on one GPU, llama3-8b: onload from host vs a raw pinned copy, an 8k returning turn's TTFT
+#              from host vs recomputed, TPOT while offloading (bench/gpu_kv_tiers.py; `-- --parts sessions` runs
+#              pdserve bench multi-turn, tiers off vs on, 1P1D on the GPU; needs the gRPC wheels)
 #   penalties  what penalties and a logit bias cost a decode step, llama3-8b at batch 1/16/64 x 1k, all rows /
 #              half the rows / none penalized, rounds alternated (bench.penalty_cost; ~2 minutes)
 #   allreduce  NCCL vs the one-shot all-reduce over symmetric memory (engine.tp_allreduce), exactness and us per
@@ -113,6 +116,8 @@ for step in "${steps[@]}"; do
                    | tee "$OUT/tests.log"; rc=$(( rc | $? )) ;;
         bench) python3 bench/gpu.py --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/bench.log"; rc=$(( rc | $? )) ;;
         frontier) python3 bench/gpu_frontier.py --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/frontier.log"
+                  rc=$(( rc | ${PIPESTATUS[0]} )) ;;
+        kv-tiers) python3 bench/gpu_kv_tiers.py --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/kv-tiers.log"
                   rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         tp) python3 -m bench.gpu_tp --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/tp.log"; rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         tp-serving) python3 -m bench.gpu_tp --serving --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/tp-serving.log"

@@ -26,7 +26,6 @@ import os
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -38,6 +37,9 @@ from engine.kv_tiers.disk import DiskTier
 from engine.kv_tiers.host import HostTier
 
 log = logging.getLogger(__name__)
+# Blocks per host->device piece of a CUDA load: its staging area is this many blocks of device memory
+# (128 MiB for the llama3-8b shape), allocated from the cache's headroom for the piece's copies.
+LOAD_PIECE = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,39 +258,38 @@ class KVTiers:
             wait(loads, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def _load(self, hashes: list[int], block_ids: list[int], ready) -> int:
+        """The load thread: the leading blocks' sources (host slots pinned, disk files read and checked),
+        up to the first that no tier can give, then their copies into the device cache."""
         shape = self.kv_cache.shape[:1] + self.kv_cache.shape[2:]  # one block: [layers, 2, bs, heads, dim]
-        stream = self._load_stream
-        if stream is not None:
-            stream.wait_event(ready)
-        loaded, pinned = 0, []
+        sources, tiers, pinned = [], [], []
         spent = {"host": [0, 0.0], "disk": [0, 0.0]}
         try:
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                for block_hash, block in zip(hashes, block_ids, strict=True):
-                    start = time.perf_counter()
-                    slot = self.host.pin([block_hash]) if self.host is not None else []
-                    if slot:
-                        pinned += slot
-                        src, tier = self.host.slots[slot[0]], "host"
-                    else:
-                        payload = self.disk.read(block_hash) if self.disk is not None else None
-                        if payload is None:
-                            with self._stats_lock:
-                                self.stats.load_failures += len(hashes) - loaded
-                            break
-                        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                        src, tier = src.view(self.kv_cache.dtype).view(shape), "disk"
-                    self.kv_cache[:, block].copy_(src, non_blocking=stream is not None)
-                    loaded += 1
+            for block_hash in hashes:
+                start = time.perf_counter()
+                slot = self.host.pin([block_hash]) if self.host is not None else []
+                if slot:
+                    pinned += slot
+                    sources.append(self.host.slots[slot[0]])
+                    tiers.append("host")
+                    continue
+                payload = self.disk.read(block_hash) if self.disk is not None else None
+                if payload is None:
+                    with self._stats_lock:
+                        self.stats.load_failures += len(hashes) - len(sources)
+                    break
+                src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                if self.cuda:
+                    src = src.pin_memory()  # the device copy below then runs without the host waiting
+                sources.append(src.view(self.kv_cache.dtype).view(shape))
+                tiers.append("disk")
+                spent["disk"][1] += time.perf_counter() - start
+            if sources:
+                start = time.perf_counter()
+                self._copy_in(sources, block_ids[:len(sources)], ready)
+                copy_s = time.perf_counter() - start
+                for tier in tiers:  # the copies' time shared out by block
                     spent[tier][0] += self.block_bytes
-                    spent[tier][1] += time.perf_counter() - start
-                if stream is not None:
-                    start = time.perf_counter()
-                    stream.synchronize()
-                    if loaded:  # the copies' device time, shared out by bytes
-                        total = spent["host"][0] + spent["disk"][0]
-                        for tier in spent:
-                            spent[tier][1] += (time.perf_counter() - start) * spent[tier][0] / total
+                    spent[tier][1] += copy_s / len(sources)
         finally:
             if pinned:
                 self.host.unpin(pinned)
@@ -299,7 +300,29 @@ class KVTiers:
                     self.stats.loaded_bytes[tier] += nbytes
                     self.stats.load_seconds[tier] += seconds
                     self.cost.record_load(tier, nbytes, seconds)
-        return loaded
+        return len(sources)
+
+    def _copy_in(self, sources: list[torch.Tensor], block_ids: list[int], ready) -> None:
+        """Write ``sources[i]`` (one block each, host memory) into device block ``block_ids[i]``. On CUDA,
+        on the load stream after ``ready``: pieces of ``LOAD_PIECE`` blocks, each one host->device copy
+        per block into a contiguous staging area and one scatter into the cache, then a wait for all."""
+        if not self.cuda:
+            for src, block in zip(sources, block_ids, strict=True):
+                self.kv_cache[:, block].copy_(src)
+            return
+        stream = self._load_stream
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            for at in range(0, len(sources), LOAD_PIECE):
+                piece = sources[at:at + LOAD_PIECE]
+                staging = torch.empty((len(piece), *piece[0].shape), dtype=self.kv_cache.dtype,
+                                      device=self.kv_cache.device)
+                for i, src in enumerate(piece):
+                    staging[i].copy_(src, non_blocking=True)
+                ids = torch.tensor(block_ids[at:at + len(piece)], dtype=torch.int64).to(
+                    self.kv_cache.device, non_blocking=True)
+                self.kv_cache.index_copy_(1, ids, staging.transpose(0, 1))
+        stream.synchronize()
 
     def attach_events(self, events) -> None:
         """Report the tiers' gains and losses to ``events`` (engine.kv_events.KVEvents)."""
