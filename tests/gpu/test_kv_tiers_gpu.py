@@ -17,8 +17,8 @@ ANSWER = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def _engine(path, overlap: bool, tiers: TierConfig | None = None) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), device="cuda", num_blocks=48, block_size=16, max_num_seqs=4,
-                                  max_num_batched_tokens=512, overlap_steps=overlap,
+    return LLMEngine(EngineConfig(model=str(path), device="cuda", num_blocks=48, block_size=16,
+                                  max_num_seqs=4, max_num_batched_tokens=512, overlap_steps=overlap,
                                   **({"tiers": tiers} if tiers is not None else {})))
 
 

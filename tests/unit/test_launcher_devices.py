@@ -130,3 +130,17 @@ def test_per_pool_flags_follow_the_common_ones() -> None:
     colo = ClusterSpec(model="m", num_prefill=0, num_decode=1, colocated=True, decode_args=("--x", "1"))
     _, backend = _launch(colo)
     assert backend.args["colocated-1"][-2:] == ["--x", "1"]
+
+
+def test_each_worker_keeps_its_disk_tier_in_its_own_directory() -> None:
+    """``--kv-disk-dir DIR`` in a cluster is DIR/<worker name>, wherever the flag came from (pdserve up,
+    a pool's flags, a benchmark variant): workers on one host never share one, a restart finds its own."""
+    spec = ClusterSpec(model="m", num_prefill=1, num_decode=2,
+                       worker_args=("--kv-disk-dir", "/nvme/kv", "--kv-disk-gb", "50"),
+                       decode_args=("--kv-host-gb", "64"))
+    _, backend = _launch(spec)
+    for name in ("prefill-1", "decode-2", "decode-3"):
+        args = backend.args[name]
+        assert args[args.index("--kv-disk-dir") + 1] == f"/nvme/kv/{name}"
+        assert args[args.index("--kv-disk-gb") + 1] == "50"
+    assert "--kv-host-gb" not in backend.args["prefill-1"] and "--kv-host-gb" in backend.args["decode-2"]
