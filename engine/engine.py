@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,7 +31,7 @@ from engine.engine_types import EngineConfig, Reservation, StepOutput
 from engine.errors import DuplicateRequest, KVCacheFull, QueueFull, UnknownRequest
 from engine.kv_events import KVEvents
 from engine.kv_layout import KVLayout, dtype_name
-from engine.kv_tiers import KVTiers
+from engine.kv_tiers.tiers import KVTiers, attach_tiers, cache_snapshot
 from engine.layer_sink import LayerSink
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
@@ -102,20 +102,7 @@ class LLMEngine(LaunchAhead):
             self.runner.enable_cuda_graphs(max_batch=config.max_num_seqs, max_model_len=self.max_model_len)
         self.kv_events = KVEvents()  # what the cache gains and loses, by tier, for the router
         self.block_manager.events = self.kv_events
-        self.tiers: KVTiers | None = None
-        tiers = config.tiers
-        if tiers.host_auto and tp is not None:
-            tiers = replace(tiers, host_auto=False)  # tensor parallel workers: tiers only when asked for
-        tiers = tiers.resolved(device_cache_bytes=self.rank_kv_layout.cache_bytes(num_blocks),
-                               device_type=self.device.type)
-        if tiers.enabled:
-            if tp is not None:
-                raise ValueError("KV tiers (--kv-host-gb, --kv-disk-dir) do not support tensor parallelism "
-                                 "yet")
-            self.tiers = KVTiers(tiers, self.rank_kv_layout, self.runner.kv_cache)
-            self.block_manager.on_evict = self.tiers.offload
-            self.scheduler.tiers = self.tiers
-            self.tiers.attach_events(self.kv_events)
+        self.tiers: KVTiers | None = attach_tiers(config.tiers, self, tp=tp)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self._requests: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # outputs decided outside step() (abort, commit)
@@ -426,14 +413,9 @@ class LLMEngine(LaunchAhead):
                           block_ids=block_ids, first_scheduled_at=first_scheduled_at)
 
     def cache_snapshot(self, limit: int) -> tuple[int, dict[str, list[int]]]:
-        """What the cache holds by tier (``device``, and ``host`` / ``disk`` with tiers), at most the
-        ``limit`` most recently used hashes of each, and the number of the last cache event before it
-        (engine.kv_events: apply the events after it on top). Run on the engine thread."""
-        last = self.kv_events.last
-        held = {"device": self.block_manager.hashes()}
-        if self.tiers is not None:
-            held.update(self.tiers.hashes())
-        return last, {tier: hashes[-limit:] for tier, hashes in held.items()}
+        """What the cache holds by tier, and the number of the last cache event before it (run on the
+        engine thread; engine.kv_tiers.tiers.cache_snapshot)."""
+        return cache_snapshot(self, limit)
 
     def request_states(self) -> dict[str, str]:
         """Every request this engine holds, by id: waiting / running / reserved / pinned. A worker

@@ -9,7 +9,7 @@ import torch
 
 from engine.errors import KVCacheFull
 from engine.kv_layout import dtype_name
-from engine.kv_tiers.tiers import TierConfig
+from engine.kv_tiers.config import TierConfig
 from engine.model_runner import TokenLogprob
 from pdserve.settings import GPU_WAITS
 

@@ -10,6 +10,10 @@ __all__ = ["KVTiers", "LoadHandle", "TierConfig"]
 
 
 def __getattr__(name: str):
+    if name == "TierConfig":
+        from engine.kv_tiers.config import TierConfig
+
+        return TierConfig
     if name in __all__:
         from engine.kv_tiers import tiers
 

@@ -22,16 +22,15 @@ bookkeeping for the metrics (``stats``) and the leak checks.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 
 from engine.kv_layout import KVLayout
+from engine.kv_tiers.config import TierConfig
 from engine.kv_tiers.cost import TierCost
 from engine.kv_tiers.disk import DiskTier
 from engine.kv_tiers.host import HostTier
@@ -40,59 +39,6 @@ log = logging.getLogger(__name__)
 # Blocks per host->device piece of a CUDA load: its staging area is this many blocks of device memory
 # (128 MiB for the llama3-8b shape), allocated from the cache's headroom for the piece's copies.
 LOAD_PIECE = 64
-
-
-@dataclass(frozen=True, kw_only=True)
-class TierConfig:
-    """Sizes of the tiers behind the GPU (device) KV cache; both zero / None: no tiers. ``host_auto``:
-    the host tier is sized from the machine once the device cache is known (``resolved``)."""
-
-    host_bytes: int = 0
-    host_auto: bool = False
-    disk_dir: str | None = None
-    disk_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("host_bytes", "disk_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"TierConfig.{name} must be an int >= 0, got {value!r}")
-        if (self.disk_dir is None) != (self.disk_bytes == 0):
-            raise ValueError("a disk tier needs both a directory (--kv-disk-dir) and a size (--kv-disk-gb)")
-
-    @property
-    def enabled(self) -> bool:
-        return self.host_bytes > 0 or self.disk_dir is not None
-
-    def resolved(self, *, device_cache_bytes: int, device_type: str) -> TierConfig:
-        """``host_auto`` made a size: on CUDA twice the device cache (SGLang HiCache's default ratio),
-        at most a quarter of the memory this process may still take (the host's available memory,
-        or its cgroup's limit, the pod's); on CPU none (the cache is host memory already)."""
-        if not self.host_auto:
-            return self
-        host = 0
-        if device_type == "cuda":
-            host = min(2 * device_cache_bytes, available_memory_bytes() // 4)
-        return replace(self, host_bytes=host, host_auto=False)
-
-
-def available_memory_bytes() -> int:
-    """Memory this process may still allocate: MemAvailable, capped by a cgroup v2 limit's headroom."""
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            available = min(available, max(int(limit) - used, 0))
-    except (OSError, ValueError):
-        pass
-    return available
 
 
 @dataclass
@@ -369,3 +315,34 @@ class KVTiers:
             return f"{len(loads)} KV tier loads still running"
         return self.host.leak_report() if self.host is not None else None
 
+
+
+def attach_tiers(config: TierConfig, engine, *, tp=None) -> KVTiers | None:
+    """The tiers of ``config`` behind ``engine``'s cache (an ``LLMEngine`` with its block manager,
+    scheduler, runner and ``kv_events``), wired in: evictions offload, admissions load, events are
+    reported. None when ``config`` sizes none. A host tier sized from the machine (``host_auto``) is
+    left out of tensor-parallel workers; one asked for explicitly there is refused."""
+    if config.host_auto and tp is not None:
+        config = replace(config, host_auto=False)
+    config = config.resolved(device_cache_bytes=engine.rank_kv_layout.cache_bytes(engine.num_total_blocks),
+                             device_type=engine.device.type)
+    if not config.enabled:
+        return None
+    if tp is not None:
+        raise ValueError("KV tiers (--kv-host-gb, --kv-disk-dir) do not support tensor parallelism yet")
+    tiers = KVTiers(config, engine.rank_kv_layout, engine.runner.kv_cache)
+    engine.block_manager.on_evict = tiers.offload
+    engine.scheduler.tiers = tiers
+    tiers.attach_events(engine.kv_events)
+    return tiers
+
+
+def cache_snapshot(engine, limit: int) -> tuple[int, dict[str, list[int]]]:
+    """What ``engine``'s cache holds by tier (``device``, and ``host`` / ``disk`` with tiers), at most
+    the ``limit`` most recently used hashes of each, and the number of the last cache event before it
+    (engine.kv_events: apply the events after it on top). Run on the engine thread."""
+    last = engine.kv_events.last
+    held = {"device": engine.block_manager.hashes()}
+    if engine.tiers is not None:
+        held.update(engine.tiers.hashes())
+    return last, {tier: hashes[-limit:] for tier, hashes in held.items()}
