@@ -11,6 +11,7 @@ is a header and the block's bytes::
 removed and the block recomputed), never half a block. Writes go to a temporary name and are renamed
 into place by one writer thread, so a reader sees a whole file or none; the engine thread only queues
 them (a full queue drops the block: the disk tier is a cache, and an offload never waits for a disk).
+A queued block is already held: a read takes its bytes from the queue until the file is written.
 
 Restart: the index is rebuilt from the identity's directory, oldest modification first, so a worker
 restarted with the same ``--kv-disk-dir`` and model serves its old blocks. The directory is bounded
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"PDSKV001"
 _HEADER = struct.Struct("<8s16sQQI")
 HEADER_BYTES = _HEADER.size
-_WRITE_QUEUE = 256  # blocks waiting for the writer before new ones are dropped
+_WRITE_QUEUE_BYTES = 256 << 20  # bytes waiting for the writer (at least 16 blocks) before new ones drop
 
 
 class DiskTier:
@@ -59,13 +60,15 @@ class DiskTier:
         self.evictions = 0
         self.events = None  # engine.kv_events.KVEvents ("disk" tier); set before the first write
         self._rebuild()
-        self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue(maxsize=_WRITE_QUEUE)
+        self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue(
+            maxsize=max(16, _WRITE_QUEUE_BYTES // block_bytes))
+        self._queued: dict[int, bytes] = {}  # block hash -> payload, queued and not yet written
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
 
     # ---- queries ----------------------------------------------------------------------------------
     def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._index
+        return block_hash in self._index or block_hash in self._queued
 
     def __len__(self) -> int:
         return len(self._index)
@@ -82,15 +85,18 @@ class DiskTier:
         """Queue ``payload`` (one block, ``block_bytes`` long) for writing; False when dropped."""
         if len(payload) != self.block_bytes:
             raise ValueError(f"a block is {self.block_bytes} bytes, got {len(payload)}")
-        if block_hash in self._index:
-            with self.lock:
+        with self.lock:
+            if block_hash in self._index:
                 self._index.move_to_end(block_hash)
-            return True
-        try:
-            self._queue.put_nowait((block_hash, payload))
-        except queue.Full:
-            self.dropped += 1
-            return False
+                return True
+            if block_hash in self._queued:
+                return True
+            try:
+                self._queue.put_nowait((block_hash, payload))
+            except queue.Full:
+                self.dropped += 1
+                return False
+            self._queued[block_hash] = payload
         return True
 
     def flush(self) -> None:
@@ -111,6 +117,9 @@ class DiskTier:
             except OSError:
                 log.warning("KV disk tier: writing a block failed; it is not cached", exc_info=True)
             finally:
+                if item is not None:
+                    with self.lock:
+                        self._queued.pop(item[0], None)
                 self._queue.task_done()
 
     def _write(self, block_hash: int, payload: bytes) -> None:
@@ -137,6 +146,10 @@ class DiskTier:
     # ---- reads ------------------------------------------------------------------------------------
     def read(self, block_hash: int) -> bytes | None:
         """The block's bytes, or None (missing, truncated, foreign or corrupted: the file is removed)."""
+        with self.lock:
+            queued = self._queued.get(block_hash)
+        if queued is not None:
+            return queued
         try:
             with open(self.path(block_hash), "rb") as f:
                 data = f.read(self.file_bytes + 1)
