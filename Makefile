@@ -121,6 +121,11 @@ bench: setup
 	$(PY) -m bench.router_placement --json bench/results/router-placement-$(RESULT).json
 	OMP_NUM_THREADS=1 $(PY) bench/router_affinity.py --model $(MODEL) --json bench/results/router-affinity-$(RESULT).json
 	$(PY) -m bench.kv_bench --json bench/results/kvtransfer-$(RESULT).json
+	rm -rf .run/bench-kv-tiers/kv
+	OMP_NUM_THREADS=1 $(VENV)/bin/pdserve bench --model $(MODEL) --modes 1p1d-tcp,1p1d-tcp@tiers,conditional,conditional@tiers \
+	    --variant "tiers=--kv-host-gb 0.004 --kv-disk-dir $(CURDIR)/.run/bench-kv-tiers/kv --kv-disk-gb 0.03" \
+	    --worker-args "--num-blocks 64" --sessions 24 --turns 6 --think-time 0.5 --rate 4 --input-len 64 \
+	    --output-len 16 --run-dir .run/bench-kv-tiers --json bench/results/kv-tiers-sessions-$(RESULT).json
 
 # Soak (bench/soak.py): 2 prefill + 2 decode under the process launcher's supervisor, seeded mixed traffic
 # while workers are SIGKILLed / SIGTERMed; fails on a request ended outside the allowed statuses, a leaked
