@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import sys
+import sysconfig
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -103,7 +104,10 @@ def drift(spec: LockSpec, *, pyproject: Path = ROOT / "pyproject.toml",
 def venv_diff(lock: Path, *, exclude: tuple[str, ...] = ("pdserve",)) -> list[str]:
     """Differences between this interpreter's installed distributions and `lock` (empty: equal)."""
     pins = read_lock(lock)
-    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    # The environment's own site-packages, not all of sys.path: ray, once imported, puts its vendored
+    # psutil and colorama (ray/thirdparty_files) on sys.path.
+    paths = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions(path=paths)}
     for name in exclude:
         installed.pop(name, None)
     out = [f"missing: {n}=={v}" for n, v in sorted(pins.items()) if n not in installed]

@@ -83,3 +83,12 @@ def test_venv_diff_names_what_differs(tmp_path: Path) -> None:
     assert "missing: not-installed-anywhere==1.0" in diff
     assert f"pytest: installed {metadata.version('pytest')}, locked 0.0.1" in diff
     assert len(diff) == 3
+
+
+def test_what_others_put_on_sys_path_is_not_the_environment() -> None:
+    # ray, once imported, puts its vendored psutil and colorama (ray/thirdparty_files) on sys.path: they
+    # are ray's files, not packages installed beside the lock's.
+    import ray
+
+    assert any("thirdparty_files" in p for p in sys.path) or ray is not None
+    assert check.venv_diff(ROOT / "locks" / "dev-cpu.txt") == []
