@@ -40,6 +40,7 @@ from engine.sampler import advance_generator, make_generator
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, Status
 from engine.step_ahead import InFlight, LaunchAhead, goes_ahead, overlap_by_default
+from engine.step_histograms import StepHistograms
 from engine.stopping import append_token
 from engine.tp_group import TPGroup
 from engine.tp_plan import send_stop
@@ -111,6 +112,7 @@ class LLMEngine(LaunchAhead):
         self.runner.blocking_wait = config.blocking_wait(self.overlap_steps)
         self._arrivals = 0
         self.stats = _Counters()
+        self.step_histograms = StepHistograms()  # exported by the worker's metrics at scrape time
         self._closed = False
         log.info("engine ready: %s on %s, %d KV blocks (%s), backend %s, steps %s, GPU waits %s",
                  cfg.architecture, self.device, num_blocks, self.kv_layout.describe(),
@@ -258,8 +260,10 @@ class LLMEngine(LaunchAhead):
         prompt_tokens = self._count(sched.scheduled)
         started = time.perf_counter()
         tokens, logprobs = self.runner.execute(sched.scheduled)
+        took = time.perf_counter() - started
+        self.step_histograms.observe(took, len(sched.scheduled), sched.num_tokens)
         if self.tiers is not None and prompt_tokens:  # the recompute side of load-or-recompute
-            self.tiers.cost.record_prefill(prompt_tokens, time.perf_counter() - started)
+            self.tiers.cost.record_prefill(prompt_tokens, took)
         sampled = []
         for s in sched.scheduled:
             s.seq.num_computed += s.num_tokens

@@ -63,6 +63,7 @@ class InFlight:
     chunks: list[Sequence] = field(default_factory=list)  # its rows that sample nothing (prompt chunks)
     deferred: list[list[int]] = field(default_factory=list)  # block tables freed once it is read
     prompt_tokens: int = 0  # of its tokens, prompt tokens (the KV tiers' cost model times them)
+    num_tokens: int = 0  # tokens it computes (the step histograms)
     launched_at: float = 0.0  # time.perf_counter() before its launch
 
     def holds(self, seq: Sequence) -> bool:
@@ -158,7 +159,7 @@ class LaunchAhead:
         return InFlight(launched=launched, seqs=[s.seq for s in batch if s.samples],
                         computing={id(s.seq): s.num_tokens for s in batch},
                         chunks=[s.seq for s in batch if not s.samples], prompt_tokens=prompt_tokens,
-                        launched_at=launched_at)
+                        launched_at=launched_at, num_tokens=sum(s.num_tokens for s in batch))
 
     def _launch_ahead(self, flight: InFlight) -> InFlight | None:
         """Schedule and launch the step after ``flight`` before reading it, or None when it cannot go
@@ -182,8 +183,10 @@ class LaunchAhead:
     def _read(self, flight: InFlight) -> list[StepOutput]:
         """Wait for ``flight``'s tokens and take them; then free what finished while it was in flight."""
         tokens, logprobs = flight.launched.result()
-        if self.tiers is not None and flight.prompt_tokens:  # launch to tokens: an upper bound of its time
-            self.tiers.cost.record_prefill(flight.prompt_tokens, time.perf_counter() - flight.launched_at)
+        took = time.perf_counter() - flight.launched_at  # launch to tokens: an upper bound of its time
+        self.step_histograms.observe(took, len(flight.computing), flight.num_tokens)
+        if self.tiers is not None and flight.prompt_tokens:
+            self.tiers.cost.record_prefill(flight.prompt_tokens, took)
         live = [(seq, t, lp) for seq, t, lp in zip(flight.seqs, tokens, logprobs, strict=True)
                 if seq.status is Status.RUNNING]  # aborted meanwhile: already answered
         outputs = self._take_tokens([x[0] for x in live], [x[1] for x in live], [x[2] for x in live],

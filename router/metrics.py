@@ -10,6 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from router.latency import LatencyMetrics
+
 
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -47,6 +49,7 @@ class RouterMetrics:
             registry=r)
         self.discovery_errors = Counter("pdserve_router_discovery_errors", "Discovery list/watch errors",
                                         ["source"], registry=r)
+        self.latency = LatencyMetrics(r)  # TTFT, ITL, TPOT, E2E and the stages (router/latency.py)
 
         # Label children resolved once: ``labels()`` costs microseconds on the decision path.
         self.predicted_prefill = self.predicted_cached_blocks.labels(pool="prefill")

@@ -117,10 +117,12 @@ class Pipeline:
         sampling = sampling_to_proto(req.params)
         try:
             for _attempt in range(MAX_ATTEMPTS):
+                placing = time.perf_counter()
                 try:
                     placement: Placement = await self.placer.aplace(preq, exclude=frozenset(exclude))
                 except NoWorkersAvailable as exc:
                     raise last or RequestFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+                self.placer.metrics.latency.placement.observe(time.perf_counter() - placing)
                 # Both handles stay usable until this attempt's last cleanup RPC, even if discovery
                 # removes the worker meanwhile (directory.py: drain, not cut).
                 remote = placement.prefill is not None  # else no prefill pool: D prefills

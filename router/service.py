@@ -8,6 +8,7 @@ builds the response messages so both roles stream exactly the same shape.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 
@@ -17,6 +18,7 @@ from pdserve.server import abort_from
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.admission import SESSION_METADATA_KEY, Admitted, ModelLimits, admit_async
 from router.directory import WorkerDirectory
+from router.latency import RequestClock
 from router.pipeline import Done, FirstToken, Pipeline, RequestFailed, Tokens
 from router.text import TextAssembler
 
@@ -59,19 +61,26 @@ class GenerateStream:
 
 
 async def generate_messages(pipeline: Pipeline, req: Admitted, tokenizer: object | None,
-                            timeout: float | None) -> AsyncIterator[router_pb2.GenerateResponse]:
+                            timeout: float | None, arrived: float | None = None,
+                            ) -> AsyncIterator[router_pb2.GenerateResponse]:
     """The response messages of one admitted request: the path both doors (gRPC, HTTP) translate from.
+    ``arrived``: ``time.perf_counter()`` when the request reached the router (default: now), where its
+    latency histograms (router/latency.py) start.
 
     Raises RequestFailed with the router's status when the request cannot be served.
     """
     out = GenerateStream(req, tokenizer)
+    clock = RequestClock(pipeline.placer.metrics.latency, arrived)
     async for event in pipeline.run(req, timeout):
         if isinstance(event, FirstToken):
             lps = [event.logprob] if event.logprob is not None else None
             yield out.tokens([event.token_id], lps, [event.top] if event.top is not None else None)
+            clock.sent(1)
         elif isinstance(event, Tokens):
             yield out.tokens(event.token_ids, event.logprobs, event.top)
+            clock.sent(len(event.token_ids))
         elif isinstance(event, Done):
+            clock.done(event.meta.facts)
             yield out.final(event)
 
 
@@ -106,10 +115,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrived = time.perf_counter()
         req = await admit_or_abort(request, context, self.limits, self.tokenize_pool)
         try:
             async for msg in generate_messages(self.pipeline, req, self.limits.tokenizer,
-                                               context.time_remaining()):
+                                               context.time_remaining(), arrived):
                 yield msg
         except RequestFailed as exc:
             await context.abort(exc.code, exc.message, getattr(exc, "trailing_metadata", ()))

@@ -16,7 +16,8 @@ and seconds moved each way), the blocks declined because recomputing was cheaper
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 _GAUGES = (("pdserve_worker_free_blocks", "Free KV blocks", "free_blocks"),
            ("pdserve_worker_total_blocks", "KV blocks", "total_blocks"),
@@ -32,8 +33,8 @@ _COUNTERS = (("pdserve_worker_steps", "Engine steps", "steps"),
 
 
 class _EngineCounters:
-    def __init__(self, stats, labels: dict[str, str]) -> None:
-        self.stats, self.labels = stats, labels
+    def __init__(self, stats, labels: dict[str, str], histograms=None) -> None:
+        self.stats, self.labels, self.histograms = stats, labels, histograms
 
     def collect(self):
         names, values = list(self.labels), list(self.labels.values())
@@ -46,6 +47,17 @@ class _EngineCounters:
         for reason, n in sorted(dict(self.stats.finish_reasons).items()):
             finished.add_metric([*values, reason], n)
         yield finished
+        steps = self.histograms
+        if steps is None:
+            return
+        for name, help_, h in (
+                ("pdserve_worker_step_seconds", "Engine step time (launched ahead: launch to tokens read)",
+                 steps.seconds),
+                ("pdserve_worker_step_batch_size", "Requests in an engine step", steps.batch_size),
+                ("pdserve_worker_step_tokens", "Tokens computed in an engine step", steps.tokens)):
+            family = HistogramMetricFamily(name, help_, labels=names)
+            family.add_metric(values, [(floatToGoString(b), n) for b, n in h.cumulative()], sum_value=h.sum)
+            yield family
 
 
 class _TierMetrics:
@@ -111,7 +123,7 @@ def worker_registry(*, role: str, worker_id: str, engine, aengine) -> CollectorR
         g = Gauge(name, help_, list(labels), registry=registry)
         g.labels(**labels).set_function(lambda a=attr: getattr(aengine.snapshot, a))
     if getattr(engine, "stats", None) is not None:
-        registry.register(_EngineCounters(engine.stats, labels))
+        registry.register(_EngineCounters(engine.stats, labels, getattr(engine, "step_histograms", None)))
     if getattr(engine, "block_manager", None) is not None:
         registry.register(_TierMetrics(engine, labels))
     return registry

@@ -101,3 +101,24 @@ def test_scrape_reports_prefix_hits_by_tier_and_the_tiers_traffic(engine_factory
         assert got[("pdserve_worker_kv_tier_used_bytes", (("tier", tier),))] == used <= cap
         assert got[("pdserve_worker_kv_tier_capacity_bytes", (("tier", tier),))] == cap
     assert got[("pdserve_worker_kv_tier_load_failures_total", ())] == 0
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])
+def test_step_histograms_count_every_step(engine_factory, ahead):
+    engine = engine_factory(build_model(preset_config("tiny"), seed=0), device="cpu", num_blocks=64,
+                            block_size=4, max_num_seqs=8, max_num_batched_tokens=32, overlap_steps=ahead)
+    registry = worker_registry(role="decode", worker_id="d0", engine=engine,
+                               aengine=SimpleNamespace(snapshot=EngineSnapshot()))
+    rng = random.Random(5)
+    engine.generate([[rng.randrange(3, 1000) for _ in range(20)] for _ in range(3)],
+                    SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.sync()
+    got = _samples(registry)
+    steps = engine.stats.steps
+    assert steps > 0
+    for what in ("seconds", "batch_size", "tokens"):
+        name = f"pdserve_worker_step_{what}"
+        assert got[(f"{name}_count", ())] == steps
+        assert got[(f"{name}_bucket", (("le", "+Inf"),))] == steps
+    assert got[("pdserve_worker_step_tokens_sum", ())] == 3 * 20 + 3 * 4  # prompts, then 4 decodes each
+    assert got[("pdserve_worker_step_batch_size_bucket", (("le", "1.0"),))] <= steps
