@@ -9,6 +9,7 @@ import grpc
 
 from decode_service.mux import DecodeManySession
 from decode_service.worker import DecodeWorker
+from pdserve import tracing
 from pdserve.server import abort_from
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 from pdserve.wire import cache_events_reply, sampling_from_proto, top_logprobs, worker_stats
@@ -45,8 +46,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if not request.request_id or not request.prompt_ids:
             raise ValueError("Allocate needs a request_id and a non-empty prompt")
         params = sampling_from_proto(request.sampling)
-        alloc = await self.worker.allocate(request.request_id, list(request.prompt_ids), params,
-                                           request.lease_ms)
+        with tracing.span("decode.allocate", tracing.extract(request.trace_context), {
+                "pdserve.worker": self.worker.worker_id, "pdserve.prompt_tokens": len(request.prompt_ids)},
+                kind="server") as span:
+            alloc = await self.worker.allocate(request.request_id, list(request.prompt_ids), params,
+                                               request.lease_ms)
+            if span is not None:
+                span.set_attributes({"pdserve.cached_tokens": alloc.num_cached_tokens,
+                                     "pdserve.tier_tokens": alloc.num_tier_tokens,
+                                     "pdserve.blocks": len(alloc.block_ids)})
         return decode_pb2.AllocateResponse(
             worker_id=self.worker.worker_id, block_ids=alloc.block_ids,
             num_cached_tokens=alloc.num_cached_tokens, kv_endpoint=alloc.kv_endpoint,
@@ -67,6 +75,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def responses(self, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
         """One request's Decode stream messages; a failure raises (the caller turns it into a status)."""
+        span = tracing.start("decode.stream", tracing.extract(request.trace_context), {
+            "pdserve.worker": self.worker.worker_id, "pdserve.prefill_locally": request.prefill_locally},
+            kind="server")
+        try:
+            async for msg in self._responses(request, span):
+                yield msg
+        except BaseException as exc:
+            tracing.end(span, error=f"{type(exc).__name__}: {exc}")
+            raise
+        tracing.end(span)
+
+    async def _responses(self, request: decode_pb2.DecodeRequest,
+                         span) -> AsyncIterator[decode_pb2.DecodeResponse]:
         wait_s = (request.kv_wait_ms or DEFAULT_KV_WAIT_MS) / 1000.0
         # The first token counts: it came from the prefill worker, or (local) it is in this stream.
         completion = 0 if request.prefill_locally else 1
@@ -87,7 +108,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     msg.finish_reason = out.finish_reason or "stop"
             if not (first or msg.finish_reason or len(msg.token_ids) >= self.stream_interval):
                 continue
+            if first:  # the KV arrived (or the local prefill ran) and the first step is out
+                tracing.event(span, "first_tokens", {"pdserve.tokens": len(msg.token_ids)})
             completion += len(msg.token_ids)
+            if msg.finish_reason and span is not None:
+                span.set_attributes({"pdserve.completion_tokens": completion,
+                                     "pdserve.finish_reason": msg.finish_reason})
             msg.completion_tokens = completion
             yield msg
             msg, first = decode_pb2.DecodeResponse(), False

@@ -56,6 +56,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-disk-dir", help="worker roles: local-disk KV tier in this directory (with --kv-disk-gb): the "
       "host tier's evictions, kept across restarts for the same model and KV layout")
     a("--kv-disk-gb", type=float, help="size of the disk KV tier in GiB (with --kv-disk-dir)")
+    a("--otlp-endpoint", help="trace requests: send spans to this OTLP/gRPC receiver (HOST:PORT or "
+      "http://HOST:PORT of an OpenTelemetry collector); default off")
+    a("--otlp-sampling", type=float, help="the share of new traces sampled, 0..1 (default 1; a client's "
+      "sampled traceparent is always followed)")
     a("--max-num-seqs", type=int, help="max sequences in the running batch")
     a("--max-num-batched-tokens", type=int, help="chunked-prefill token budget per step")
     a("--stream-interval", type=int, help="decode/colocated: send generated tokens N at a time (a "

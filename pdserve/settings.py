@@ -85,6 +85,9 @@ class ServeSettings:
     kv_host_gb: float | None = None
     kv_disk_dir: str = ""
     kv_disk_gb: float = 0.0
+    # tracing (pdserve/tracing.py): an OTLP/gRPC receiver ("" = off) and the share of new traces sampled
+    otlp_endpoint: str = ""
+    otlp_sampling: float = 1.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     launch_ahead_layers: int | None = None  # None: the engine's default (EngineConfig)
@@ -223,6 +226,8 @@ class ServeSettings:
             raise ValueError(f"--kv-memory-gb must be > 0, got {self.kv_memory_gb}")
         if self.kv_host_gb is not None and not self.kv_host_gb >= 0:
             raise ValueError(f"--kv-host-gb must be >= 0 (0: no host tier), got {self.kv_host_gb}")
+        if not 0.0 <= self.otlp_sampling <= 1.0:
+            raise ValueError(f"--otlp-sampling must be in [0, 1], got {self.otlp_sampling}")
         if bool(self.kv_disk_dir) != (self.kv_disk_gb > 0) or self.kv_disk_gb < 0:
             raise ValueError("a disk KV tier needs both --kv-disk-dir DIR and --kv-disk-gb N > 0")
         _one_of("migration", self.migration, ON_OFF)
@@ -292,7 +297,7 @@ _INT = {"port", "metrics_port", "http_port", "block_size", "num_blocks", "max_nu
         "launch_ahead_layers", "tensor_parallel_size", "kv_source_tp", "kv_staging_blocks",
         "kv_port", "kv_connections", "kv_tls_procs", "lease_ms", "min_uncached_tokens",
         "allocate_queue_size", "max_request_bytes", "max_request_retries"}
-_FLOAT = {"retry_wait_s", "kv_memory_gb", "kv_host_gb", "kv_disk_gb",
+_FLOAT = {"retry_wait_s", "kv_memory_gb", "kv_host_gb", "kv_disk_gb", "otlp_sampling",
           "drain_timeout", "session_ttl", "stats_interval", "store_timeout",
           "local_prefill_tokens_per_s", "max_prefill_wait_s", "local_prefill_duty", "local_prefill_burst_s",
           "local_prefill_max_stall_s", "local_prefill_stall_weight",

@@ -46,6 +46,7 @@ class Admitted:
     want_text: bool
     eos_token_ids: tuple[int, ...] = ()  # the model's; a continuation never runs past one (migration)
     skip_special_tokens: bool = True  # special tokens left out of the text (router/text.py)
+    trace: object = None  # the trace context of its request span (pdserve/tracing.py), when tracing is on
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -68,11 +68,12 @@ class LatencyMetrics:
 
 
 class RequestClock:
-    """One request's timeline, observed into ``LatencyMetrics`` as its messages go out."""
+    """One request's timeline, observed into ``LatencyMetrics`` as its messages go out (nothing is
+    observed without metrics: a pipeline double in a test)."""
 
     __slots__ = ("metrics", "start", "first", "last", "tokens")
 
-    def __init__(self, metrics: LatencyMetrics, start: float | None = None) -> None:
+    def __init__(self, metrics: LatencyMetrics | None, start: float | None = None) -> None:
         self.metrics = metrics
         self.start = time.perf_counter() if start is None else start
         self.first = self.last = 0.0
@@ -80,6 +81,8 @@ class RequestClock:
 
     def sent(self, n: int, mode: str = "remote") -> None:
         """A message with ``n`` tokens went out (the first of them is token 1 when none came before)."""
+        if self.metrics is None:
+            return
         now = time.perf_counter()
         if not self.tokens:
             self.first = now
@@ -91,6 +94,8 @@ class RequestClock:
     def done(self, facts) -> None:
         """The request ended; ``facts`` is its RequestFacts (mode, transport, stage timings, bytes)."""
         m = self.metrics
+        if m is None:
+            return
         mode = facts.prefill_mode or "remote"
         transport = facts.transport or ("local" if mode == "local" else "none")
         end = time.perf_counter()

@@ -24,8 +24,8 @@ and is taken out of placement.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -33,10 +33,24 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.prefix_hash import ROOT_HASH, block_hashes
+from engine.prefix_hash import block_hashes
+from pdserve import tracing
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from pdserve.wire import sampling_to_proto
 from router.admission import Admitted
+from router.attempt import (
+    RETRYABLE,
+    RequestFailed,
+    _choose_transport,
+    _Cleanup,
+    _DecodeLost,
+    _failed,
+    _fallback_kind,
+    _held_hashes,
+    _prefill_failed,
+    _span_facts,
+    _unless_lost,
+)
 from router.conditional import ConditionalConfig, Decision, PrefillModePolicy
 from router.directory import WorkerDirectory
 from router.migration import EventKinds, Migration
@@ -45,15 +59,6 @@ from router.shedding import Admission, AdmissionConfig, Refused
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
-CLEANUP_TIMEOUT_S = 5.0
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-
-class RequestFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class Pipeline:
                  conditional: ConditionalConfig | None = None) -> None:
         self.directory = directory
         self.placer = placer
+        self.latency = placer.metrics.latency  # the request histograms both doors observe (router/latency.py)
         self.block_size = block_size
         self.lease_ms = lease_ms
         # a request outlives a worker: continued elsewhere, token-exact (router/migration.py);
@@ -172,6 +178,24 @@ class Pipeline:
             move_reason=placement.move_reason, decode_load=placement.decode_load,
             decode_load_cap=placement.decode_load_cap, admission_wait_est_ms=wait_est_s * 1e3))
         state = _Cleanup(p, d, req.request_id)
+        span = tracing.start("pdserve.attempt", req.trace, {
+            "pdserve.request_id": req.request_id, "pdserve.prefill_worker": p.worker_id if p else "",
+            "pdserve.decode_worker": d.worker_id, "pdserve.placement": placement.reason,
+            "pdserve.session_hit": placement.session_hit, "pdserve.session_moved": placement.session_moved,
+            "pdserve.move_reason": placement.move_reason, "pdserve.continuation": "~r" in req.request_id})
+        if span is not None:
+            req = dataclasses.replace(req, trace=tracing.context_of(span))
+        try:
+            phases = self._attempt_phases(req, preq, placement, sampling, p, d, timeout, meta, state)
+            async for event in phases:
+                yield event
+        except BaseException as exc:
+            tracing.end(span, error=f"{type(exc).__name__}: {exc}")
+            raise
+        tracing.end(span, _span_facts(meta.facts))
+
+    async def _attempt_phases(self, req: Admitted, preq: PlacementRequest, placement: Placement, sampling,
+                              p, d, timeout: float | None, meta: ServingMeta, state) -> AsyncIterator[object]:
         try:
             first = await self._prefill_phase(req, placement, sampling, p, d, meta, timeout)
         except RequestFailed as exc:
@@ -240,15 +264,20 @@ class Pipeline:
                              timeout: float | None) -> FirstToken | None:
         """Allocate on D, then Prefill on P (token 1), or None: D prefills locally (conditional)."""
         t0 = time.monotonic()
-        try:
-            # an Allocate call, or a share of the worker's DecodeMany call: the same answer either way
-            allocate = lambda: d.decode.allocate(decode_pb2.AllocateRequest(
-                request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
-                lease_ms=self.lease_ms), timeout)
-            # waits in the router's queue (bounded) while D has no free blocks
-            alloc = await self.admission.allocate(d.worker_id, allocate, timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise _failed(exc, d.worker_id, "decode Allocate") from None
+        with tracing.span("pdserve.allocate", req.trace, {"pdserve.decode_worker": d.worker_id},
+                          kind="client") as span:
+            trace = tracing.inject(tracing.context_of(span))
+            try:
+                # an Allocate call, or a share of the worker's DecodeMany call: the same answer either way
+                allocate = lambda: d.decode.allocate(decode_pb2.AllocateRequest(
+                    request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
+                    lease_ms=self.lease_ms, trace_context=trace), timeout)
+                # waits in the router's queue (bounded) while D has no free blocks
+                alloc = await self.admission.allocate(d.worker_id, allocate, timeout)
+            except grpc.aio.AioRpcError as exc:
+                raise _failed(exc, d.worker_id, "decode Allocate") from None
+            tracing.end(span, {"pdserve.cached_tokens": alloc.num_cached_tokens,
+                               "pdserve.tier_tokens": alloc.num_tier_tokens})
         t1 = time.monotonic()
         f = meta.facts
         f.allocate_ms = (t1 - t0) * 1e3
@@ -274,26 +303,34 @@ class Pipeline:
         # poll under a long push) while P pushes to it: then the Prefill is cancelled and the request
         # placed again, rather than waiting for the push to fail
         hold = d.decode.hold(req.request_id) if d.decode is not None else None
+        span = tracing.start("pdserve.prefill", req.trace, {"pdserve.prefill_worker": p.worker_id,
+                                                            "pdserve.kv_transport": transport}, kind="client")
         try:
             call = p.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=sampling,
                 target=prefill_pb2.KVTarget(worker_id=d.worker_id, kv_endpoint=alloc.kv_endpoint,
                                             block_ids=list(alloc.block_ids),
-                                            num_cached_tokens=alloc.num_cached_tokens, transport=transport)),
+                                            num_cached_tokens=alloc.num_cached_tokens, transport=transport),
+                trace_context=tracing.inject(tracing.context_of(span))),
                 timeout=timeout)
             res = await (call if hold is None else _unless_lost(call, hold.lost))
         except _DecodeLost as lost:
             self.placer.prefill_done(req.request_id)
+            tracing.end(span, error="the decode worker was lost under the push")
             raise _failed(lost.error, d.worker_id, "decode worker (under the prefill's push)") from None
         except grpc.aio.AioRpcError as exc:
             self.placer.prefill_done(req.request_id)  # no sample: the call failed
+            tracing.end(span, error=f"{exc.code().name}: {exc.details()}")
             raise _prefill_failed(exc, p.worker_id, d.worker_id) from None
         except BaseException:  # cancelled (client gone, deadline): out of the queue estimate all the same
             self.placer.prefill_done(req.request_id)
+            tracing.end(span, error="cancelled")
             raise
         finally:
             if hold is not None:
                 hold.release()
+        tracing.end(span, {"pdserve.kv_bytes": res.facts.kv_bytes_sent,
+                           "pdserve.cached_tokens": res.facts.prefill_cached_tokens})
         got = res.facts
         self.placer.prefill_done(req.request_id, worker_id=p.worker_id,
                                  compute_s=got.prefill_compute_ms / 1e3, push_wait_s=got.kv_wait_ms / 1e3,
@@ -306,19 +343,31 @@ class Pipeline:
 
     async def _decode_phase(self, req: Admitted, d, first_token_id: int, timeout: float | None,
                             local: bool = False) -> AsyncIterator[object]:
+        span = tracing.start("pdserve.decode", req.trace, {"pdserve.decode_worker": d.worker_id,
+                                                           "pdserve.prefill_locally": local}, kind="client")
         request = decode_pb2.DecodeRequest(request_id=req.request_id, first_token_id=first_token_id,
-                                           kv_wait_ms=self.lease_ms, prefill_locally=local)
+                                           kv_wait_ms=self.lease_ms, prefill_locally=local,
+                                           trace_context=tracing.inject(tracing.context_of(span)))
+        tokens = 0
         try:
             # one Decode call, or a share of the worker's DecodeMany call: the same messages either way
             async with contextlib.aclosing(d.decode.stream(request, timeout)) as stream:
                 async for msg in stream:
                     if msg.token_ids:
+                        tokens += len(msg.token_ids)
                         yield Tokens(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs))
                     if msg.finish_reason:
+                        tracing.end(span, {"pdserve.tokens": tokens,
+                                           "pdserve.finish_reason": msg.finish_reason})
+                        span = None
                         yield (msg.finish_reason, msg.completion_tokens)
                         return
         except grpc.aio.AioRpcError as exc:
+            tracing.end(span, error=f"{exc.code().name}: {exc.details()}")
+            span = None
             raise _failed(exc, d.worker_id, "decode") from None
+        finally:
+            tracing.end(span, {"pdserve.tokens": tokens})  # cancelled, or ended without a reason
 
     def _feedback(self, preq: PlacementRequest, placement: Placement, meta: ServingMeta, *, success: bool,
                   error: str = "", failed: str = "", decode_hashes: list[int] | None = None) -> None:
@@ -335,116 +384,3 @@ class Pipeline:
                 error=error, failed_worker_id=failed))
         except Exception:
             log.exception("placer.on_result failed")
-
-
-class _Cleanup:
-    """Best-effort release of what a request may hold on both workers; runs at most once.
-
-    A worker that is not answering its health polls (dead, or frozen with its connection open) gets
-    its Release / Abort in the background: awaited, it would hold the request for up to
-    ``CLEANUP_TIMEOUT_S`` before a migration or a retry elsewhere could start. What it held there is
-    freed all the same: with the call (a dead process), at the end of its lease, or when a frozen
-    worker resumes and finds the router's calls gone."""
-
-    _background: set[asyncio.Task] = set()  # strong references until each finishes
-
-    def __init__(self, p, d, request_id: str) -> None:
-        self.p, self.d, self.rid = p, d, request_id
-        self.done = False
-
-    async def run(self, *, decode_reserved: bool, prefill_running: bool) -> None:
-        if self.done:
-            return
-        self.done = True
-        now, later = [], []
-        if decode_reserved:
-            (now if self.d.answering else later).append(self.d.stub.Release(
-                decode_pb2.ReleaseRequest(request_id=self.rid), timeout=CLEANUP_TIMEOUT_S))
-        if prefill_running and self.p is not None:
-            (now if self.p.answering else later).append(self.p.stub.Abort(
-                prefill_pb2.AbortRequest(request_id=self.rid), timeout=CLEANUP_TIMEOUT_S))
-        if later:
-            task = asyncio.ensure_future(asyncio.gather(*later, return_exceptions=True))
-            _Cleanup._background.add(task)
-            task.add_done_callback(_Cleanup._background.discard)
-        with contextlib.suppress(Exception):
-            await asyncio.shield(asyncio.gather(*now, return_exceptions=True))
-
-
-def _held_hashes(prompt_hashes, prompt: list[int], answer: list[int], block_size: int) -> list[int]:
-    """``block_hashes(prompt + answer)`` from the prompt's full blocks' hashes (computed at placement):
-    only the blocks from the prompt's partial tail on are hashed again (a 2k-token prompt's 128 blocks
-    cost ~0.25 ms of the router's loop a request)."""
-    full = len(prompt_hashes)
-    parent = prompt_hashes[-1] if full else ROOT_HASH
-    return list(prompt_hashes) + block_hashes(prompt[full * block_size:] + answer, block_size, parent)
-
-
-def _failed(exc: grpc.aio.AioRpcError, worker_id: str, what: str) -> RequestFailed:
-    code = exc.code()
-    msg = f"{what} on {worker_id} failed: {exc.details() or code.name}"
-    err = RequestFailed(code, msg)
-    err.extra_worker = worker_id if code in RETRYABLE else ""  # type: ignore[attr-defined]
-    return err
-
-
-class _DecodeLost(Exception):
-    """The decode worker's DecodeMany call ended while the prefill pushed to it (``error``: its status)."""
-
-    def __init__(self, error: grpc.aio.AioRpcError) -> None:
-        super().__init__(error.details())
-        self.error = error
-
-
-async def _unless_lost(call, lost: asyncio.Future):
-    """``await call`` (a Prefill) unless ``lost`` resolves first: then the call is cancelled (the
-    prefill worker aborts the request and its push) and ``_DecodeLost`` raised. Leaving any other way
-    (the client gone, the deadline) cancels the call too, as awaiting it directly would."""
-    task = asyncio.ensure_future(call)
-    # Left by a cancellation in the same turn of the loop as the call failed, nobody would read the
-    # call's error: asyncio would log "Task exception was never retrieved" with it.
-    task.add_done_callback(_retrieved)
-    try:
-        await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()  # answered (or failed) first: as if awaited directly
-        raise _DecodeLost(lost.result())
-    finally:
-        if not task.done():
-            call.cancel()
-            task.cancel()
-
-
-def _retrieved(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-def _prefill_failed(exc: grpc.aio.AioRpcError, prefill_id: str, decode_id: str) -> RequestFailed:
-    """What a failed Prefill call means for the request. ABORTED (the decode worker released the
-    request under the push: drained, lease gone) and NOT_FOUND (its KV receiver no longer knows the
-    request: released while draining before the push arrived, or the worker restarted at the same
-    address) say the prompt is fine and the destination is not: UNAVAILABLE with the decode worker
-    blamed, so the request is placed again as after a dead decode worker. Anything else is the prefill
-    worker's failure (``_failed``)."""
-    if exc.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND):
-        err = RequestFailed(grpc.StatusCode.UNAVAILABLE,
-                            f"prefill on {prefill_id} failed: {exc.details() or exc.code().name}")
-        err.extra_worker = decode_id  # type: ignore[attr-defined]
-        return err
-    return _failed(exc, prefill_id, "prefill")
-
-
-def _fallback_kind(reason: str) -> str:
-    """A bounded label for the fallbacks metric (the reason itself names workers)."""
-    return "" if not reason else reason.split(" ", 1)[0] + "_unavailable"
-
-
-def _choose_transport(prefill: list[str], decode: list[str]) -> tuple[str | None, str]:
-    """First of the prefill worker's preferences that the decode worker also speaks."""
-    common = [t for t in prefill if t in decode]
-    if not common:
-        return None, ""
-    chosen = common[0]
-    fallback = "" if chosen == (prefill[0] if prefill else chosen) else f"{prefill[0]} unavailable on decode"
-    return chosen, fallback

@@ -7,6 +7,7 @@ builds the response messages so both roles stream exactly the same shape.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 
 import grpc
 
+from pdserve import tracing
 from pdserve.server import abort_from
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.admission import SESSION_METADATA_KEY, Admitted, ModelLimits, admit_async
@@ -70,18 +72,35 @@ async def generate_messages(pipeline: Pipeline, req: Admitted, tokenizer: object
     Raises RequestFailed with the router's status when the request cannot be served.
     """
     out = GenerateStream(req, tokenizer)
-    clock = RequestClock(pipeline.placer.metrics.latency, arrived)
-    async for event in pipeline.run(req, timeout):
-        if isinstance(event, FirstToken):
-            lps = [event.logprob] if event.logprob is not None else None
-            yield out.tokens([event.token_id], lps, [event.top] if event.top is not None else None)
-            clock.sent(1)
-        elif isinstance(event, Tokens):
-            yield out.tokens(event.token_ids, event.logprobs, event.top)
-            clock.sent(len(event.token_ids))
-        elif isinstance(event, Done):
-            clock.done(event.meta.facts)
-            yield out.final(event)
+    clock = RequestClock(getattr(pipeline, "latency", None), arrived)
+    # the request's span (pdserve/tracing.py): a child of the client's traceparent when it sent one
+    span = tracing.start("pdserve.request", req.trace, {
+        "pdserve.request_id": req.request_id, "pdserve.prompt_tokens": len(req.prompt_ids),
+        "pdserve.max_tokens": req.params.max_tokens, "pdserve.session": bool(req.session_id)}, kind="server")
+    if span is not None:
+        req = dataclasses.replace(req, trace=tracing.context_of(span))
+    error = "cancelled"
+    try:
+        async for event in pipeline.run(req, timeout):
+            if isinstance(event, FirstToken):
+                lps = [event.logprob] if event.logprob is not None else None
+                yield out.tokens([event.token_id], lps, [event.top] if event.top is not None else None)
+                clock.sent(1)
+            elif isinstance(event, Tokens):
+                yield out.tokens(event.token_ids, event.logprobs, event.top)
+                clock.sent(len(event.token_ids))
+            elif isinstance(event, Done):
+                clock.done(event.meta.facts)
+                tracing.end(span, {"pdserve.finish_reason": event.finish_reason,
+                                   "pdserve.completion_tokens": event.completion_tokens,
+                                   "pdserve.cached_tokens": event.meta.cached_tokens})
+                span = None
+                yield out.final(event)
+    except RequestFailed as exc:
+        error = f"{exc.code.name}: {exc.message}"
+        raise
+    finally:
+        tracing.end(span, error=error)
 
 
 def metadata_session(context: grpc.aio.ServicerContext) -> str | None:
@@ -117,6 +136,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrived = time.perf_counter()
         req = await admit_or_abort(request, context, self.limits, self.tokenize_pool)
+        if tracing.enabled():  # the client's traceparent (gRPC metadata), continued by the request's span
+            req = dataclasses.replace(req, trace=tracing.extract(context.invocation_metadata()))
         try:
             async for msg in generate_messages(self.pipeline, req, self.limits.tokenizer,
                                                context.time_remaining(), arrived):

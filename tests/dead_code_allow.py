@@ -23,6 +23,7 @@ _.allocate_ms  # protobuf message fields set by the pipeline (read by the client
 _.prefill_mode_reason
 _.prefill_worker
 _.prefill_rpc_ms
+_.Export  # the OTLP TraceService method a test receiver serves (grpc calls it by name)
 _.decode_tier_tokens
 _.predicted_decode_blocks
 _.new_pid  # soak fault records, written out whole as JSON (bench/soak_faults.py)

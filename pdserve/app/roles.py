@@ -83,6 +83,18 @@ def close_engine(engine) -> None:
 
 async def run_role(settings: ServeSettings) -> int:
     """Serve one role until a signal (or a fatal error: ``GrpcServer.fail``); returns the exit status."""
+    if settings.otlp_endpoint:
+        from pdserve import tracing
+
+        tracing.setup(f"pdserve-{settings.role}", settings.otlp_endpoint, settings.otlp_sampling)
+    try:
+        return await _run_role(settings)
+    finally:
+        if settings.otlp_endpoint:
+            tracing.shutdown()  # the spans still queued go out before the process ends
+
+
+async def _run_role(settings: ServeSettings) -> int:
     public = settings.role in ("router", "colocated")  # serves the client-facing API
     keys = _api_keys(settings)
     server = GrpcServer(host=settings.host, port=settings.port,

@@ -26,37 +26,45 @@ from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import prefill_pb2 as pdserve_dot_v1_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x18pdserve/v1/prefill.proto\"\x85\x01\n\x0f\x41llocateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x05 \x01(\x05J\x04\x08\x04\x10\x05J\x04\x08\x06\x10\x07\"\xaa\x01\n\x10\x41llocateResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\x0c\x12\x12\n\ntransports\x18\x05 \x03(\t\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x17\n\x0fnum_tier_tokens\x18\x07 \x01(\x05\"h\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x12\n\nkv_wait_ms\x18\x03 \x01(\x05\x12\x17\n\x0fprefill_locally\x18\x04 \x01(\x08\"\x96\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x05\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"M\n\x0b\x44\x65\x63odeStart\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequest\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x05\"P\n\x0c\x41llocateCall\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.AllocateRequest\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x05\"z\n\x11\x44\x65\x63odeManyRequest\x12\'\n\x06starts\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.DecodeStart\x12\x0f\n\x07\x63\x61ncels\x18\x02 \x03(\t\x12+\n\tallocates\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.AllocateCall\"s\n\x0e\x41llocateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.AllocateResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"o\n\x0c\x44\x65\x63odeUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x08response\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.DecodeResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"n\n\x12\x44\x65\x63odeManyResponse\x12)\n\x07updates\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.DecodeUpdate\x12-\n\tallocated\x18\x02 \x03(\x0b\x32\x1a.pdserve.v1.AllocateResult\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xa4\x03\n\x06\x44\x65\x63ode\x12\x45\n\x08\x41llocate\x12\x1b.pdserve.v1.AllocateRequest\x1a\x1c.pdserve.v1.AllocateResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12O\n\nDecodeMany\x12\x1d.pdserve.v1.DecodeManyRequest\x1a\x1e.pdserve.v1.DecodeManyResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x18pdserve/v1/prefill.proto\"\x80\x02\n\x0f\x41llocateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x05 \x01(\x05\x12\x44\n\rtrace_context\x18\x07 \x03(\x0b\x32-.pdserve.v1.AllocateRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x04\x10\x05J\x04\x08\x06\x10\x07\"\xaa\x01\n\x10\x41llocateResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\x0c\x12\x12\n\ntransports\x18\x05 \x03(\t\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x17\n\x0fnum_tier_tokens\x18\x07 \x01(\x05\"\xe1\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x12\n\nkv_wait_ms\x18\x03 \x01(\x05\x12\x17\n\x0fprefill_locally\x18\x04 \x01(\x08\x12\x42\n\rtrace_context\x18\x05 \x03(\x0b\x32+.pdserve.v1.DecodeRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x96\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x05\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"M\n\x0b\x44\x65\x63odeStart\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequest\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x05\"P\n\x0c\x41llocateCall\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.AllocateRequest\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x05\"z\n\x11\x44\x65\x63odeManyRequest\x12\'\n\x06starts\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.DecodeStart\x12\x0f\n\x07\x63\x61ncels\x18\x02 \x03(\t\x12+\n\tallocates\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.AllocateCall\"s\n\x0e\x41llocateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.AllocateResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"o\n\x0c\x44\x65\x63odeUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x08response\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.DecodeResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"n\n\x12\x44\x65\x63odeManyResponse\x12)\n\x07updates\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.DecodeUpdate\x12-\n\tallocated\x18\x02 \x03(\x0b\x32\x1a.pdserve.v1.AllocateResult\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xa4\x03\n\x06\x44\x65\x63ode\x12\x45\n\x08\x41llocate\x12\x1b.pdserve.v1.AllocateRequest\x1a\x1c.pdserve.v1.AllocateResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12O\n\nDecodeMany\x12\x1d.pdserve.v1.DecodeManyRequest\x1a\x1e.pdserve.v1.DecodeManyResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_ALLOCATEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_ALLOCATEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_ALLOCATEREQUEST']._serialized_start=91
-  _globals['_ALLOCATEREQUEST']._serialized_end=224
-  _globals['_ALLOCATERESPONSE']._serialized_start=227
-  _globals['_ALLOCATERESPONSE']._serialized_end=397
-  _globals['_DECODEREQUEST']._serialized_start=399
-  _globals['_DECODEREQUEST']._serialized_end=503
-  _globals['_DECODERESPONSE']._serialized_start=506
-  _globals['_DECODERESPONSE']._serialized_end=656
-  _globals['_DECODESTART']._serialized_start=658
-  _globals['_DECODESTART']._serialized_end=735
-  _globals['_ALLOCATECALL']._serialized_start=737
-  _globals['_ALLOCATECALL']._serialized_end=817
-  _globals['_DECODEMANYREQUEST']._serialized_start=819
-  _globals['_DECODEMANYREQUEST']._serialized_end=941
-  _globals['_ALLOCATERESULT']._serialized_start=943
-  _globals['_ALLOCATERESULT']._serialized_end=1058
-  _globals['_DECODEUPDATE']._serialized_start=1060
-  _globals['_DECODEUPDATE']._serialized_end=1171
-  _globals['_DECODEMANYRESPONSE']._serialized_start=1173
-  _globals['_DECODEMANYRESPONSE']._serialized_end=1283
-  _globals['_RELEASEREQUEST']._serialized_start=1285
-  _globals['_RELEASEREQUEST']._serialized_end=1321
-  _globals['_RELEASERESPONSE']._serialized_start=1323
-  _globals['_RELEASERESPONSE']._serialized_end=1355
-  _globals['_DECODE']._serialized_start=1358
-  _globals['_DECODE']._serialized_end=1778
+  _globals['_ALLOCATEREQUEST']._serialized_end=347
+  _globals['_ALLOCATEREQUEST_TRACECONTEXTENTRY']._serialized_start=284
+  _globals['_ALLOCATEREQUEST_TRACECONTEXTENTRY']._serialized_end=335
+  _globals['_ALLOCATERESPONSE']._serialized_start=350
+  _globals['_ALLOCATERESPONSE']._serialized_end=520
+  _globals['_DECODEREQUEST']._serialized_start=523
+  _globals['_DECODEREQUEST']._serialized_end=748
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_start=284
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_end=335
+  _globals['_DECODERESPONSE']._serialized_start=751
+  _globals['_DECODERESPONSE']._serialized_end=901
+  _globals['_DECODESTART']._serialized_start=903
+  _globals['_DECODESTART']._serialized_end=980
+  _globals['_ALLOCATECALL']._serialized_start=982
+  _globals['_ALLOCATECALL']._serialized_end=1062
+  _globals['_DECODEMANYREQUEST']._serialized_start=1064
+  _globals['_DECODEMANYREQUEST']._serialized_end=1186
+  _globals['_ALLOCATERESULT']._serialized_start=1188
+  _globals['_ALLOCATERESULT']._serialized_end=1303
+  _globals['_DECODEUPDATE']._serialized_start=1305
+  _globals['_DECODEUPDATE']._serialized_end=1416
+  _globals['_DECODEMANYRESPONSE']._serialized_start=1418
+  _globals['_DECODEMANYRESPONSE']._serialized_end=1528
+  _globals['_RELEASEREQUEST']._serialized_start=1530
+  _globals['_RELEASEREQUEST']._serialized_end=1566
+  _globals['_RELEASERESPONSE']._serialized_start=1568
+  _globals['_RELEASERESPONSE']._serialized_end=1600
+  _globals['_DECODE']._serialized_start=1603
+  _globals['_DECODE']._serialized_end=2023
 # @@protoc_insertion_point(module_scope)

@@ -9,16 +9,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "sampling", "lease_ms")
+    __slots__ = ("request_id", "prompt_ids", "sampling", "lease_ms", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("worker_id", "block_ids", "num_cached_tokens", "kv_endpoint", "transports", "incarnation", "num_tier_tokens")
@@ -39,16 +48,25 @@ class AllocateResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., kv_endpoint: _Optional[bytes] = ..., transports: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ..., num_tier_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "kv_wait_ms", "prefill_locally")
+    __slots__ = ("request_id", "first_token_id", "kv_wait_ms", "prefill_locally", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     kv_wait_ms: int
     prefill_locally: bool
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_wait_ms: _Optional[int] = ..., prefill_locally: _Optional[bool] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_wait_ms: _Optional[int] = ..., prefill_locally: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "completion_tokens", "top_logprobs")

@@ -25,23 +25,27 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"s\n\x08KVTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x11\n\ttransport\x18\x05 \x01(\t\"\x92\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVTargetJ\x04\x08\x04\x10\x05\"\xbb\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x1a\n\rfirst_logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x05\x66\x61\x63ts\x18\r \x01(\x0b\x32\x18.pdserve.v1.RequestFacts\x12\x33\n\x12\x66irst_top_logprobs\x18\x0e \x01(\x0b\x32\x17.pdserve.v1.TopLogprobsB\x10\n\x0e_first_logprobJ\x04\x08\x03\x10\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xca\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"s\n\x08KVTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x11\n\ttransport\x18\x05 \x01(\t\"\x8c\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x43\n\rtrace_context\x18\x06 \x03(\x0b\x32,.pdserve.v1.PrefillRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x04\x10\x05\"\xbb\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x1a\n\rfirst_logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x05\x66\x61\x63ts\x18\r \x01(\x0b\x32\x18.pdserve.v1.RequestFacts\x12\x33\n\x12\x66irst_top_logprobs\x18\x0e \x01(\x0b\x32\x17.pdserve.v1.TopLogprobsB\x10\n\x0e_first_logprobJ\x04\x08\x03\x10\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xca\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_KVTARGET']._serialized_start=65
   _globals['_KVTARGET']._serialized_end=180
   _globals['_PREFILLREQUEST']._serialized_start=183
-  _globals['_PREFILLREQUEST']._serialized_end=329
-  _globals['_PREFILLRESPONSE']._serialized_start=332
-  _globals['_PREFILLRESPONSE']._serialized_end=519
-  _globals['_ABORTREQUEST']._serialized_start=521
-  _globals['_ABORTREQUEST']._serialized_end=555
-  _globals['_ABORTRESPONSE']._serialized_start=557
-  _globals['_ABORTRESPONSE']._serialized_end=587
-  _globals['_PREFILL']._serialized_start=590
-  _globals['_PREFILL']._serialized_end=792
+  _globals['_PREFILLREQUEST']._serialized_end=451
+  _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_start=394
+  _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_end=445
+  _globals['_PREFILLRESPONSE']._serialized_start=454
+  _globals['_PREFILLRESPONSE']._serialized_end=641
+  _globals['_ABORTREQUEST']._serialized_start=643
+  _globals['_ABORTREQUEST']._serialized_end=677
+  _globals['_ABORTRESPONSE']._serialized_start=679
+  _globals['_ABORTRESPONSE']._serialized_end=709
+  _globals['_PREFILL']._serialized_start=712
+  _globals['_PREFILL']._serialized_end=914
 # @@protoc_insertion_point(module_scope)

@@ -37,6 +37,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 
+from pdserve import tracing
 from pdserve.v1 import common_pb2, router_pb2
 from pdserve.wire import retry_after_ms, validate_token_ids
 from router.admission import SESSION_METADATA_KEY, Admitted, ModelLimits, admit_async
@@ -384,12 +385,15 @@ class OpenAIFrontend:
             except ValueError:
                 raise bad_request(f"{REUSABLE_PREFIX_HEADER} must be an integer, got {reusable!r}") from None
         try:
-            return await admit_async(req, self.limits, headers.get(SESSION_METADATA_KEY) or None,
-                                     self.tokenize_pool)
+            admitted = await admit_async(req, self.limits, headers.get(SESSION_METADATA_KEY) or None,
+                                         self.tokenize_pool)
         except ValueError as exc:
             message = str(exc)
             code = "context_length_exceeded" if "context" in message else None
             raise bad_request(message, code=code) from None
+        if tracing.enabled():  # the client's traceparent header, continued by the request's span
+            admitted = dataclasses.replace(admitted, trace=tracing.extract(headers))
+        return admitted
 
 
 def _chat_messages(body: ChatCompletionRequest) -> list[dict]:

@@ -76,6 +76,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the router's Prometheus metrics on P; every worker then serves its own on a free "
                         "port (printed, and listed for Prometheus' file_sd_configs in "
                         "RUN_DIR/prometheus-targets.json)")
+    p.add_argument("--otlp-endpoint", metavar="HOST:PORT",
+                   help="every process sends its spans to this OTLP/gRPC receiver (one trace per request "
+                        "across router, prefill and decode; docs/observability.md)")
+    p.add_argument("--otlp-sampling", type=float, default=1.0, help="share of new traces sampled (default 1)")
     p.add_argument("--router-args", default="", metavar="FLAGS",
                    help="extra `pdserve serve` flags for the router, one quoted string (e.g. "
                         "\"--max-request-bytes 8388608 --stats-interval 0.2\")")
@@ -117,6 +121,9 @@ def _run(args: argparse.Namespace) -> int:
         worker_args += ["--num-blocks", str(args.num_blocks)]
     if args.max_num_seqs:
         worker_args += ["--max-num-seqs", str(args.max_num_seqs)]
+    tracing = (["--otlp-endpoint", args.otlp_endpoint, "--otlp-sampling", str(args.otlp_sampling)]
+               if args.otlp_endpoint else [])
+    worker_args += tracing
     if args.kv_host_gb is not None:
         worker_args += ["--kv-host-gb", str(args.kv_host_gb)]
     if bool(args.kv_disk_dir) != bool(args.kv_disk_gb):
@@ -124,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.kv_disk_gb:  # each worker in DIR/<its name> (launcher.cluster.per_worker_disk_dir)
         worker_args += ["--kv-disk-dir", str(Path(args.kv_disk_dir).resolve()),
                         "--kv-disk-gb", str(args.kv_disk_gb)]
-    router_args: list[str] = []
+    router_args: list[str] = list(tracing)
     if args.conditional_disagg:
         router_args += ["--conditional-disagg", args.conditional_disagg]
     if args.min_uncached_tokens is not None:
