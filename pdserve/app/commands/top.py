@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -74,8 +73,8 @@ def _run(args: argparse.Namespace) -> int:
 
             from pdserve.app.top.view import render
             console = Console()
-            if not console.is_terminal and "COLUMNS" not in os.environ:
-                console = Console(width=200)  # a pipe or a file: the whole table, not 80 columns of it
+            if not console.is_terminal:  # a pipe or a file: the whole table, not 80 columns of it
+                console = Console(width=max(console.width, 200))
             console.print(render(rows, source, args.interval))
         return 0 if any(r.up for r in rows) else 1
     finally:
