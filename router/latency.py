@@ -62,6 +62,10 @@ class LatencyMetrics:
                                  "How long a first token waited for its KV's acknowledgement after "
                                  "the prefill",
                                  ["transport"], buckets=STAGE_BUCKETS, registry=r)
+        self.decode_join = Histogram("pdserve_router_decode_join_seconds",
+                                     "A Decode stream's start to its first tokens: the decode worker's wait "
+                                     "for the KV, then for a place in its batch", ["mode"],
+                                     buckets=STAGE_BUCKETS, registry=r)
         self.kv_bytes = Histogram("pdserve_router_kv_transfer_bytes",
                                   "KV bytes moved prefill -> decode per request", ["transport"],
                                   buckets=BYTES_BUCKETS, registry=r)

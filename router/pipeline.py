@@ -348,12 +348,15 @@ class Pipeline:
         request = decode_pb2.DecodeRequest(request_id=req.request_id, first_token_id=first_token_id,
                                            kv_wait_ms=self.lease_ms, prefill_locally=local,
                                            trace_context=tracing.inject(tracing.context_of(span)))
-        tokens = 0
+        tokens, opened = 0, time.perf_counter()
         try:
             # one Decode call, or a share of the worker's DecodeMany call: the same messages either way
             async with contextlib.aclosing(d.decode.stream(request, timeout)) as stream:
                 async for msg in stream:
                     if msg.token_ids:
+                        if not tokens:
+                            self.latency.decode_join.labels("local" if local else "remote").observe(
+                                time.perf_counter() - opened)
                         tokens += len(msg.token_ids)
                         yield Tokens(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs))
                     if msg.finish_reason:
