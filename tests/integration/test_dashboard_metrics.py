@@ -17,8 +17,6 @@ return data (a query that matches nothing, e.g. a division whose sides' labels n
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -30,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_process import query, running_prometheus, wait_for
 
 from pdserve.app.launcher.local import LocalCluster
 from pdserve.client import Client
@@ -71,24 +70,6 @@ def scrape(address: str) -> list:
     return list(text_string_to_metric_families(text))
 
 
-def query(port: int, promql: str) -> dict:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-    try:
-        body = json.loads(urllib.request.urlopen(url, timeout=10).read())
-    except urllib.error.HTTPError as e:  # 400: the query did not parse or evaluate
-        body = json.loads(e.read())
-    return body
-
-
-def wait_for(what: str, check, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while not (got := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
-    return got
-
-
 def send_requests(router: str) -> int:
     """Four sessions of three turns each, every turn the conversation so far plus new tokens (prefix-cache
     hits from the second turn), several tokens each (TPOT and ITL observed)."""
@@ -112,8 +93,6 @@ def send_requests(router: str) -> int:
 
 
 def test_dashboard_and_alerts_read_what_the_cluster_exports(make_checkpoint, tmp_path):
-    prometheus = shutil.which("prometheus")
-    assert prometheus, "Debian's prometheus package is needed: `make tools` installs it (root)"
     (rule,) = by_kind(render("default", ("monitoring.prometheusRule.enabled=true",)), "PrometheusRule")
     dashboard = load_dashboard()
     queries = dashboard_queries(dashboard)
@@ -139,20 +118,7 @@ def test_dashboard_and_alerts_read_what_the_cluster_exports(make_checkpoint, tmp
 
         rules_file = tmp_path / "rules.yml"
         rules_file.write_text(yaml.safe_dump({"groups": rule_groups(rule)}))
-        config = tmp_path / "prometheus.yml"
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(rules_file)],
-            "scrape_configs": [{"job_name": "pdserve", "file_sd_configs": [
-                {"files": [str(targets_file)], "refresh_interval": "1s"}]}]}))
-        port = free_port()
-        log = open(tmp_path / "prometheus.log", "w")
-        proc = subprocess.Popen([prometheus, f"--config.file={config}",
-                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                 f"--web.listen-address=127.0.0.1:{port}"],
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_for("Prometheus ready", lambda: _ready(port))
+        with running_prometheus(tmp_path, targets_file, (rules_file,)) as port:
             wait_for("every process scraped", lambda: _value(query(port, "count(up == 1)")) == 3)
             # one request first, seen by Prometheus, so the labelled series the rest add to exist
             # before them (increase() counts from a series' first sample)
@@ -211,17 +177,6 @@ def test_dashboard_and_alerts_read_what_the_cluster_exports(make_checkpoint, tmp
                 "panel 'TTFT percentiles by mode and transport'")), LIVE_VARS))["data"]["result"]
             assert {(r["metric"]["mode"], r["metric"]["transport"]) for r in p50} == {("remote", "tcp")}
             assert all(0 < float(r["value"][1]) < 80 for r in p50), p50
-        finally:
-            proc.terminate()
-            proc.wait(30)
-            log.close()
-
-
-def _ready(port: int) -> bool:
-    try:
-        return urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2).status == 200
-    except OSError:
-        return False
 
 
 def _value(body: dict) -> float | None:
