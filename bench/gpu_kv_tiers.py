@@ -46,9 +46,13 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 120000) for _ in range(n)]
 
 
+BACKEND = {"name": "auto"}  # --backend: auto (flashinfer where installed) or torch (no JIT build)
+
+
 def engine(tiers: TierConfig | None, num_blocks: int) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(MODEL), device="cuda", dtype="bfloat16", num_blocks=num_blocks,
                                   max_num_seqs=64, max_num_batched_tokens=8192,
+                                  attention_backend=BACKEND["name"],
                                   **({"tiers": tiers} if tiers is not None else {})))
 
 
@@ -220,7 +224,9 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--kv-gb", type=float, default=4.0)
     p.add_argument("--host-gb", type=float, default=24.0)
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "flashinfer"))
     args = p.parse_args()
+    BACKEND["name"] = args.backend
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
