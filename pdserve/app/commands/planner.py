@@ -1,0 +1,202 @@
+"""``pdserve planner``: the SLO-driven planner that sets the prefill and decode pools' replicas.
+
+``planner explain`` prints the capacity model (seeded from a ``pdserve bench --sweep --json`` profile, or
+built-in guesses), the knobs, what steady loads need (``--load RATE:PROMPT:OUTPUT``) and, for a recorded
+trace of windows (``--trace FILE.jsonl``, one ``Signals`` per line, as ``planner run --record`` writes
+them), each window's decision and why. ``planner run --dry-run`` scrapes a local cluster's processes
+every ``--interval`` (``RUN_DIR/prometheus-targets.json``: ``pdserve up --metrics-port P``) and prints
+and logs each decision without acting: only dry-run exists so far (docs/planner.md). The policy lives in
+``pdserve/app/planner/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_policy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("policy (pdserve/app/planner/policy.py)")
+    g.add_argument("--ttft-slo-ms", type=float, help="TTFT target (default: the profile's, else 2000)")
+    g.add_argument("--tpot-slo-ms", type=float, help="TPOT target (default: the profile's, else 25)")
+    g.add_argument("--min-prefill", type=int, default=1)
+    g.add_argument("--max-prefill", type=int, default=8)
+    g.add_argument("--min-decode", type=int, default=1)
+    g.add_argument("--max-decode", type=int, default=8)
+    g.add_argument("--utilisation", type=float, default=0.8, help="share of a worker's capacity to plan "
+                   "for (default 0.8)")
+    g.add_argument("--band", type=float, default=0.1, help="hysteresis: up above n x (1 + band), down below "
+                   "(n - 1) x (1 - band) (default 0.1)")
+    g.add_argument("--up-cooldown", type=float, default=60.0, metavar="S", help="seconds after a change "
+                   "before a pool may grow (default 60)")
+    g.add_argument("--down-cooldown", type=float, default=300.0, metavar="S", help="seconds a pool must "
+                   "have been over-provisioned, and unchanged, before it shrinks a step (default 300)")
+    g.add_argument("--drain-horizon", type=float, metavar="S", help="a backlog is planned to be gone within "
+                   "this (default: the TTFT target)")
+    g.add_argument("--half-life", type=float, default=60.0, metavar="S", help="of the demand's weighted "
+                   "mean (default 60)")
+    g.add_argument("--max-step-up", type=int, default=4)
+    g.add_argument("--max-step-down", type=int, default=1)
+    g.add_argument("--profile", metavar="SWEEP.json", help="seed the capacity model from a "
+                   "`pdserve bench --sweep --json` result")
+    g.add_argument("--profile-mode", help="the profile's mode to read (when it holds several)")
+    g.add_argument("--profile-prefill", type=int, metavar="N", help="prefill workers of the swept cluster "
+                   "(default: from the profile)")
+    g.add_argument("--profile-decode", type=int, metavar="N", help="decode workers of the swept cluster")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("planner", help="SLO-driven replicas of the prefill and decode pools "
+                                              "(explain; run --dry-run)")
+    sub = p.add_subparsers(dest="planner_command", metavar="{explain,run}")
+    e = sub.add_parser("explain", help="print the capacity model and, for a recorded trace, every decision "
+                                       "and why")
+    _add_policy_args(e)
+    e.add_argument("--trace", metavar="FILE.jsonl", help="recorded windows (planner run --record)")
+    e.add_argument("--load", action="append", default=[], metavar="RATE:PROMPT:OUTPUT",
+                   help="a steady load to size the pools for (repeatable), e.g. 4:2000:200")
+    e.add_argument("--changes", action="store_true",
+                   help="with --trace: only the windows that changed a pool")
+    e.add_argument("--json", action="store_true", help="the same as one JSON object")
+    e.set_defaults(func=_explain)
+    r = sub.add_parser("run", help="scrape a local cluster every interval and print each decision; only "
+                                   "--dry-run exists so far (it never acts: docs/planner.md)")
+    _add_policy_args(r)
+    r.add_argument("--run-dir", default=".run/cluster", help="the cluster's run directory: its "
+                   "prometheus-targets.json lists every process (pdserve up --metrics-port P)")
+    r.add_argument("--dry-run", action="store_true", help="decide and report, never act (required: the "
+                   "actuators come later)")
+    r.add_argument("--interval", type=float, default=10.0, metavar="S",
+                   help="seconds per window (default 10)")
+    r.add_argument("--timeout", type=float, default=2.0, metavar="S", help="per scrape (default 2)")
+    r.add_argument("--windows", type=int, metavar="N", help="stop after N windows (default: until Ctrl-C)")
+    r.add_argument("--record", metavar="FILE.jsonl",
+                   help="append each window's signals (a trace for explain)")
+    r.add_argument("--metrics-port", type=int, default=0, help="serve the planner's metrics here (0: off)")
+    r.add_argument("--metrics-host", default="127.0.0.1")
+    r.add_argument("--json", action="store_true", help="a JSON line per window (signals and decision)")
+    r.set_defaults(func=_run)
+    p.set_defaults(func=lambda _args: (p.print_help(), 2)[1])
+
+
+def _setup(args: argparse.Namespace):
+    """The config and the seeded capacity model from the flags (``ValueError`` with what is wrong)."""
+    from pdserve.app.planner.capacity import CapacityModel, Seed, seed_from_sweep
+    from pdserve.app.planner.policy import PlannerConfig
+
+    seed, slo = Seed(), {}
+    if args.profile:
+        data = json.loads(Path(args.profile).read_text())
+        seed = seed_from_sweep(data, mode=args.profile_mode, prefill_workers=args.profile_prefill,
+                               decode_workers=args.profile_decode, label=Path(args.profile).name)
+        results = data["results"]
+        slo = results[args.profile_mode or next(iter(results))].get("slo") or {}
+    ttft_ms = args.ttft_slo_ms or slo.get("ttft_ms") or 2000.0
+    tpot_ms = args.tpot_slo_ms or slo.get("tpot_ms") or 25.0
+    config = PlannerConfig(ttft_s=ttft_ms / 1e3, tpot_s=tpot_ms / 1e3, min_prefill=args.min_prefill,
+                           max_prefill=args.max_prefill, min_decode=args.min_decode,
+                           max_decode=args.max_decode,
+                           utilisation=args.utilisation, band=args.band, up_cooldown_s=args.up_cooldown,
+                           down_cooldown_s=args.down_cooldown, drain_horizon_s=args.drain_horizon,
+                           demand_half_life_s=args.half_life, max_step_up=args.max_step_up,
+                           max_step_down=args.max_step_down)
+    return config, CapacityModel(seed=seed)
+
+
+def _console():
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=max(console.width, 200))
+
+
+def _explain(args: argparse.Namespace) -> int:
+    import copy
+
+    from pdserve.app.planner import explain
+    from pdserve.app.planner.signals import load_trace
+
+    try:
+        config, seeded = _setup(args)
+        loads = [explain.Load.parse(spec) for spec in args.load]
+        trace = load_trace(args.trace) if args.trace else []
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"pdserve planner explain: {exc}", file=sys.stderr)
+        return 2
+    learned = copy.deepcopy(seeded)
+    decisions = explain.replay(config, learned, trace)
+    if args.json:
+        print(json.dumps(explain.as_json(config, seeded, loads=loads, trace=trace, decisions=decisions,
+                                         learned=learned)))
+    else:
+        _console().print(explain.render(config, seeded, loads=loads, trace=trace, decisions=decisions,
+                                        learned=learned, changes_only=args.changes))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import logging
+
+    from pdserve.app.launcher.metrics_ports import PROMETHEUS_TARGETS
+    from pdserve.app.planner.live import SignalSource, run
+    from pdserve.app.planner.metrics import planner_registry
+    from pdserve.app.planner.policy import Planner
+    from pdserve.app.top.scrape import run_dir_targets
+
+    if not args.dry_run:
+        print("pdserve planner run: only --dry-run exists so far (it decides and reports; the actuators that "
+              "scale pools come later: docs/planner.md)", file=sys.stderr)
+        return 2
+    if not args.interval > 0 or (args.windows is not None and args.windows < 1):
+        print("pdserve planner run: --interval must be > 0 and --windows >= 1", file=sys.stderr)
+        return 2
+    try:
+        config, capacity = _setup(args)
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"pdserve planner run: {exc}", file=sys.stderr)
+        return 2
+    read = run_dir_targets(Path(args.run_dir))
+    if not read():
+        print(f"pdserve planner run: no targets in {Path(args.run_dir) / PROMETHEUS_TARGETS} (was the "
+              "cluster started with `pdserve up --metrics-port P`?)", file=sys.stderr)
+        return 1
+    import time
+
+    metrics = planner_registry()
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+    log = logging.getLogger("pdserve.planner")
+    record = open(args.record, "a") if args.record else None  # closed in the finally below
+    source = SignalSource(read, timeout=args.timeout)
+    planner = Planner(config, capacity, clock=time.monotonic)
+
+    def on_window(signals, decision) -> None:
+        metrics.record(decision)
+        log.info("planner decision (dry run): %s", json.dumps({"signals": signals.to_dict(),
+                                                               "decision": decision.to_dict()}))
+        if record is not None:
+            record.write(json.dumps(signals.to_dict()) + "\n")
+            record.flush()
+        if args.json:
+            print(json.dumps({"signals": signals.to_dict(), "decision": decision.to_dict(), "dry_run": True}),
+                  flush=True)
+            return
+        stamp = time.strftime("%H:%M:%S")
+        for p in decision.pools:
+            print(f"{stamp} [dry run] {p.pool:<7} {p.reason}", flush=True)
+
+    print(f"planner (dry run): {args.run_dir}, a window every {args.interval:g} s; nothing is scaled",
+          file=sys.stderr)
+    try:
+        run(source, planner, interval=args.interval, on_window=on_window, windows=args.windows)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        source.close()
+        if record is not None:
+            record.close()
+    return 0

@@ -1,0 +1,8 @@
+"""The SLO-driven planner: how many prefill and decode workers the load needs (docs/planner.md).
+
+``signals`` reads one observation window from the cluster's Prometheus metrics, ``capacity`` holds what
+one worker of each pool serves within the SLOs (seeded from a sweep, learned online), ``policy`` turns a
+window into a target per pool with its reason (hysteresis, cool-downs, bounds, scale-down by drain),
+``metrics`` exports the decisions, ``live`` runs the scrape loop of ``pdserve planner run`` and
+``explain`` draws ``pdserve planner explain``. Only deciding exists so far: nothing here scales a pool.
+"""
