@@ -263,8 +263,8 @@ class KVTiers:
                 piece = sources[at:at + LOAD_PIECE]
                 staging = torch.empty((len(piece), *piece[0].shape), dtype=self.kv_cache.dtype,
                                       device=self.kv_cache.device)
-                for i, src in enumerate(piece):
-                    staging[i].copy_(src, non_blocking=True)
+                for i, n, src in _runs(piece, self.host.slots if self.host is not None else None):
+                    staging[i:i + n].copy_(src, non_blocking=True)
                 ids = torch.tensor(block_ids[at:at + len(piece)], dtype=torch.int64).to(
                     self.kv_cache.device, non_blocking=True)
                 self.kv_cache.index_copy_(1, ids, staging.transpose(0, 1))
@@ -315,6 +315,31 @@ class KVTiers:
             return f"{len(loads)} KV tier loads still running"
         return self.host.leak_report() if self.host is not None else None
 
+
+
+def _runs(sources: list[torch.Tensor], slots: torch.Tensor | None):
+    """``(start, count, source)`` copies for ``sources``: consecutive host slots (views of ``slots``, one
+    after the other in memory, as an offload batch lays them out) as one view and one copy; any other
+    source alone. A 2 MiB copy each leaves a tenth of the link's rate to per-copy overheads."""
+    i = 0
+    stride = slots[0].numel() * slots.element_size() if slots is not None else 0
+    while i < len(sources):
+        n = 1
+        if slots is not None and _in(sources[i], slots):
+            while (i + n < len(sources) and _in(sources[i + n], slots)
+                   and sources[i + n].data_ptr() == sources[i].data_ptr() + n * stride):
+                n += 1
+        if n > 1:
+            first = (sources[i].data_ptr() - slots.data_ptr()) // stride
+            yield i, n, slots[first:first + n]
+        else:
+            yield i, 1, sources[i].unsqueeze(0)
+        i += n
+
+
+def _in(t: torch.Tensor, slots: torch.Tensor) -> bool:
+    start = slots.data_ptr()
+    return start <= t.data_ptr() < start + slots.numel() * slots.element_size()
 
 
 def attach_tiers(config: TierConfig, engine, *, tp=None) -> KVTiers | None:

@@ -250,3 +250,21 @@ def test_a_reservation_whose_tier_load_fails_recomputes_the_gap(make, model, tmp
         rest += [t for o in decode.step() for t in o.new_token_ids]
     assert [first.new_token_ids[0]] + rest == expected
     assert decode.tiers.stats.hit_blocks["disk"] == 3 and decode.tiers.disk.corrupt == 1
+
+
+def test_consecutive_host_slots_load_in_one_copy():
+    """The CUDA load copies a run of consecutive host slots as one view (engine/kv_tiers/tiers._runs);
+    any other source alone. Every source lands where it belongs either way."""
+    import torch
+
+    from engine.kv_tiers.tiers import _runs
+
+    slots = torch.arange(10 * 6, dtype=torch.float32).view(10, 2, 3)
+    sources = [slots[2], slots[3], slots[4], torch.zeros(2, 3), slots[7], slots[6], slots[8], slots[9]]
+    runs = list(_runs(sources, slots))
+    assert [(i, n) for i, n, _ in runs] == [(0, 3), (3, 1), (4, 1), (5, 1), (6, 2)]
+    staging = torch.empty(len(sources), 2, 3)
+    for i, n, src in runs:
+        staging[i:i + n].copy_(src)
+    assert all(torch.equal(staging[k], sources[k]) for k in range(len(sources)))
+    assert [(i, n) for i, n, _ in _runs(sources[:2], None)] == [(0, 1), (1, 1)]  # no host tier: one by one
