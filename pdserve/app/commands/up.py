@@ -6,6 +6,9 @@ instead (no Ray start-up cost; what `make run` uses). Prints ``router: HOST:PORT
 worker is healthy and the router sees them all (and ``http: HOST:PORT`` once the OpenAI-compatible
 door answers, with ``--http-port``), then runs until Ctrl-C / SIGTERM / `pdserve down`.
 State lives in ``--run-dir`` (default .run/cluster) for `pdserve down` and `pdserve scale`.
+``--autoscale`` runs the planner beside the cluster: each window it scrapes the processes' metrics (as
+`pdserve planner run` does) and resizes the pools through ``Cluster.scale``, the call a `pdserve scale`
+request ends in (``pdserve/app/planner/actuator.py``; ``--autoscale dry-run`` only logs and prints).
 """
 
 from __future__ import annotations
@@ -104,6 +107,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default 6, as the chart's liveness probe)")
     p.add_argument("--liveness-period-s", type=float, default=10.0, metavar="S",
                    help="seconds between liveness checks; each waits at most min(5, S) (default 10)")
+    p.add_argument("--autoscale", nargs="?", const="on", choices=["on", "dry-run"],
+                   help="run the planner in this process: every window it scrapes the cluster's metrics and "
+                        "resizes the prefill and decode pools as `pdserve scale` does (scale-down by drain); "
+                        "dry-run: decide, log and print only. Needs the metrics: without --metrics-port a "
+                        "free port is picked (docs/planner.md)")
+    p.add_argument("--planner-args", default="", metavar="FLAGS",
+                   help="with --autoscale: `pdserve planner run` flags, one quoted string (e.g. "
+                        "\"--min-prefill 1 --max-prefill 3 --interval 10 --profile sweep.json\"; its "
+                        "--metrics-port serves the planner's own metrics)")
     p.add_argument("--run-dir", default=DEFAULT_RUN_DIR)
     p.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_run)
@@ -139,6 +151,17 @@ def _run(args: argparse.Namespace) -> int:
     if args.served_model_name:
         router_args += ["--served-model-name", args.served_model_name]
     router_args += shlex.split(args.router_args)  # last: the later flag wins
+    planner = None
+    if args.autoscale or args.planner_args:
+        try:
+            planner = _planner_options(args)
+        except ValueError as exc:
+            print(f"pdserve up: {exc}", file=sys.stderr)
+            return 2
+        if not args.metrics_port:  # the planner reads the cluster through its metrics
+            from pdserve.probe import free_port
+
+            args.metrics_port = free_port()
     try:
         prefill_tp_args, decode_tp_args = pool_tp_args(prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                                                        colocated=bool(args.colocated))
@@ -185,6 +208,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.host:
         backend.host = args.host
     cluster = Cluster(spec=spec, backend=backend, run_dir=run_dir)
+    autoscaler = None
     try:
         address = cluster.up()
         print(f"router: {address}", flush=True)
@@ -201,15 +225,83 @@ def _run(args: argparse.Namespace) -> int:
                  else f"{spec.num_prefill} prefill, {spec.num_decode} decode")
         print(f"cluster up ({args.launcher}): {pools}; "
               f"`pdserve down --run-dir {args.run_dir}` stops it", flush=True)
+        if planner is not None:
+            autoscaler = _start_autoscaler(planner, cluster, run_dir)
         cluster.serve()
     except Exception as exc:
         logging.getLogger(__name__).exception("cluster failed")
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 1
     finally:
+        if autoscaler is not None:
+            autoscaler.stop()  # before down(): a scale in progress finishes, none starts after
+        if planner is not None and planner.record_file is not None:
+            planner.record_file.close()
         cluster.down()
         print("cluster down", flush=True)
     return 0
+
+
+def _planner_options(args: argparse.Namespace) -> argparse.Namespace:
+    """`pdserve planner run`'s flags from ``--planner-args``, parsed by that command's own parser, with
+    ``config`` and ``capacity`` (its ``_setup``) and ``dry_run`` added. ``ValueError``: what is wrong."""
+    from pdserve.app.commands import planner as planner_command
+
+    if not args.autoscale:
+        raise ValueError("--planner-args needs --autoscale")
+    if args.colocated:
+        raise ValueError("--autoscale plans prefill and decode pools; a colocated cluster has neither")
+    parser = argparse.ArgumentParser(prog="pdserve up --planner-args", add_help=False)
+    planner_command.register(parser.add_subparsers())
+    try:
+        opts = parser.parse_args(["planner", "run", *shlex.split(args.planner_args)])
+    except SystemExit:  # argparse printed what it did not understand
+        raise ValueError(f"--planner-args {args.planner_args!r}: not `pdserve planner run` flags") from None
+    if opts.json or opts.run_dir != DEFAULT_RUN_DIR:
+        raise ValueError("--planner-args: --json and --run-dir are `planner run`'s alone (the run directory "
+                         "is pdserve up's --run-dir)")
+    if not opts.interval > 0 or (opts.windows is not None and opts.windows < 1):
+        raise ValueError("--planner-args: --interval must be > 0 and --windows >= 1")
+    try:
+        opts.config, opts.capacity = planner_command._setup(opts)
+    except (OSError, KeyError) as exc:
+        raise ValueError(f"--planner-args: {exc}") from None
+    if opts.config.min_prefill < 1 or opts.config.min_decode < 1:
+        raise ValueError("--planner-args: a pool of a local cluster keeps at least one worker (as `pdserve "
+                         "scale`): --min-prefill and --min-decode must be >= 1")
+    opts.dry_run = opts.dry_run or args.autoscale == "dry-run"
+    opts.record_file = None
+    return opts
+
+
+def _start_autoscaler(opts: argparse.Namespace, cluster, run_dir: Path):
+    """The planner's loop in a thread beside ``cluster.serve()`` (``pdserve/app/planner/actuator.py``)."""
+    import time
+
+    from pdserve.app.planner.actuator import Actuator, Autoscaler
+    from pdserve.app.planner.live import SignalSource
+    from pdserve.app.planner.metrics import planner_registry
+    from pdserve.app.planner.policy import Planner
+    from pdserve.app.top.scrape import run_dir_targets
+
+    metrics = planner_registry()
+    if opts.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(opts.metrics_port, addr=opts.metrics_host, registry=metrics.registry)
+    if opts.record:
+        opts.record_file = open(opts.record, "a")  # closed by _run
+    actuator = Actuator(cluster, Planner(opts.config, opts.capacity, clock=time.monotonic),
+                        dry_run=opts.dry_run)
+    autoscaler = Autoscaler(actuator, SignalSource(run_dir_targets(run_dir), timeout=opts.timeout),
+                            interval=opts.interval, windows=opts.windows, metrics=metrics,
+                            record=opts.record_file, echo=lambda line: print(line, flush=True))
+    c = opts.config
+    print(f"autoscale{' (dry run: nothing is scaled)' if opts.dry_run else ''}: a window every "
+          f"{opts.interval:g} s; prefill {c.min_prefill}..{c.max_prefill}, decode {c.min_decode}.."
+          f"{c.max_decode}; cool-downs up {c.up_cooldown_s:g} s, down {c.down_cooldown_s:g} s", flush=True)
+    autoscaler.start()
+    return autoscaler
 
 
 def _wait_http(address: str, timeout: float = 30.0) -> None:

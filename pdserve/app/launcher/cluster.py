@@ -113,6 +113,8 @@ class Cluster:
     _supervisor: Supervisor | None = None
     _lock: threading.RLock = field(default_factory=threading.RLock)  # the member lists
     _metrics: MetricsPorts | None = None  # every process's metrics port (spec.metrics_port)
+    # one scale() at a time: `pdserve scale` requests (serve()), the autoscaler's thread (planner/actuator.py)
+    _scaling: threading.Lock = field(default_factory=threading.Lock)
 
     # ---- bring-up -------------------------------------------------------------------------------
     def up(self) -> str:
@@ -317,27 +319,29 @@ class Cluster:
     def scale(self, role: str, n: int) -> None:
         if role not in self.workers or n < 1:
             raise ValueError(f"scale needs role prefill|decode and N >= 1, got {role} {n}")
-        current = self.workers[role]
-        if n > len(current):
-            with ThreadPoolExecutor(max_workers=8) as pool:
-                plan = [(self._next_name(role), self._next_devices(role)) for _ in range(n - len(current))]
-                new = list(pool.map(lambda nd: self._start_worker(role, *nd), plan))
-            with self._lock:
-                current.extend(new)
-            self._write_members()
-            self.wait_router_sees(timeout=60)
-        elif n < len(current):
-            gone = current[n:]
-            with self._lock:
-                del current[n:]
-            self._write_members()
-            self.wait_router_sees(timeout=60)
-            for h in gone:
-                ch = self.channel(h.address, self._serve_role(h.role))
-                _wait_idle(h, ch, timeout=self.spec.drain_timeout)
-                h.stop(self.spec.drain_timeout)
-        self.write_state()
-        log.info("scaled %s to %d", role, n)
+        with self._scaling:
+            current = self.workers[role]
+            if n > len(current):
+                with ThreadPoolExecutor(max_workers=8) as pool:
+                    plan = [(self._next_name(role), self._next_devices(role))
+                            for _ in range(n - len(current))]
+                    new = list(pool.map(lambda nd: self._start_worker(role, *nd), plan))
+                with self._lock:
+                    current.extend(new)
+                self._write_members()
+                self.wait_router_sees(timeout=60)
+            elif n < len(current):
+                gone = current[n:]
+                with self._lock:
+                    del current[n:]
+                self._write_members()
+                self.wait_router_sees(timeout=60)
+                for h in gone:
+                    ch = self.channel(h.address, self._serve_role(h.role))
+                    _wait_idle(h, ch, timeout=self.spec.drain_timeout)
+                    h.stop(self.spec.drain_timeout)
+            self.write_state()
+            log.info("scaled %s to %d", role, n)
 
     # ---- run until stopped ----------------------------------------------------------------------
     def serve(self) -> None:

@@ -4,5 +4,6 @@
 one worker of each pool serves within the SLOs (seeded from a sweep, learned online), ``policy`` turns a
 window into a target per pool with its reason (hysteresis, cool-downs, bounds, scale-down by drain),
 ``metrics`` exports the decisions, ``live`` runs the scrape loop of ``pdserve planner run`` and
-``explain`` draws ``pdserve planner explain``. Only deciding exists so far: nothing here scales a pool.
+``explain`` draws ``pdserve planner explain``. ``actuator`` applies the decisions to a local cluster
+through ``Cluster.scale`` (``pdserve up --autoscale``); on Kubernetes nothing scales a pool yet.
 """

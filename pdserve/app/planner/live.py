@@ -1,6 +1,6 @@
 """``pdserve planner run``'s loop: scrape every process of a cluster each interval, turn the two latest
-scrapes into ``Signals``, ask the planner, hand each decision on. Nothing here acts on the cluster (only
-dry-run exists so far: docs/planner.md).
+scrapes into ``Signals``, ask the planner, hand each decision on. Nothing here acts on the cluster: ``planner
+run --dry-run`` prints each decision, ``pdserve up --autoscale`` hands it to ``actuator.py``.
 
 Targets come from the run directory's ``prometheus-targets.json`` (re-read each window, so workers
 started or drained show), scraped as ``pdserve top`` scrapes them (``pdserve/app/top/scrape.py``); a
@@ -10,6 +10,7 @@ target that does not answer is left out of the window (its pool counts one repli
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -58,14 +59,17 @@ class SignalSource:
 
 def run(source: SignalSource, planner: Planner, *, interval: float,
         on_window: Callable[[Signals, Decision], None], windows: int | None = None,
-        sleep: Callable[[float], None] | None = None) -> int:
+        sleep: Callable[[float], None] | None = None, stop: threading.Event | None = None) -> int:
     """Poll every ``interval`` seconds and pass each window and its decision to ``on_window``, for
-    ``windows`` polls after the first (None: until interrupted). Returns the decisions taken."""
-    sleep = sleep or time.sleep
+    ``windows`` polls after the first (None: until interrupted, or until ``stop`` is set: it is checked
+    between windows, and the wait ends when it is set). Returns the decisions taken."""
+    sleep = sleep or (stop.wait if stop is not None else time.sleep)
     source.poll()  # the first scrape: where the first window starts
     polls = decided = 0
     while windows is None or polls < windows:
         sleep(interval)
+        if stop is not None and stop.is_set():
+            break
         polls += 1
         s = source.poll()
         if s is None:

@@ -166,7 +166,8 @@ class _PoolState:
 
 class Planner:
     """``observe(signals)`` once per window returns that window's ``Decision`` and remembers the targets
-    (its own: in dry-run nothing follows them, and the next window starts from them all the same)."""
+    (its own: in dry-run nothing follows them, and the next window starts from them all the same; an
+    actuator that could not follow one says so with ``follow``)."""
 
     def __init__(self, config: PlannerConfig, capacity: CapacityModel | None = None, *,
                  clock: Callable[[], float]) -> None:
@@ -233,6 +234,17 @@ class Planner:
             self._idle_since = now
         pools = tuple(self._decide(pool, needs[pool], s.replicas(pool), now) for pool in POOLS)
         return Decision(at=now, pools=pools, learned=tuple(learned))
+
+    def follow(self, pool: str, replicas: int, *, changed_at: float | None = None) -> None:
+        """Start ``pool``'s next decision from ``replicas`` instead of the last target: what an actuator
+        calls when the pool has other than the planner decided (a change not applied, a failed scale, a
+        resize by hand). ``changed_at``: when the pool's last change really ended (a scale takes time after
+        the decision that asked for it); the cool-downs then count from it."""
+        st = self._state[pool]
+        if st.target != replicas:
+            st.target, st.low_since = replicas, None
+        if changed_at is not None:
+            st.changed_at = changed_at
 
     def _decide(self, pool: str, need: _Need, observed: int, now: float) -> PoolDecision:
         c, st = self.config, self._state[pool]
