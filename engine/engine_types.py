@@ -103,6 +103,8 @@ class EngineConfig:
                              f"max_num_seqs ({self.max_num_seqs})")
         if self.dtype is not None:
             object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if isinstance(self.tiers, dict):  # from JSON: a tensor-parallel rank's config (app/tp_ranks.py)
+            object.__setattr__(self, "tiers", TierConfig(**self.tiers))
         if not isinstance(self.tiers, TierConfig):
             raise TypeError(f"EngineConfig.tiers must be a TierConfig, got {type(self.tiers).__name__}")
 

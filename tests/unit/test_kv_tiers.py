@@ -268,3 +268,16 @@ def test_consecutive_host_slots_load_in_one_copy():
         staging[i:i + n].copy_(src)
     assert all(torch.equal(staging[k], sources[k]) for k in range(len(sources)))
     assert [(i, n) for i, n, _ in _runs(sources[:2], None)] == [(0, 1), (1, 1)]  # no host tier: one by one
+
+
+def test_an_engine_config_with_tiers_survives_json():
+    """A tensor-parallel rank gets its EngineConfig as JSON (pdserve/app/tp_ranks.py): the tiers come back
+    a TierConfig."""
+    import json
+    from dataclasses import asdict
+
+    from engine.engine_types import EngineConfig
+    from engine.kv_tiers import TierConfig
+
+    config = EngineConfig(tiers=TierConfig(host_auto=True, disk_dir="/kv", disk_bytes=1 << 30))
+    assert EngineConfig(**json.loads(json.dumps(asdict(config)))) == config
