@@ -5,7 +5,8 @@ built-in guesses), the knobs, what steady loads need (``--load RATE:PROMPT:OUTPU
 trace of windows (``--trace FILE.jsonl``, one ``Signals`` per line, as ``planner run --record`` writes
 them), each window's decision and why. ``planner run --dry-run`` scrapes a local cluster's processes
 every ``--interval`` (``RUN_DIR/prometheus-targets.json``: ``pdserve up --metrics-port P``) and prints
-and logs each decision without acting: only dry-run exists so far (docs/planner.md). The policy lives in
+and logs each decision without acting; to act on a local cluster, ``pdserve up --autoscale`` runs the same
+loop and resizes the pools as ``pdserve scale`` does (docs/planner.md). The policy lives in
 ``pdserve/app/planner/``.
 """
 
@@ -61,13 +62,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --trace: only the windows that changed a pool")
     e.add_argument("--json", action="store_true", help="the same as one JSON object")
     e.set_defaults(func=_explain)
-    r = sub.add_parser("run", help="scrape a local cluster every interval and print each decision; only "
-                                   "--dry-run exists so far (it never acts: docs/planner.md)")
+    r = sub.add_parser("run", help="scrape a local cluster every interval and print each decision "
+                                   "(--dry-run: it never acts; `pdserve up --autoscale` acts)")
     _add_policy_args(r)
     r.add_argument("--run-dir", default=".run/cluster", help="the cluster's run directory: its "
                    "prometheus-targets.json lists every process (pdserve up --metrics-port P)")
-    r.add_argument("--dry-run", action="store_true", help="decide and report, never act (required: the "
-                   "actuators come later)")
+    r.add_argument("--dry-run", action="store_true", help="decide and report, never act (required here: "
+                   "`pdserve up --autoscale` is the planner that acts)")
     r.add_argument("--interval", type=float, default=10.0, metavar="S",
                    help="seconds per window (default 10)")
     r.add_argument("--timeout", type=float, default=2.0, metavar="S", help="per scrape (default 2)")
@@ -146,8 +147,8 @@ def _run(args: argparse.Namespace) -> int:
     from pdserve.app.top.scrape import run_dir_targets
 
     if not args.dry_run:
-        print("pdserve planner run: only --dry-run exists so far (it decides and reports; the actuators that "
-              "scale pools come later: docs/planner.md)", file=sys.stderr)
+        print("pdserve planner run: give --dry-run (it decides and reports); to act on a local cluster, "
+              "start it with `pdserve up --autoscale` (docs/planner.md)", file=sys.stderr)
         return 2
     if not args.interval > 0 or (args.windows is not None and args.windows < 1):
         print("pdserve planner run: --interval must be > 0 and --windows >= 1", file=sys.stderr)
