@@ -79,7 +79,7 @@ def test_explain_refuses_what_it_cannot_read(tmp_path, capsys):
 
 def test_run_is_dry_run_only_and_needs_targets(tmp_path, capsys):
     assert main(["planner", "run", "--run-dir", str(tmp_path)]) == 2
-    assert "only --dry-run exists" in capsys.readouterr().err
+    assert "pdserve up --autoscale" in capsys.readouterr().err
     assert main(["planner", "run", "--run-dir", str(tmp_path), "--dry-run"]) == 1
     assert "prometheus-targets.json" in capsys.readouterr().err
 
