@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -37,6 +36,7 @@ from gpu_disagg import write_checkpoint  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.kv_tiers import TierConfig  # noqa: E402
 from pdserve.sampling import SamplingParams  # noqa: E402
+from pdserve.settings import bench_command, bench_commit  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 MODEL = Path("/dev/shm/pdserve-llama3-8b")
@@ -234,8 +234,7 @@ def main() -> int:
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s", flush=True)
     device = torch.cuda.get_device_name().replace(" ", "-").lower()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "command": os.environ.get("PDSERVE_BENCH_COMMAND", " ".join(sys.argv)),
-                 "commit": os.environ.get("PDSERVE_COMMIT", ""),
+                 "command": bench_command(), "commit": bench_commit(),
                  "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args)}
     parts = args.parts.split(",")
     if "engine" in parts or "decode" in parts:

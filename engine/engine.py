@@ -27,6 +27,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
+from engine.cuda_graphs import capture_next_idle
 from engine.engine_types import EngineConfig, Reservation, StepOutput
 from engine.errors import DuplicateRequest, KVCacheFull, QueueFull, UnknownRequest
 from engine.kv_events import KVEvents
@@ -150,27 +151,10 @@ class LLMEngine(LaunchAhead):
         return graphs is not None and graphs.idle_pending()
 
     def idle_work(self) -> bool:
-        """One piece of start-up work deferred past SERVING -- the largest decode CUDA graph not
-        captured yet, ~0.2 s on an 8B model -- for a driver to run only while ``has_unfinished()``
-        is False (``engine.async_engine``). Returns False when it did nothing (no work, or no free
-        block to lend the capture's dummy token): the driver then waits for its next command before
-        asking again. A capture that runs out of GPU memory ends idle captures (logged); those
-        buckets are then captured on first use, as without idle work."""
-        graphs = self.runner.cuda_graphs
-        if graphs is None or not graphs.idle_pending():
-            return False
-        try:
-            (block,) = self.block_manager.allocate(1)
-        except KVCacheFull:
-            return False
-        try:
-            graphs.capture_idle(block)
-        except torch.OutOfMemoryError:
-            log.warning("no GPU memory for the next decode CUDA graph; idle captures stop", exc_info=True)
-            graphs.stop_idle_captures()
-        finally:
-            self.block_manager.release([block])
-        return True
+        """One piece of start-up work deferred past SERVING (the largest decode CUDA graph not captured
+        yet; ``engine.cuda_graphs.capture_next_idle``), for a driver to run only while
+        ``has_unfinished()`` is False (``engine.async_engine``). False when it did nothing."""
+        return capture_next_idle(self.runner.cuda_graphs, self.block_manager)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Seq[int],

@@ -360,6 +360,12 @@ def bench_command() -> str:
     return os.environ.get("PDSERVE_BENCH_COMMAND") or shlex.join([sys.executable, *sys.argv])
 
 
+def bench_commit() -> str:
+    """The commit a benchmark result records when the tree has no git (a device machine's copy):
+    ``PDSERVE_COMMIT``, else empty."""
+    return os.environ.get("PDSERVE_COMMIT", "")
+
+
 @contextlib.contextmanager
 def environment(values: Mapping[str, str]) -> Iterator[None]:
     """``values`` set in this process's environment, and so in every child it starts, while the body
