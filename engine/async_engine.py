@@ -98,6 +98,7 @@ class AsyncEngine:
         self._stopped = threading.Event()
         self.snapshot = EngineSnapshot()
         self.error: BaseException | None = None
+        self._compiling: dict[tuple, asyncio.Future] = {}  # constraint key -> compilation (engine.grammar)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -192,9 +193,36 @@ class AsyncEngine:
         except Exception:  # the request may already be gone; abort is best effort
             log.debug("abort of %s failed", request_id, exc_info=True)
 
+    async def compile_constraint(self, params: Any) -> None:
+        """Compile ``params``' structured-output constraint, if any, on a thread of its own (neither the
+        event loop nor the engine thread waits for it), so the engine finds it cached. GrammarError
+        (INVALID_ARGUMENT) when it cannot be compiled or takes longer than
+        ``PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S``; a compilation that timed out goes on (llguidance's limits
+        bound it) and a request with the same constraint waits for that one instead of starting another."""
+        constraint = getattr(params, "constraint", None)
+        grammars = getattr(self.engine, "grammars", None)
+        if constraint is None or grammars is None or grammars.cached(constraint):
+            return
+        from engine.grammar.spec import GrammarError
+        from pdserve.settings import grammar_compile_timeout_s
+
+        key = constraint.key
+        fut = self._compiling.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(asyncio.to_thread(grammars.compile, constraint))
+            self._compiling[key] = fut
+            fut.add_done_callback(lambda _f: self._compiling.pop(key, None))
+        timeout = grammar_compile_timeout_s()
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            raise GrammarError(f"the {constraint.kind} constraint did not compile within {timeout:g} s"
+                               ) from None
+
     # ---- request-level API ----------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
         """Full generation in this engine (colocated role / reference). Yields StepOutputs."""
+        await self.compile_constraint(params)
         stream, _ = await self._open(request_id, lambda e: e.add_request(request_id, prompt_ids, params))
         async for out in self._iterate(request_id, stream):
             yield out
@@ -210,6 +238,7 @@ class AsyncEngine:
         ``engine.layer_sink`` (its methods run on the engine thread).
         """
         kw = {"layer_sink": layer_sink} if layer_sink is not None else {}
+        await self.compile_constraint(params)
         stream, _ = await self._open(request_id,
                                      lambda e: e.add_prefill_request(request_id, prompt_ids, params, **kw))
         try:
@@ -228,6 +257,7 @@ class AsyncEngine:
             raise
 
     async def reserve(self, request_id: str, prompt_ids: list[int], params: Any) -> Any:
+        await self.compile_constraint(params)
         return await self.call(lambda e: e.reserve(request_id, prompt_ids, params))
 
     async def commit_prefilled(self, request_id: str, first_token_id: int) -> AsyncIterator[Any]:
@@ -247,6 +277,7 @@ class AsyncEngine:
     async def generate_ready(self, request_id: str, prompt_ids: list[int],
                              params: Any) -> AsyncIterator[list[Any]]:
         """``generate``, yielding every StepOutput that is ready at once as one list."""
+        await self.compile_constraint(params)
         stream, _ = await self._open(request_id, lambda e: e.add_request(request_id, prompt_ids, params))
         async for outs in self._iterate_ready(request_id, stream):
             yield outs

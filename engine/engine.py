@@ -30,6 +30,7 @@ from engine.config import ModelConfig
 from engine.cuda_graphs import capture_next_idle
 from engine.engine_types import EngineConfig, Reservation, StepOutput
 from engine.errors import DuplicateRequest, KVCacheFull, QueueFull, UnknownRequest
+from engine.grammar import GrammarCompiler
 from engine.kv_events import KVEvents
 from engine.kv_layout import KVLayout, dtype_name
 from engine.kv_tiers.tiers import KVTiers, attach_tiers, cache_snapshot
@@ -106,6 +107,9 @@ class LLMEngine(LaunchAhead):
         self.block_manager.events = self.kv_events
         self.tiers: KVTiers | None = attach_tiers(config.tiers, self, tp=tp)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        # structured output: compiled grammars, cached (engine.grammar; compiled off this thread first)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size=cfg.vocab_size,
+                                        eos_token_ids=self.eos_token_ids)
         self._requests: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []  # outputs decided outside step() (abort, commit)
         self._inflight: InFlight | None = None  # a decode step launched, tokens not read (step_ahead)
@@ -228,6 +232,8 @@ class LLMEngine(LaunchAhead):
             flight, self._inflight = self._inflight, None
             self._inflight = self._launch_ahead(flight)
             outputs += self._read(flight)
+            if self._inflight is not None:  # its constrained rows' masks follow the tokens just read
+                self._inflight.launched.finish()
             outputs += self._pending
             self._pending = []
             return outputs
@@ -352,6 +358,12 @@ class LLMEngine(LaunchAhead):
             seq.generator = make_generator(params.seed, self.device)
             if params.seed_draws:  # a continued request: resume the stream where its tokens left it
                 advance_generator(seq.generator, self.model_config.vocab_size, params.seed_draws)
+        if params.constraint is not None:
+            if self.tp is not None and self.tp.size > 1:
+                raise ValueError("structured output is not served by tensor-parallel workers yet")
+            seq.grammar = self.grammars.start(params.constraint)
+            if params.stop_context:  # a continuation: its answer so far is already inside the grammar
+                seq.grammar.replay(prompt[len(prompt) - params.stop_context:])
         if params.stop:
             from engine.tokenizer import IncrementalDecoder
 

@@ -12,6 +12,12 @@ step's sampled ids. ``execute`` is the two back to back. Between them the engine
 decode step, its input ids copied on the device from this one's sampled ids (``PrevTokens``), so the
 host's work for step n+1 runs while the GPU computes step n (engine.step_ahead).
 
+Rows under a structured-output constraint (engine.grammar) sample under their mask, built on the host
+from their grammar's state. A launched-ahead step whose constrained row's input is still a placeholder
+holds its whole sampling back (``LaunchedStep.defer``) until the engine has read the step before and
+fed that token to the grammar; the forward is queued already, so the mask is built while the GPU
+computes it, and unconstrained rows lose nothing but the sampling's place in the stream.
+
 A request running its final prompt chunk with a layer sink (``engine.layer_sink``) makes the step
 eager with an ``after_layer`` hook that reports each layer's KV as written; steps without one pass
 no hook at all.
@@ -23,7 +29,9 @@ the forward's all-reduces and the logits gather, then drop the logits (rank 0 sa
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +39,7 @@ import torch
 
 from engine import compile_key
 from engine.attention import BatchSpec, backend_geometry, get_backend
+from engine.grammar.masks import MaskBuilder
 from engine.kv_layout import KVLayout
 from engine.layer_sink import LAUNCH_THROTTLE_MIN_TOKENS, chain, launch_throttle, layer_callback
 from engine.model import CausalLM
@@ -87,6 +96,20 @@ class LaunchedStep:
         self.token_ids: torch.Tensor | None = None
         self._host: list[torch.Tensor | None] = []
         self._done: torch.cuda.Event | None = None
+        self._deferred: Callable[[], None] | None = None
+
+    def defer(self, sample: Callable[[], None]) -> None:
+        """Hold back the sampling: a constrained row's input is a placeholder for the token of the step
+        launched before this one, and its mask needs that token. The forward is queued; ``finish``
+        samples once the engine has read the step before (engine.step_ahead), while the GPU still
+        computes this one's forward."""
+        self._deferred = sample
+
+    def finish(self) -> None:
+        """Queue a held-back sampling (``defer``); a no-op otherwise."""
+        if self._deferred is not None:
+            sample, self._deferred = self._deferred, None
+            sample()
 
     def take(self, out) -> None:
         self.token_ids = out.token_ids
@@ -105,6 +128,7 @@ class LaunchedStep:
         if not self._samplers:
             self._runner.last_phases = phases
             return [], []
+        self.finish()
         if self._done is not None:
             self._done.synchronize()
         tokens_t, lps_t, top_ids_t, top_lps_t = self._host
@@ -156,6 +180,7 @@ class ModelRunner:
             geometry.update(num_heads=model.shard.local_heads, num_kv_heads=model.shard.local_kv_heads)
         self.backend = get_backend(attention_backend, device=device, dtype=layout.torch_dtype, **geometry)
         self.sampler = Sampler(device, seed=seed)
+        self.masks = MaskBuilder(cfg.vocab_size, device)  # structured output's token masks (engine.grammar)
         self.cuda_graphs = None  # engine.cuda_graphs.DecodeGraphRunner once enable_cuda_graphs() captured
         self._staged: torch.cuda.Event | None = None  # the last launch's copies queued (_mark_staged)
         self._fed: torch.Tensor | None = None  # a follower rank: rank 0's last shared sampled ids
@@ -238,14 +263,29 @@ class ModelRunner:
         step = LaunchedStep(self, samplers, num_tokens=len(input_ids), t0=t0)
         if samplers:
             logits = self.model.compute_logits(self._rows(hidden, rows))
-            vocab = self.model.config.vocab_size
-            out = self.sampler(logits, [s.seq.params for s in samplers], [s.seq.generator for s in samplers],
-                               [state_for(s.seq, vocab, self.device) for s in samplers])
-            if feeds_next and self.tp is not None:
-                self.tp.broadcast(out.token_ids)  # the other ranks' input for the next step
-            step.take(out)
+            sample = functools.partial(self._sample, step, logits, samplers, feeds_next)
+            if any(s.seq.grammar is not None and s.seq.pending_slot is not None for s in samplers):
+                step.defer(sample)  # a constrained row's mask needs the token the step before samples
+            else:
+                sample()
         step.launched_at = time.monotonic()
         return step
+
+    @torch.inference_mode()
+    def _sample(self, step: LaunchedStep, logits: torch.Tensor, samplers: list[ScheduledSeq],
+                feeds_next: bool) -> None:
+        """Sample ``step``'s rows from ``logits``: each constrained row under its grammar's mask."""
+        vocab = self.model.config.vocab_size
+        constrained = [i for i, s in enumerate(samplers) if s.seq.grammar is not None]
+        masks = None
+        if constrained:
+            states = [samplers[i].seq.grammar for i in constrained]
+            masks = (constrained, self.masks.build(states), self.masks)
+        out = self.sampler(logits, [s.seq.params for s in samplers], [s.seq.generator for s in samplers],
+                           [state_for(s.seq, vocab, self.device) for s in samplers], masks=masks)
+        if feeds_next and self.tp is not None:
+            self.tp.broadcast(out.token_ids)  # the other ranks' input for the next step
+        step.take(out)
 
     def throttles(self, num_tokens: int) -> bool:
         """Whether an eager step of ``num_tokens`` tokens is launched at most ``launch_ahead_layers``

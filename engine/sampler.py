@@ -10,6 +10,8 @@ One call handles greedy and random rows together, vectorized over the batch:
   the batch; unseeded rows draw from one shared generator;
 * rows with penalties or a logit bias (engine.penalties) have them applied first, greedy rows too,
   and their picks counted on the device;
+* rows under a structured-output constraint have every token outside it masked to ``-inf``
+  (engine.grammar.masks), after their penalties;
 * greedy rows take ``argmax`` of their logits (after their own penalties), independent of the rest;
 * optional log-probabilities (of the raw distribution, as a model score) of the chosen token and
   the top-``n`` alternatives.
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar.masks import MaskBuilder
 from engine.penalties import PenaltyState, penalized_logits, record_picks
 from engine.staging import to_device
 from pdserve.sampling import SamplingParams
@@ -72,15 +75,20 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
-                 penalties: Sequence[PenaltyState | None] | None = None) -> SamplerOutput:
+                 penalties: Sequence[PenaltyState | None] | None = None,
+                 masks: tuple[list[int], torch.Tensor, MaskBuilder] | None = None) -> SamplerOutput:
         """``logits [B, V]`` float32; ``generators[i]`` is row i's own generator (None: shared);
-        ``penalties[i]`` row i's penalty state (None, or no list: none)."""
+        ``penalties[i]`` row i's penalty state (None, or no list: none); ``masks``: (rows, host bitmask,
+        its builder) of the rows under a structured-output constraint (engine.grammar)."""
         n = logits.shape[0]
         if n != len(params) or n != len(generators) or (penalties is not None and n != len(penalties)):
             raise ValueError(f"{n} logit rows for {len(params)} params / {len(generators)} generators")
         pen_rows = [i for i, s in enumerate(penalties or ()) if s is not None]
         pen_states = [penalties[i] for i in pen_rows]
         work = penalized_logits(logits, pen_rows, pen_states) if pen_rows else logits
+        if masks is not None:
+            rows, bitmask, builder = masks
+            work = builder.apply(work, rows, bitmask)
         greedy = [p.temperature == 0.0 for p in params]
         tokens = work.argmax(dim=-1)
         if not all(greedy):

@@ -47,6 +47,7 @@ class Sequence:
         self.hashes: list[int] = []  # chained hashes of the full blocks of ``tokens``
         self.generator: torch.Generator | None = None
         self.penalties = None  # engine.penalties.PenaltyState of a request with penalties or a bias
+        self.grammar = None  # engine.grammar.GrammarState of a request with a structured-output constraint
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""  # detokenized output, tracked only for stop strings

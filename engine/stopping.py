@@ -1,4 +1,5 @@
-"""When a request is finished: the generated token goes in, then EOS, stop tokens, stop strings, length.
+"""When a request is finished: the generated token goes in, then its grammar's end, EOS, stop tokens, stop
+strings, length.
 
 One rule for every path that adds a token (a synchronous step, a step launched ahead whose token fills a
 placeholder, the first token a prefill worker sampled for a decode worker's commit).
@@ -20,6 +21,8 @@ def append_token(seq: Sequence, token: int, *, eos_token_ids: frozenset[int], ma
         seq.tokens[seq.pending_slot] = token
         seq.pending_slot = None
     p = seq.params
+    if seq.grammar is not None and _grammar_ends(seq, token):
+        return
     if (not p.ignore_eos and token in eos_token_ids) or token in p.stop_token_ids:
         seq.finish_reason = "stop"
     elif seq.decoder is not None and _hit_stop_string(seq, seq.decoder.push(token)):
@@ -39,3 +42,20 @@ def _hit_stop_string(seq: Sequence, delta: str) -> bool:
         seq.text = seq.text[:min(hits)]
         return True
     return False
+
+
+def _grammar_ends(seq: Sequence, token: int) -> bool:
+    """Feed the token to the request's grammar (engine.grammar); True when that finishes the request: the
+    answer is complete ("stop"), or the grammar refused the token ("error": only a token sampled without
+    its mask could be, and the request must not go on outside its constraint)."""
+    from engine.grammar.spec import GrammarError
+
+    try:
+        done = seq.grammar.accept(token)
+    except GrammarError as exc:
+        seq.error = str(exc)
+        seq.finish_reason = "error"
+        return True
+    if done:
+        seq.finish_reason = "stop"
+    return done

@@ -68,6 +68,10 @@ class Tokenizer:
         """Number of ids the tokenizer knows (special tokens included); may be < the model's."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (engine.grammar builds its vocabulary from it)."""
+        return self._tok.to_str()
+
     def __len__(self) -> int:
         return self.vocab_size
 

@@ -9,6 +9,41 @@ MAX_PENALTY = 2.0  # presence / frequency, OpenAI's range
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A structured-output constraint (engine.grammar compiles and enforces it).
+
+    ``kind``: ``json_schema`` (``text`` is the schema as JSON), ``json_object`` (any JSON object; no
+    text), ``regex`` (the whole answer matches ``text``), ``choice`` (exactly one of ``choices``) or
+    ``grammar`` (``text`` in Lark syntax, or GBNF when it holds ``::=``). Equal constraints share one
+    compiled grammar (``key``)."""
+
+    kind: str
+    text: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, "
+                             f"got {self.kind!r}")
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if self.kind == "choice":
+            if not self.choices or any(not isinstance(c, str) or not c for c in self.choices):
+                raise ValueError("a choice constraint needs at least one non-empty string")
+        elif self.kind != "json_object" and not self.text:
+            raise ValueError(f"a {self.kind} constraint needs its text")
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, self.text, self.choices)
+
+    @property
+    def size(self) -> int:
+        """Characters of its text (the bound on what a worker compiles)."""
+        return len(self.text) + sum(len(c) + 1 for c in self.choices)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +60,7 @@ class SamplingParams:
     ``presence_penalty`` and ``frequency_penalty`` on the generated tokens, ``repetition_penalty``
     (vLLM's and transformers') on the prompt's and the generated ones, and ``logit_bias`` (token id,
     bias) pairs added to their logits. Log-probabilities stay those of the model's own distribution.
+    A ``constraint`` (structured output) masks every token that would leave it, before the penalties.
     """
 
     max_tokens: int = 16
@@ -45,6 +81,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), token ids ascending
+    constraint: Constraint | None = None  # structured output (engine.grammar)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +124,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
                                  f"{MAX_LOGIT_BIAS_VALUE:g}], got {value!r} for token {token}")
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in bias.items())))
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -465,6 +465,17 @@ def stall_watch_ms() -> float:
     return float(raw)
 
 
+def grammar_compile_timeout_s() -> float:
+    """``PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S`` (default 10): how long a router or worker waits for a
+    structured-output constraint to compile before refusing it (engine.grammar; the compilation runs off
+    the event loop and the engine thread, and llguidance's limits bound it as well)."""
+    raw = os.environ.get("PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S", "") or "10"
+    value = float(raw)
+    if not value > 0:
+        raise ValueError(f"PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S must be > 0, got {raw!r}")
+    return value
+
+
 def ucx_tls_for_tests() -> str:
     """UCX transports for NIXL in local test clusters (``PDSERVE_TEST_UCX_TLS``, default ``tcp``)."""
     return os.environ.get("PDSERVE_TEST_UCX_TLS", "tcp")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from pdserve.sampling import SamplingParams
+from pdserve.sampling import Constraint, SamplingParams
 from pdserve.v1 import common_pb2, router_pb2
 
 DEFAULT_MAX_TOKENS = 16
@@ -61,7 +61,30 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, max_tokens: int | None =
         seed=int(msg.seed) if msg.HasField("seed") else None, stop=tuple(msg.stop),
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids), ignore_eos=bool(msg.ignore_eos),
         logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None, seed_draws=int(msg.seed_draws),
-        stop_context=int(msg.stop_context))
+        stop_context=int(msg.stop_context), constraint=constraint_from_proto(msg.constraint))
+
+
+def constraint_from_proto(msg: common_pb2.Constraint) -> Constraint | None:
+    """The engine's Constraint of a wire message (None when no kind is set); ValueError when empty."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return Constraint("json_object") if msg.json_object else None
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(msg.choice.values))
+    return Constraint(kind, getattr(msg, kind))
+
+
+def constraint_to_proto(constraint: Constraint | None, msg: common_pb2.Constraint) -> None:
+    if constraint is None:
+        return
+    if constraint.kind == "json_object":
+        msg.json_object = True
+    elif constraint.kind == "choice":
+        msg.choice.values.extend(constraint.choices)
+    else:
+        setattr(msg, constraint.kind, constraint.text)
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -83,6 +106,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.repetition_penalty = params.repetition_penalty
     for token, bias in params.logit_bias:
         msg.logit_bias[token] = bias
+    constraint_to_proto(params.constraint, msg.constraint)
     return msg
 
 

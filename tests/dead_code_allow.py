@@ -15,7 +15,6 @@ _.num_prefill_tokens  # FlashInferMetadata field, kept for repr/debugging of a s
 _.generated_tokens  # engine counters, exported whole (dataclasses.asdict) in stats
 _.decode_cached  # scoring record field, shown in the placement's path report
 _.best_of  # OpenAI request fields: parsed so they can be refused by name (router/http)
-_.response_format
 _.description  # tool definitions: handed whole to the chat template (model_dump, router/http/frontend.py)
 _.strict  # OpenAI request fields accepted and not acted on (router/http/schemas.py)
 _.parallel_tool_calls

@@ -19,6 +19,8 @@ strings, the final path report). Nothing about serving is decided here, only tra
   template (``router/chat_template.py``), then tokenized without adding special tokens again;
 - ``x-session-affinity`` / ``x-reusable-prefix-len`` headers carry what gRPC carries in
   ``session_id`` (or the same metadata key) and ``reusable_prefix_len``;
+- structured output (``response_format``, vLLM's ``guided_*`` / ``structured_outputs``, a forced
+  ``tool_choice``) becomes the request's ``SamplingParams.constraint`` (router/http/structured.py);
 - ``max_tokens`` (or ``max_completion_tokens``) defaults to 16 for completions, as OpenAI's, and to
   the rest of the context for chat.
 
@@ -52,6 +54,7 @@ from router.http.schemas import (
     TextPart,
     TokenizeRequest,
 )
+from router.http.structured import body_constraint, tool_constraint
 from router.pipeline import Pipeline, RequestFailed
 from router.service import generate_messages
 
@@ -216,10 +219,15 @@ class OpenAIFrontend:
                                   f"{body.top_logprobs}", param="top_logprobs")
             if body.top_logprobs and not body.logprobs:
                 raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-        tool_defs, parser = self._tools(body)
+        tool_defs, parser, forced = self._tools(body)
         ids = await self._encode(self._render(body, body.add_generation_prompt, tool_defs), False)
         req = self._generate_request(body, headers)
         req.token_ids.ids.extend(ids)
+        if forced is not None:
+            if req.sampling.HasField("constraint"):
+                raise bad_request("tool_choice 'required' or a named function constrains the answer "
+                                  "already: drop response_format / guided_*", param="tool_choice")
+            req.sampling.constraint.CopyFrom(forced)
         if (parser and body.skip_special_tokens is None
                 and tools.marks_are_special(parser, self.limits.tokenizer)):
             req.skip_special_tokens = False  # the parser must see the call markers
@@ -310,28 +318,31 @@ class OpenAIFrontend:
             raise bad_request(f"{what} asks for {n * prompts} completions; at most {MAX_CHOICES} per "
                               f"request", param="n")
 
-    def _tools(self, body: ChatCompletionRequest) -> tuple[list[dict] | None, str | None]:
-        """(the tool definitions the template renders, the parser of the answer's calls or None)."""
+    def _tools(self, body: ChatCompletionRequest) -> tuple[list[dict] | None, str | None,
+                                                             common_pb2.Constraint | None]:
+        """(the tool definitions the template renders, the parser of the answer's calls or None, the
+        constraint of a forced ``tool_choice`` or None)."""
         choice = body.tool_choice
         if not body.tools:
             if choice not in (None, "none"):
                 raise bad_request("tool_choice needs tools", param="tool_choice")
-            return None, None
+            return None, None, None
+        renders = tools.renders_tools(self.chat_template.source)
+        defs = [t.model_dump(exclude_none=True) for t in body.tools]
         if choice == "required" or isinstance(choice, dict):
-            raise bad_request("tool_choice 'required' or a named function needs constrained decoding, "
-                              "which this cluster does not do: use 'auto' (the default) or 'none'",
-                              param="tool_choice")
-        if not tools.renders_tools(self.chat_template.source):
+            # the answer is held to the calls' schema, so even a template without tools yields calls
+            constraint, parser = tool_constraint(body.tools, choice, body.parallel_tool_calls)
+            return (defs if renders else None), parser, constraint
+        if not renders:
             raise bad_request(f"the chat template of {self.model_name!r} does not render tools",
                               param="tools")
-        defs = [t.model_dump(exclude_none=True) for t in body.tools]
         if choice == "none":
-            return defs, None
+            return defs, None, None
         if self.tool_parser == "none":
             raise bad_request(f"no tool-call parser for {self.model_name!r}: its chat template shows no call "
                               f"syntax this router reads (start it with --tool-call-parser hermes or "
                               f"llama3_json), or send tool_choice 'none'", param="tools")
-        return defs, self.tool_parser
+        return defs, self.tool_parser, None
 
     @staticmethod
     def _fan_out(req: Admitted, n: int, prompt: int, response_id: str, echo: str = "", *,
@@ -367,6 +378,9 @@ class OpenAIFrontend:
                 sampling.top_k = 0 if body.top_k == -1 else body.top_k  # -1: "off", as vLLM spells it
         except (ValueError, TypeError) as exc:  # a value the wire type cannot hold
             raise bad_request(f"bad sampling value: {exc}") from None
+        constraint = body_constraint(body)
+        if constraint is not None:
+            sampling.constraint.CopyFrom(constraint)
         req = router_pb2.GenerateRequest(request_id=uuid.uuid4().hex, sampling=sampling)
         if body.skip_special_tokens is not None:
             req.skip_special_tokens = body.skip_special_tokens

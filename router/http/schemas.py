@@ -47,6 +47,16 @@ class _Sampling(_Body):
     # vLLM extension: false keeps special tokens in the text (default: true; a chat with tools whose
     # call markers are special tokens keeps them unless this says otherwise)
     skip_special_tokens: bool | None = None
+    # structured output (router/http/structured.py): OpenAI's response_format, vLLM's guided_* fields and
+    # their newer structured_outputs form
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: this cluster has one (llguidance)
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -108,14 +118,12 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: Any = None
 
 
 # field -> (the value meaning "not used", what to say); a request with anything else is refused
 UNSUPPORTED: dict[str, tuple[object, str]] = {
     "best_of": (1, "best_of > 1 is not supported"),
     "suffix": ("", "suffix is not supported"),
-    "response_format": ({"type": "text"}, "response_format is not supported"),
 }
 
 

@@ -14,8 +14,9 @@ Streaming: text that cannot be the start of a call goes out as content deltas at
 call may begin, the text is held until the answer ends, then sent as one ``tool_calls`` delta per call
 (whole arguments; OpenAI's clients accumulate deltas either way), or as content if it was none. An
 answer cut by ``max_tokens`` inside a call is content, finish reason ``length``. ``tool_choice``:
-``auto`` (the default with tools) parses, ``none`` does not; ``required`` and a named function need
-constrained decoding, which the cluster does not do, and are refused by the frontend.
+``auto`` (the default with tools) parses, ``none`` does not; ``required`` and a named function constrain
+the answer (router/http/structured.py) to a JSON array of ``{"name", "parameters"}`` objects or to the
+function's arguments, which are read back here whatever the model's own call syntax.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import re
 import uuid
 
 PARSERS = ("auto", "hermes", "llama3_json", "none")  # pdserve.settings.TOOL_CALL_PARSERS
+# a tool_choice the answer is constrained to (router/http/structured.py): its calls are the whole answer
+REQUIRED, NAMED = "required", "named:"
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
@@ -113,8 +116,28 @@ def _llama3_json(text: str) -> tuple[str | None, list[dict]]:
     return None, calls
 
 
+def _forced(parser: str, text: str) -> tuple[str | None, list[dict]]:
+    """A ``tool_choice`` the answer was constrained to (router/http/structured.py): a JSON array of
+    ``{"name", "parameters"}`` (``required``), or the named function's arguments (``named:NAME``)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text, []
+    if parser.startswith(NAMED):
+        call = _call(parser[len(NAMED):], value if isinstance(value, dict) else None)
+        return (None, [call]) if call is not None else (text, [])
+    if not isinstance(value, list):
+        return text, []
+    calls = [_call(v.get("name"), v.get("parameters")) if isinstance(v, dict) else None for v in value]
+    if not calls or any(c is None for c in calls):
+        return text, []
+    return None, calls
+
+
 def parse(parser: str, text: str) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a whole answer; no calls: the text unchanged as content."""
+    if parser == REQUIRED or parser.startswith(NAMED):
+        return _forced(parser, text)
     if parser == "hermes":
         return _hermes(text)
     if parser == "llama3_json":
@@ -141,6 +164,8 @@ class ToolStream:
 
     def _hold_from(self) -> int:
         """Where a call may begin: nothing from there on goes out before the end."""
+        if self.parser == REQUIRED or self.parser.startswith(NAMED):
+            return 0  # the whole answer is the call(s)
         if self.parser == "hermes":
             at = self.text.find(_HERMES_OPEN)
             if at >= 0:
