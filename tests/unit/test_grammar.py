@@ -36,7 +36,8 @@ NESTED = {"type": "object", "required": ["point", "ok"], "additionalProperties":
                          "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]$"}}}
 ARITH = 'start: expr\nexpr: NUM | expr "+" expr\nNUM: /[0-9]{1,3}/'
 CONSTRAINTS = [Constraint("json_schema", json.dumps(PERSON)), Constraint("json_schema", json.dumps(NESTED)),
-               Constraint("regex", r"[0-9]{3}-[0-9]{4}"), Constraint("choice", choices=("yes", "no", "maybe")),
+               Constraint("regex", r"[0-9]{3}-[0-9]{4}"),
+               Constraint("choice", choices=("yes", "no", "maybe")),
                Constraint("grammar", ARITH)]
 
 
@@ -103,7 +104,8 @@ def test_json_object_and_a_cut_answer(make):
 def test_launched_ahead_equals_synchronous_and_defers_only_constrained_steps(make, monkeypatch):
     deferred = []
     defer = model_runner.LaunchedStep.defer
-    monkeypatch.setattr(model_runner.LaunchedStep, "defer", lambda self, fn: (deferred.append(1), defer(self, fn)))
+    monkeypatch.setattr(model_runner.LaunchedStep, "defer",
+                        lambda self, fn: (deferred.append(1), defer(self, fn)))
     mixed = []
     for i in range(12):
         c = CONSTRAINTS[i % len(CONSTRAINTS)] if i % 2 == 0 else None

@@ -133,9 +133,10 @@ def test_call_markers_that_are_special_tokens_keep_special_tokens_in_the_text(ti
 
 
 @pytest.mark.parametrize("body, template, contains", [
-    ({"tool_choice": "required"}, LLAMA3_CHAT_TEMPLATE, "constrained decoding"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, LLAMA3_CHAT_TEMPLATE,
-     "constrained decoding"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, LLAMA3_CHAT_TEMPLATE,
+     "not among the tools"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, LLAMA3_CHAT_TEMPLATE,
+     "constrains the answer already"),
     ({}, "{% for m in messages %}{{ m['content'] }}{% endfor %}", "does not render tools"),
     ({}, "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tools | length }}", "no tool-call parser"),
 ])
