@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 
 from google.protobuf.json_format import MessageToDict
 
+from pdserve.sampling import Constraint
 from pdserve.tls import KEEPALIVE_OPTIONS, TlsDir, open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from pdserve.wire import report, top_pairs
+from pdserve.wire import constraint_to_proto, report, top_pairs
 
 # keepalive during calls: a stream from a router that froze ends UNAVAILABLE, not at its deadline
 _OPTIONS = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20),
@@ -112,10 +113,12 @@ def build_request(*, prompt: str | None = None, prompt_ids: Sequence[int] | None
                   reusable_prefix_len: int | None = None, logprobs: int | None = None,
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
                   repetition_penalty: float | None = None, logit_bias: dict[int, float] | None = None,
-                  skip_special_tokens: bool | None = None) -> router_pb2.GenerateRequest:
+                  skip_special_tokens: bool | None = None,
+                  constraint: Constraint | None = None) -> router_pb2.GenerateRequest:
     """``logprobs``: None = off, 0 = each token's logprob, N = also its N most likely alternatives.
     Penalties and ``logit_bias`` (token id -> bias) as in ``SamplingParams`` (pdserve.sampling).
-    ``skip_special_tokens=False`` keeps special tokens in the text (None: the router's default, True)."""
+    ``skip_special_tokens=False`` keeps special tokens in the text (None: the router's default, True).
+    ``constraint``: structured output (a JSON schema, regex, choice or grammar; pdserve.sampling)."""
     sampling = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids),
                                          ignore_eos=ignore_eos, logit_bias=logit_bias or {})
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
@@ -123,6 +126,7 @@ def build_request(*, prompt: str | None = None, prompt_ids: Sequence[int] | None
                         ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty)):
         if value is not None:
             setattr(sampling, name, value)
+    constraint_to_proto(constraint, sampling.constraint)
     req = router_pb2.GenerateRequest(request_id=request_id, sampling=sampling, max_tokens=max_tokens,
                                      session_id=session_id)
     if prompt_ids is not None:
