@@ -38,6 +38,8 @@
 #              pdserve bench multi-turn, tiers off vs on, 1P1D on the GPU; needs the gRPC wheels)
 #   penalties  what penalties and a logit bias cost a decode step, llama3-8b at batch 1/16/64 x 1k, all rows /
 #              half the rows / none penalized, rounds alternated (bench.penalty_cost; ~2 minutes)
+#   structured what structured output costs a decode step, llama3-8b at batch 1/16/64 x 1k, 0% / 50% / 100% of
+#              the rows under a JSON schema, rounds alternated (bench.structured_cost; needs llguidance's wheel)
 #   allreduce  NCCL vs the one-shot all-reduce over symmetric memory (engine.tp_allreduce), exactness and us per
 #              call in a CUDA graph, 1-256 rows of 4096 (bench.allreduce_probe; one GPU: the one-shot path alone)
 #   step-ahead decode steps launched ahead vs synchronous, one engine, llama3-8b: decode b1..b64 x 1k/4k,
@@ -194,6 +196,8 @@ from gpu_disagg import write_checkpoint; write_checkpoint(Path('/dev/shm/pdserve
             ar_gpus=$( [ "$(nvidia-smi -L | wc -l)" -gt 1 ] && echo 0,1 || echo 0,0 )
             python3 -m bench.allreduce_probe --gpus "$ar_gpus" --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/allreduce.log"
             rc=$(( rc | ${PIPESTATUS[0]} )) ;;
+        structured) python3 -m bench.structured_cost --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/structured.log"
+                    rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         penalties) python3 -m bench.penalty_cost --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/penalties.log"
                    rc=$(( rc | ${PIPESTATUS[0]} )) ;;
         staging) python3 -m bench.staging_probe --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/staging.log"

@@ -487,7 +487,7 @@ class MaskView:
 
 def drive(eng, m, bm, view: MaskView, tokens: list[int], eos: list[int], keep_masks: bool, specials):
     """Feed tokens one by one, the mask before each; returns timings and the verdict."""
-    mask_us, consume_us, masks, special_steps = [], [], [], 0
+    mask_us, consume_us, masks, allowed, special_steps = [], [], [], [], 0
     refused_at = None
     for i, t in enumerate(tokens):
         t0 = time.perf_counter_ns()
@@ -499,6 +499,7 @@ def drive(eng, m, bm, view: MaskView, tokens: list[int], eos: list[int], keep_ma
             bits = view.bits()
             if keep_masks:
                 masks.append(view.np.packbits(bits))
+                allowed.append(int(bits.sum()))
             if specials is not None and len(specials) and bits[specials].any():
                 special_steps += 1
         t2 = time.perf_counter_ns()
@@ -514,7 +515,7 @@ def drive(eng, m, bm, view: MaskView, tokens: list[int], eos: list[int], keep_ma
             masks.append(view.np.packbits(view.bits()))
         end = {"accepting": bool(eng.accepting(m)), "eos_allowed": any(view.allowed(0, e) for e in eos)}
     return {"mask_us": mask_us, "consume_us": consume_us, "refused_at": refused_at, "end": end,
-            "masks": masks, "special_steps": special_steps}
+            "masks": masks, "allowed": allowed, "special_steps": special_steps}
 
 
 def batch_run(eng, compiled, tokens: list[int], batch: int, steps: int) -> dict:
@@ -638,6 +639,12 @@ def run_unit(engine: str, vocab_path: str, eos, threads: int, case: dict, cfg: d
     eng.reset(m)
     warm = drive(eng, m, bm, view, tokens, vocab.eos, keep_masks=False, specials=None)
     res["single_warm"] = _stats(warm["mask_us"])
+    # where the time goes: steps that allow few tokens (structure) vs most of the vocabulary (free text)
+    res["allowed_per_step"] = cold["allowed"]
+    res["warm_mask_us_steps"] = [round(x, 1) for x in warm["mask_us"]]
+    pairs = list(zip(cold["allowed"], warm["mask_us"]))
+    res["warm_by_allowed"] = {"few_lt100": _stats([u for a, u in pairs if a < 100]),
+                              "most_gt_half": _stats([u for a, u in pairs if a > eng.vocab_size // 2])}
     res["consume_us"] = _stats(warm["consume_us"])
     if cold["refused_at"]:
         res["valid_refused_at"] = cold["refused_at"]
@@ -760,6 +767,8 @@ def summary(results: list[dict], batches: list[int]) -> list[list]:
                     med(lambda r: r["new_matcher_us"]), med(lambda r: r["first_mask_us"]),
                     med(lambda r: r["single_warm"]["mean"]), med(lambda r: r["single_warm"]["p50"]),
                     med(lambda r: r["single_warm"]["p99"]),
+                    med(lambda r: r["warm_by_allowed"]["few_lt100"].get("p50")),
+                    med(lambda r: r["warm_by_allowed"]["most_gt_half"].get("p50")),
                     *[med(lambda r, b=b: _batch(r, b, "fill_us_per_mask_mean")) for b in batches],
                     *[med(lambda r, b=b: _batch(r, b, "sequential_us_per_mask_mean")) for b in batches],
                     *[med(lambda r, b=b: _batch(r, b)) for b in batches]])
@@ -768,7 +777,7 @@ def summary(results: list[dict], batches: list[int]) -> list[list]:
 
 def summary_headers(batches):
     return (["engine", "cases", "compile ms", "2nd compile ms", "new matcher us", "1st mask us",
-             "mask mean us", "mask p50 us", "mask p99 us"]
+             "mask mean us", "mask p50 us", "mask p99 us", "p50 us <100 allowed", "p50 us >half allowed"]
             + [f"b{b} us/mask" for b in batches] + [f"b{b} seq us/mask" for b in batches]
             + [f"b{b} us/step p50" for b in batches])
 
@@ -844,7 +853,8 @@ def cmd_run(args) -> int:
         tinfo = {"path": path, "vocab_size": vocab.size, "eos": vocab.eos, "specials_non_eos": len(vocab.specials),
                  "sha256": vocab.sha, "made": json.loads(info_file.read_text()) if info_file.is_file() else None,
                  "engine_setup_s": {}, "results": []}
-        print(f"\n== {path}: {vocab.size} ids, eos {vocab.eos}", flush=True)
+        tinfo["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
+        print(f"\n== {path}: {vocab.size} ids, eos {vocab.eos}, load {tinfo['loadavg_start']}", flush=True)
         for e in engines:
             eng, _ = get_engine(e, path, args.eos, args.threads)
             tinfo["engine_setup_s"][e] = round(eng.setup_s, 3)
@@ -896,6 +906,7 @@ def cmd_run(args) -> int:
             for e in engines:
                 unit[e].pop("_masks", None)
                 tinfo["results"].append(unit[e])
+        tinfo["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         out["tokenizers"].append(tinfo)
         print()
         print(table(rows_for(tinfo["results"], batches),
@@ -922,6 +933,8 @@ def markdown(out: dict, batches: list[int]) -> str:
         lines += [f"Not importable: {out['import_errors']}", ""]
     for t in out["tokenizers"]:
         lines += [f"## {t['vocab_size']} ids ({Path(t['path']).parent.name}), eos {t['eos']}", "",
+                  f"Load average (1/5/15 min) at start {t.get('loadavg_start')}, at end {t.get('loadavg_end')} "
+                  f"on {out['host']['cpus']} CPUs.", "",
                   "Tokenizer setup s: " + ", ".join(f"{k} {v}" for k, v in t["engine_setup_s"].items()), "",
                   "Medians over the non-hostile cases both engines accept (us per mask of a batch = the "
                   "batch step / B):", "",

@@ -25,6 +25,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,11 +33,16 @@ import torch
 from bench.gpu_tp import _prompt, checkpoint
 from engine.engine import EngineConfig, LLMEngine
 from pdserve.sampling import SamplingParams
-from pdserve.settings import bench_command
+from pdserve.settings import bench_command, bench_commit
 
 PENALIZED = dict(frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1,
                  logit_bias={t: 1.0 for t in range(100, 108)})
-CONFIGS = ("none", "penalized", "half")
+# configuration -> (SamplingParams fields of row i, beyond the greedy decode every row runs)
+CONFIGS: dict[str, Callable[[int], dict]] = {
+    "none": lambda i: {},
+    "penalized": lambda i: PENALIZED,
+    "half": lambda i: PENALIZED if i % 2 else {},
+}
 
 
 def _sync(engine: LLMEngine) -> None:
@@ -44,15 +50,18 @@ def _sync(engine: LLMEngine) -> None:
         torch.cuda.synchronize(engine.device)
 
 
-def decode_ms(engine: LLMEngine, config: str, batch: int, context: int, steps: int) -> float:
+def decode_ms(engine: LLMEngine, config: str, rows: Callable[[int], dict], batch: int, context: int,
+              steps: int, first_token: Callable[[dict], int] = lambda extra: 5) -> float:
+    """ms per decode step of ``batch`` committed decodes whose row i samples with ``rows(i)``;
+    ``first_token(fields)``: the token each joins the batch with (the prefill worker's)."""
     rng = random.Random(batch)
     vocab = engine.model_config.vocab_size
     ids = [f"{config}-{batch}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
-        extra = PENALIZED if config == "penalized" or (config == "half" and i % 2) else {}
+        extra = rows(i)
         engine.reserve(rid, _prompt(rng, context, vocab),
                        SamplingParams(max_tokens=steps + 8, ignore_eos=True, **extra))
-        engine.commit_prefilled(rid, 5)
+        engine.commit_prefilled(rid, first_token(extra))
     for _ in range(3):  # warm-up (a launched-ahead pipeline is full after two)
         engine.step()
     _sync(engine)
@@ -68,8 +77,11 @@ def decode_ms(engine: LLMEngine, config: str, batch: int, context: int, steps: i
     return elapsed / steps * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def run(configs: dict[str, Callable[[int], dict]], *, what: str, name: str, description: str,
+        first_token: Callable[[LLMEngine], Callable[[dict], int]] | None = None) -> None:
+    """Parse the command line, time every configuration against the first (rounds alternated), print
+    the table and write ``<name>-<device>-<date>.json`` / ``.md``."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--models", default="/tmp/pdserve-models")
@@ -81,46 +93,52 @@ def main() -> None:
     args = ap.parse_args()
     cpu = args.cpu_check or not torch.cuda.is_available()
     preset = "tiny" if cpu else args.preset
-    batches = [1, 8] if cpu else [int(b) for b in args.batches.split(",")]
-    context = 64 if cpu else args.context
-    steps = 16 if cpu else args.steps
+    batches = [1, 8] if args.cpu_check else [int(b) for b in args.batches.split(",")]
+    context = 64 if args.cpu_check else args.context
+    steps = 16 if args.cpu_check else args.steps
     path = checkpoint(preset, Path(args.models))
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu" if cpu else "cuda",
                                     num_blocks=max(batches) * (context // 16 + 8) + 64,
                                     max_num_seqs=max(batches), enable_prefix_caching=False))
     while engine.has_idle_work():  # every decode graph before timing
         engine.idle_work()
+    first = first_token(engine) if first_token is not None else (lambda extra: 5)
+    names = list(configs)
     times: dict = {}
     for r in range(args.rounds):
         for batch in batches:
-            for config in (CONFIGS if r % 2 == 0 else CONFIGS[::-1]):
+            for config in (names if r % 2 == 0 else names[::-1]):
                 times.setdefault(batch, {}).setdefault(config, []).append(
-                    decode_ms(engine, config, batch, context, steps))
+                    decode_ms(engine, config, configs[config], batch, context, steps, first))
     assert engine.leak_report() is None, engine.leak_report()
     device = "cpu" if cpu else torch.cuda.get_device_name(0)
-    result = {"what": "decode step with every row / half the rows penalized (frequency, presence, "
-                      "repetition, an 8-token bias) vs none, one engine, rounds alternated",
-              "preset": preset, "device": device, "date": dt.date.today().isoformat(),
-              "command": bench_command(), "context": context, "steps": steps, "rounds": args.rounds,
-              "overlap_steps": engine.overlap_steps, "rows": []}
-    lines = ["| batch x context | none ms/step | penalized ms/step (x) | half ms/step (x) |",
-             "|---|---|---|---|"]
+    result = {"what": what, "preset": preset, "device": device, "date": dt.date.today().isoformat(),
+              "command": bench_command(), "commit": bench_commit(), "context": context, "steps": steps,
+              "rounds": args.rounds, "overlap_steps": engine.overlap_steps, "rows": []}
+    base, others = names[0], names[1:]
+    lines = [f"| batch x context | {base} ms/step | " + " | ".join(f"{c} ms/step (x)" for c in others) + " |",
+             "|---" * (len(names) + 1) + "|"]
     for batch, by in times.items():
         med = {c: statistics.median(v) for c, v in by.items()}
         row = {"batch": batch, **{f"{c}_ms": round(m, 3) for c, m in med.items()},
-               "penalized_x": round(med["penalized"] / med["none"], 3),
-               "half_x": round(med["half"] / med["none"], 3), "rounds_ms": by}
+               **{f"{c}_x": round(med[c] / med[base], 3) for c in others}, "rounds_ms": by}
         result["rows"].append(row)
-        lines.append(f"| {batch} x {context} | {med['none']:.2f} | {med['penalized']:.2f} "
-                     f"({row['penalized_x']:.2f}x) | {med['half']:.2f} ({row['half_x']:.2f}x) |")
+        lines.append(f"| {batch} x {context} | {med[base]:.2f} | "
+                     + " | ".join(f"{med[c]:.2f} ({row[c + '_x']:.2f}x)" for c in others) + " |")
     print("\n".join(lines), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "cpu" if cpu else device.split()[-1].lower()
-    stem = out / f"penalty-cost-{tag}-{result['date']}"
+    stem = out / f"{name}-{tag}-{result['date']}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {stem}.json", flush=True)
+
+
+def main() -> None:
+    run(CONFIGS, name="penalty-cost", description=__doc__.split("\n")[0],
+        what="decode step with every row / half the rows penalized (frequency, presence, repetition, an "
+             "8-token bias) vs none, one engine, rounds alternated")
 
 
 if __name__ == "__main__":

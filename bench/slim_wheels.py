@@ -131,9 +131,10 @@ def main() -> None:
             )
     # Copied as they are: flashinfer's one missing dependency, the gRPC stack the cluster benchmark
     # needs (the device image may lack it or carry another protobuf than the generated code wants), and
-    # the event loop every serving process runs on (pdserve/event_loop.py).
-    for whl in sorted(w for pat in ("apache_tvm_ffi-*.whl", "grpcio*-*.whl", "protobuf-*.whl", "uvloop-*.whl")
-                      for w in args.src.glob(pat)):
+    # the event loop every serving process runs on (pdserve/event_loop.py), and llguidance (structured
+    # output, engine/grammar).
+    copied = ("apache_tvm_ffi-*.whl", "grpcio*-*.whl", "protobuf-*.whl", "uvloop-*.whl", "llguidance-*.whl")
+    for whl in sorted(w for pat in copied for w in args.src.glob(pat)):
         (args.dst / whl.name).write_bytes(whl.read_bytes())
         print(f"{whl.name}: copied ({whl.stat().st_size / 2**20:.1f} MiB)")
 
