@@ -248,3 +248,51 @@ def test_async_compile_off_the_engine_thread_with_a_time_bound(make, monkeypatch
             await ae.stop()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2-tied-padded-vocab"])
+def test_constrained_greedy_matches_transformers_with_the_same_grammar(make_checkpoint, variant):
+    """The reference: ``transformers``' greedy ``generate`` with a logits processor that masks by an
+    llguidance matcher of its own (not engine.grammar's code) gives the engine's tokens. The padded
+    vocabulary (logit rows past the tokenizer's ids) must stay masked."""
+    import llguidance
+    import numpy as np
+    from test_reference_parity import VARIANTS, hf_model
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    path = make_checkpoint(**VARIANTS[variant])
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", attention_backend="torch", num_blocks=256))
+    model = hf_model(path)
+    vocab = engine.model_config.vocab_size
+    eos = sorted(engine.eos_token_ids)
+
+    class Masked(LogitsProcessor):
+        def __init__(self, constraint, prompt_len):
+            tok = llguidance.LLTokenizer(engine.tokenizer.to_json(), n_vocab=vocab, eos_token=eos)
+            self.matcher = llguidance.LLMatcher(tok, grammar_text(constraint))
+            self.prompt_len, self.fed = prompt_len, 0
+
+        def __call__(self, input_ids, scores):
+            for t in input_ids[0, self.prompt_len + self.fed:].tolist():
+                assert self.matcher.consume_token(t)
+                self.fed += 1
+            bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+            allowed = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:scores.shape[-1]].astype(bool))
+            return scores.masked_fill(~allowed, float("-inf"))
+
+    for i, c in enumerate(CONSTRAINTS):
+        prompt = engine.tokenizer.encode(f"prompt {i}: give an answer")
+        [want] = engine.generate([prompt], SamplingParams(max_tokens=64, constraint=c))
+        ones = torch.ones(1, len(prompt), dtype=torch.long)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), attention_mask=ones, max_new_tokens=64,
+                                 do_sample=False, pad_token_id=1, eos_token_id=eos,
+                                 logits_processor=LogitsProcessorList([Masked(c, len(prompt))]))
+        ref = out[0, len(prompt):].tolist()
+        # the engine ends an answer once its grammar allows nothing but the end, one step before the
+        # reference picks the EOS the mask forces: the same tokens, without that last one
+        if ref[-1:] != want[-1:] and ref[-1] in eos:
+            ref = ref[:-1]
+        assert ref == want, c.kind
+    assert engine.leak_report() is None
+    engine.close()
