@@ -78,8 +78,11 @@ def make_tokenizer(out: Path, vocab_size: int | None, preset: str | None) -> dic
 
         from engine.bpe_corpus import CORPUS
 
-        files = [f for f in sorted(glob.glob(f"{sys.base_prefix}/lib/python3*/**/*.py", recursive=True))
-                 if "site-packages" not in f]
+        files = [
+            f
+            for f in sorted(glob.glob(f"{sys.base_prefix}/lib/python3*/**/*.py", recursive=True))
+            if "site-packages" not in f
+        ]
         files += sorted(glob.glob(str(REPO / "docs" / "*.md")))
         site = Path(__import__("tokenizers").__file__).resolve().parents[1]
         files += sorted(glob.glob(f"{site}/[tx]*/**/*.py", recursive=True))  # torch, transformers, ...
@@ -97,31 +100,57 @@ def make_tokenizer(out: Path, vocab_size: int | None, preset: str | None) -> dic
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=bpe_size, special_tokens=list(ck.SPECIAL_TOKENS),
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                      show_progress=False, min_frequency=2)
+        trainer = trainers.BpeTrainer(
+            vocab_size=bpe_size,
+            special_tokens=list(ck.SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+            min_frequency=2,
+        )
         tok.train_from_iterator(texts(), trainer=trainer)
         trained = tok.get_vocab_size()
         if n_reserved:
-            tok.add_special_tokens([AddedToken(f"<|reserved_special_token_{i}|>", special=True)
-                                    for i in range(n_reserved)])
-        tok.post_processor = processors.Sequence([
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(single=f"{ck.BOS_TOKEN} $A",
-                                          pair=f"{ck.BOS_TOKEN} $A {ck.BOS_TOKEN} $B",
-                                          special_tokens=[(ck.BOS_TOKEN, ck.BOS_ID)]),
-        ])
+            tok.add_special_tokens(
+                [AddedToken(f"<|reserved_special_token_{i}|>", special=True) for i in range(n_reserved)]
+            )
+        tok.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(
+                    single=f"{ck.BOS_TOKEN} $A",
+                    pair=f"{ck.BOS_TOKEN} $A {ck.BOS_TOKEN} $B",
+                    special_tokens=[(ck.BOS_TOKEN, ck.BOS_ID)],
+                ),
+            ]
+        )
         (out / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
-        (out / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": ck.BOS_TOKEN,
-            "eos_token": ck.EOS_TOKEN, "add_bos_token": True}, indent=2) + "\n")
-        info = {"recipe": "engine.checkpoint.trained_tokenizer_json's, larger corpus",
-                "requested_vocab_size": vocab_size, "bpe_trained": trained, "reserved_specials": n_reserved,
-                "vocab_size": tok.get_vocab_size(with_added_tokens=True), "corpus_files": len(files),
-                "corpus_bytes": sum(os.path.getsize(f) for f in files) + len(CORPUS)}
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": ck.BOS_TOKEN,
+                    "eos_token": ck.EOS_TOKEN,
+                    "add_bos_token": True,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+        info = {
+            "recipe": "engine.checkpoint.trained_tokenizer_json's, larger corpus",
+            "requested_vocab_size": vocab_size,
+            "bpe_trained": trained,
+            "reserved_specials": n_reserved,
+            "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+            "corpus_files": len(files),
+            "corpus_bytes": sum(os.path.getsize(f) for f in files) + len(CORPUS),
+        }
     text = (out / "tokenizer.json").read_text(encoding="utf-8")
-    info.update(path=str(out / "tokenizer.json"), seconds=round(time.perf_counter() - t0, 2),
-                sha256=hashlib.sha256(text.encode()).hexdigest()[:16])
+    info.update(
+        path=str(out / "tokenizer.json"),
+        seconds=round(time.perf_counter() - t0, 2),
+        sha256=hashlib.sha256(text.encode()).hexdigest()[:16],
+    )
     (out / "tokenizer-info.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
 
@@ -145,7 +174,11 @@ class Vocab:
             name = json.loads(cfg.read_text()).get("eos_token") if cfg.is_file() else None
             if isinstance(name, dict):
                 name = name.get("content")
-            eos = [vocab[name]] if name in vocab else [vocab[n] for n in ("<|end_of_text|>", "</s>") if n in vocab][:1]
+            eos = (
+                [vocab[name]]
+                if name in vocab
+                else [vocab[n] for n in ("<|end_of_text|>", "</s>") if n in vocab][:1]
+            )
         self.eos = list(eos)
         added = json.loads(self.json).get("added_tokens", [])
         self.specials = sorted({a["id"] for a in added if a.get("special")} - set(self.eos))
@@ -162,7 +195,12 @@ class Vocab:
 def _nested(depth: int) -> tuple[dict, str, str]:
     schema: dict = {"type": "integer"}
     for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"], "additionalProperties": False}
+        schema = {
+            "type": "object",
+            "properties": {"a": schema},
+            "required": ["a"],
+            "additionalProperties": False,
+        }
     valid = '{"a": ' * depth + "1" + "}" * depth
     invalid = '{"a": ' * depth + '"x"' + "}" * depth
     return schema, valid, invalid
@@ -185,13 +223,24 @@ ORDER_SCHEMA = {
     "type": "object",
     "properties": {
         "order_id": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
-        "customer": {"type": "object", "properties": {"name": {"type": "string"},
-                                                      "email": {"type": "string", "format": "email"}},
-                     "required": ["name", "email"]},
-        "items": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "properties": {"sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1},
-                                             "price": {"type": "number", "minimum": 0}},
-            "required": ["sku", "qty", "price"]}},
+        "customer": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "email": {"type": "string", "format": "email"}},
+            "required": ["name", "email"],
+        },
+        "items": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string"},
+                    "qty": {"type": "integer", "minimum": 1},
+                    "price": {"type": "number", "minimum": 0},
+                },
+                "required": ["sku", "qty", "price"],
+            },
+        },
         "status": {"enum": ["pending", "shipped", "delivered"]},
         "notes": {"type": "string", "maxLength": 400},
     },
@@ -201,21 +250,34 @@ ORDER_SCHEMA = {
 ORDER_VALID = {
     "order_id": "ORD-004217",
     "customer": {"name": "Ada Lovelace", "email": "ada@example.org"},
-    "items": [{"sku": "KB-101", "qty": 2, "price": 49.5}, {"sku": "MS-7", "qty": 1, "price": 19.99},
-              {"sku": "CBL-USB-C", "qty": 3, "price": 7.25}],
+    "items": [
+        {"sku": "KB-101", "qty": 2, "price": 49.5},
+        {"sku": "MS-7", "qty": 1, "price": 19.99},
+        {"sku": "CBL-USB-C", "qty": 3, "price": 7.25},
+    ],
     "status": "shipped",
     "notes": "Leave the parcel at the back door if nobody answers; the dog is friendly but loud. "
-             "Invoice to the same address, and please call before delivery on Monday or Tuesday.",
+    "Invoice to the same address, and please call before delivery on Monday or Tuesday.",
 }
 
 TREE_SCHEMA = {
     "$ref": "#/$defs/node",
-    "$defs": {"node": {"type": "object", "properties": {
-        "value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
-        "required": ["value", "children"], "additionalProperties": False}},
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "value": {"type": "integer"},
+                "children": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+            },
+            "required": ["value", "children"],
+            "additionalProperties": False,
+        }
+    },
 }
-TREE_VALID = {"value": 1, "children": [{"value": 2, "children": [{"value": 4, "children": []}]},
-                                       {"value": 3, "children": []}]}
+TREE_VALID = {
+    "value": 1,
+    "children": [{"value": 2, "children": [{"value": 4, "children": []}]}, {"value": 3, "children": []}],
+}
 
 LARK_ARITH = r"""
 start: expr
@@ -241,70 +303,194 @@ def suite() -> list[dict]:
     """Cases: kind json_schema / regex / choice / grammar / json_object; valid and invalid documents."""
     d = json.dumps
     cases = [
-        dict(name="order_realistic", kind="json_schema", schema=ORDER_SCHEMA, valid=d(ORDER_VALID),
-             invalid=d({**ORDER_VALID, "status": "lost"})),
-        dict(name="nested_objects", kind="json_schema",
-             schema=_obj({"person": _obj({"name": {"type": "string"}, "address": _obj(
-                 {"city": {"type": "string"}, "geo": _obj({"lat": {"type": "number"}, "lon": {"type": "number"}})})})}),
-             valid=d({"person": {"name": "Lin", "address": {"city": "Zurich", "geo": {"lat": 47.37, "lon": 8.54}}}}),
-             invalid=d({"person": {"name": "Lin", "address": {"city": "Zurich", "geo": {"lat": "north"}}}})),
-        dict(name="array_min_max_items", kind="json_schema",
-             schema={"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 5},
-             valid=d([3, 1, 4, 1]), invalid=d([1, 2, 3, 4, 5, 6])),
-        dict(name="enum", kind="json_schema", schema=_obj({"color": {"enum": ["red", "green", "blue"]}}),
-             valid=d({"color": "green"}), invalid=d({"color": "purple"})),
-        dict(name="required_fields", kind="json_schema",
-             schema=_obj({"a": {"type": "integer"}, "b": {"type": "string"}, "c": {"type": "boolean"}}, ["a", "b"]),
-             valid=d({"a": 1, "b": "x"}), invalid=d({"a": 1})),
-        dict(name="number_min_max", kind="json_schema",
-             schema=_obj({"score": {"type": "number", "minimum": 0, "maximum": 100}}),
-             valid=d({"score": 42.5}), invalid=d({"score": 150})),
-        dict(name="integer_min_max", kind="json_schema",
-             schema=_obj({"n": {"type": "integer", "minimum": -5, "maximum": 1000}}),
-             valid=d({"n": 512}), invalid=d({"n": 1.5})),
-        dict(name="string_pattern", kind="json_schema",
-             schema=_obj({"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}}),
-             valid=d({"code": "ABC-123"}), invalid=d({"code": "abc-123"})),
-        dict(name="format_date_time", kind="json_schema",
-             schema=_obj({"at": {"type": "string", "format": "date-time"}}),
-             valid=d({"at": "2024-01-15T12:30:45Z"}), invalid=d({"at": "yesterday"})),
-        dict(name="format_email", kind="json_schema", schema=_obj({"to": {"type": "string", "format": "email"}}),
-             valid=d({"to": "alice@example.com"}), invalid=d({"to": "not-an-email"})),
-        dict(name="anyOf", kind="json_schema",
-             schema=_obj({"v": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}),
-             valid=d({"v": 5}), invalid=d({"v": True})),
-        dict(name="oneOf", kind="json_schema",
-             schema={"oneOf": [_obj({"kind": {"const": "a"}, "x": {"type": "integer"}}),
-                               _obj({"kind": {"const": "b"}, "y": {"type": "string"}})]},
-             valid=d({"kind": "b", "y": "hi"}), invalid=d({"kind": "c", "y": "hi"})),
-        dict(name="ref_defs_recursion", kind="json_schema", schema=TREE_SCHEMA, valid=d(TREE_VALID),
-             invalid=d({"value": 1, "children": [{"value": "x", "children": []}]})),
-        dict(name="additionalProperties_false", kind="json_schema",
-             schema=_obj({"a": {"type": "integer"}}, additionalProperties=False),
-             valid=d({"a": 1}), invalid=d({"a": 1, "b": 2})),
-        dict(name="additionalProperties_default", kind="json_schema", schema=_obj({"a": {"type": "integer"}}),
-             valid=d({"a": 1, "extra": "allowed by JSON Schema"}), invalid=d({"b": 1})),
-        dict(name="property_order_free", kind="json_schema",
-             schema=_obj({"a": {"type": "integer"}, "b": {"type": "integer"}}),
-             valid=d({"b": 2, "a": 1}), invalid=d({"a": 1})),
-        dict(name="const", kind="json_schema", schema=_obj({"version": {"const": "v1"}}),
-             valid=d({"version": "v1"}), invalid=d({"version": "v2"})),
-        dict(name="string_min_max_length", kind="json_schema",
-             schema=_obj({"s": {"type": "string", "minLength": 3, "maxLength": 8}}),
-             valid=d({"s": "hello"}), invalid=d({"s": "hi"})),
+        dict(
+            name="order_realistic",
+            kind="json_schema",
+            schema=ORDER_SCHEMA,
+            valid=d(ORDER_VALID),
+            invalid=d({**ORDER_VALID, "status": "lost"}),
+        ),
+        dict(
+            name="nested_objects",
+            kind="json_schema",
+            schema=_obj(
+                {
+                    "person": _obj(
+                        {
+                            "name": {"type": "string"},
+                            "address": _obj(
+                                {
+                                    "city": {"type": "string"},
+                                    "geo": _obj({"lat": {"type": "number"}, "lon": {"type": "number"}}),
+                                }
+                            ),
+                        }
+                    )
+                }
+            ),
+            valid=d(
+                {"person": {"name": "Lin", "address": {"city": "Zurich", "geo": {"lat": 47.37, "lon": 8.54}}}}
+            ),
+            invalid=d({"person": {"name": "Lin", "address": {"city": "Zurich", "geo": {"lat": "north"}}}}),
+        ),
+        dict(
+            name="array_min_max_items",
+            kind="json_schema",
+            schema={"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 5},
+            valid=d([3, 1, 4, 1]),
+            invalid=d([1, 2, 3, 4, 5, 6]),
+        ),
+        dict(
+            name="enum",
+            kind="json_schema",
+            schema=_obj({"color": {"enum": ["red", "green", "blue"]}}),
+            valid=d({"color": "green"}),
+            invalid=d({"color": "purple"}),
+        ),
+        dict(
+            name="required_fields",
+            kind="json_schema",
+            schema=_obj(
+                {"a": {"type": "integer"}, "b": {"type": "string"}, "c": {"type": "boolean"}}, ["a", "b"]
+            ),
+            valid=d({"a": 1, "b": "x"}),
+            invalid=d({"a": 1}),
+        ),
+        dict(
+            name="number_min_max",
+            kind="json_schema",
+            schema=_obj({"score": {"type": "number", "minimum": 0, "maximum": 100}}),
+            valid=d({"score": 42.5}),
+            invalid=d({"score": 150}),
+        ),
+        dict(
+            name="integer_min_max",
+            kind="json_schema",
+            schema=_obj({"n": {"type": "integer", "minimum": -5, "maximum": 1000}}),
+            valid=d({"n": 512}),
+            invalid=d({"n": 1.5}),
+        ),
+        dict(
+            name="string_pattern",
+            kind="json_schema",
+            schema=_obj({"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}}),
+            valid=d({"code": "ABC-123"}),
+            invalid=d({"code": "abc-123"}),
+        ),
+        dict(
+            name="format_date_time",
+            kind="json_schema",
+            schema=_obj({"at": {"type": "string", "format": "date-time"}}),
+            valid=d({"at": "2024-01-15T12:30:45Z"}),
+            invalid=d({"at": "yesterday"}),
+        ),
+        dict(
+            name="format_email",
+            kind="json_schema",
+            schema=_obj({"to": {"type": "string", "format": "email"}}),
+            valid=d({"to": "alice@example.com"}),
+            invalid=d({"to": "not-an-email"}),
+        ),
+        dict(
+            name="anyOf",
+            kind="json_schema",
+            schema=_obj({"v": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}),
+            valid=d({"v": 5}),
+            invalid=d({"v": True}),
+        ),
+        dict(
+            name="oneOf",
+            kind="json_schema",
+            schema={
+                "oneOf": [
+                    _obj({"kind": {"const": "a"}, "x": {"type": "integer"}}),
+                    _obj({"kind": {"const": "b"}, "y": {"type": "string"}}),
+                ]
+            },
+            valid=d({"kind": "b", "y": "hi"}),
+            invalid=d({"kind": "c", "y": "hi"}),
+        ),
+        dict(
+            name="ref_defs_recursion",
+            kind="json_schema",
+            schema=TREE_SCHEMA,
+            valid=d(TREE_VALID),
+            invalid=d({"value": 1, "children": [{"value": "x", "children": []}]}),
+        ),
+        dict(
+            name="additionalProperties_false",
+            kind="json_schema",
+            schema=_obj({"a": {"type": "integer"}}, additionalProperties=False),
+            valid=d({"a": 1}),
+            invalid=d({"a": 1, "b": 2}),
+        ),
+        dict(
+            name="additionalProperties_default",
+            kind="json_schema",
+            schema=_obj({"a": {"type": "integer"}}),
+            valid=d({"a": 1, "extra": "allowed by JSON Schema"}),
+            invalid=d({"b": 1}),
+        ),
+        dict(
+            name="property_order_free",
+            kind="json_schema",
+            schema=_obj({"a": {"type": "integer"}, "b": {"type": "integer"}}),
+            valid=d({"b": 2, "a": 1}),
+            invalid=d({"a": 1}),
+        ),
+        dict(
+            name="const",
+            kind="json_schema",
+            schema=_obj({"version": {"const": "v1"}}),
+            valid=d({"version": "v1"}),
+            invalid=d({"version": "v2"}),
+        ),
+        dict(
+            name="string_min_max_length",
+            kind="json_schema",
+            schema=_obj({"s": {"type": "string", "minLength": 3, "maxLength": 8}}),
+            valid=d({"s": "hello"}),
+            invalid=d({"s": "hi"}),
+        ),
         dict(name="regex", kind="regex", regex=r"\d{3}-\d{4}", valid="555-1234", invalid="55-1234"),
         dict(name="choice", kind="choice", choices=["yes", "no", "maybe"], valid="maybe", invalid="perhaps"),
-        dict(name="cfg_arith", kind="grammar", lark=LARK_ARITH, gbnf=GBNF_ARITH,
-             valid="(12+3)*4-56/(7+8)", invalid="(12+3)*"),
-        dict(name="json_object", kind="json_object",
-             valid=d({"any": [1, 2.5, None, True], "nested": {"k": "v"}, "s": "text"}), invalid="[1, 2"),
+        dict(
+            name="cfg_arith",
+            kind="grammar",
+            lark=LARK_ARITH,
+            gbnf=GBNF_ARITH,
+            valid="(12+3)*4-56/(7+8)",
+            invalid="(12+3)*",
+        ),
+        dict(
+            name="json_object",
+            kind="json_object",
+            valid=d({"any": [1, 2.5, None, True], "nested": {"k": "v"}, "s": "text"}),
+            invalid="[1, 2",
+        ),
     ]
     schema, valid, invalid = _nested(60)
-    cases.append(dict(name="hostile_depth60", kind="json_schema", schema=schema, valid=valid, invalid=invalid,
-                      hostile=True))
+    cases.append(
+        dict(
+            name="hostile_depth60",
+            kind="json_schema",
+            schema=schema,
+            valid=valid,
+            invalid=invalid,
+            hostile=True,
+        )
+    )
     schema, valid, invalid = _big_enum(20000)
-    cases.append(dict(name="hostile_enum20000", kind="json_schema", schema=schema, valid=valid, invalid=invalid,
-                      hostile=True))
+    cases.append(
+        dict(
+            name="hostile_enum20000",
+            kind="json_schema",
+            schema=schema,
+            valid=valid,
+            invalid=invalid,
+            hostile=True,
+        )
+    )
     return cases
 
 
@@ -317,7 +503,9 @@ def reference_check(case: dict) -> dict:
     out = {}
     for which in ("valid", "invalid"):
         try:
-            jsonschema.validate(json.loads(case[which]), case["schema"], format_checker=jsonschema.FormatChecker())
+            jsonschema.validate(
+                json.loads(case[which]), case["schema"], format_checker=jsonschema.FormatChecker()
+            )
             out[which] = True
         except jsonschema.ValidationError:
             out[which] = False
@@ -380,7 +568,7 @@ class LLGuidance:
         return m.consume_token(t)
 
     def consume_batch(self, ms, toks):
-        return self.executor.consume_token_par(list(zip(ms, toks)))
+        return self.executor.consume_token_par(list(zip(ms, toks, strict=True)))
 
     def accepting(self, m) -> bool:
         return m.is_accepting()
@@ -404,8 +592,13 @@ class XGrammar:
         self.xgr = xgr
         t0 = time.perf_counter()
         meta = xgr.TokenizerInfo._detect_metadata_from_hf(vocab.json)  # what from_huggingface() does
-        self.info = xgr.TokenizerInfo(vocab.encoded, meta["vocab_type"], vocab_size=vocab.size,
-                                      stop_token_ids=vocab.eos, add_prefix_space=meta["add_prefix_space"])
+        self.info = xgr.TokenizerInfo(
+            vocab.encoded,
+            meta["vocab_type"],
+            vocab_size=vocab.size,
+            stop_token_ids=vocab.eos,
+            add_prefix_space=meta["add_prefix_space"],
+        )
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
         self.setup_s = time.perf_counter() - t0
         self.batcher = xgr.BatchGrammarMatcher(max_threads=threads)
@@ -466,8 +659,13 @@ def _stats(us: list[float]) -> dict:
     if not us:
         return {}
     s = sorted(us)
-    return {"n": len(s), "mean": round(statistics.fmean(s), 2), "p50": round(s[len(s) // 2], 2),
-            "p99": round(s[min(len(s) - 1, int(len(s) * 0.99))], 2), "max": round(s[-1], 2)}
+    return {
+        "n": len(s),
+        "mean": round(statistics.fmean(s), 2),
+        "p50": round(s[len(s) // 2], 2),
+        "p99": round(s[min(len(s) - 1, int(len(s) * 0.99))], 2),
+        "max": round(s[-1], 2),
+    }
 
 
 class MaskView:
@@ -506,7 +704,12 @@ def drive(eng, m, bm, view: MaskView, tokens: list[int], eos: list[int], keep_ma
         ok = eng.consume(m, t)
         consume_us.append((time.perf_counter_ns() - t2) / 1e3)
         if not (ok and in_mask):
-            refused_at = {"index": i, "in_mask": in_mask, "accepted": bool(ok), "error": (eng.error(m) or "")[:300]}
+            refused_at = {
+                "index": i,
+                "in_mask": in_mask,
+                "accepted": bool(ok),
+                "error": (eng.error(m) or "")[:300],
+            }
             break
     end = {}
     if refused_at is None:
@@ -514,15 +717,22 @@ def drive(eng, m, bm, view: MaskView, tokens: list[int], eos: list[int], keep_ma
         if keep_masks:
             masks.append(view.np.packbits(view.bits()))
         end = {"accepting": bool(eng.accepting(m)), "eos_allowed": any(view.allowed(0, e) for e in eos)}
-    return {"mask_us": mask_us, "consume_us": consume_us, "refused_at": refused_at, "end": end,
-            "masks": masks, "allowed": allowed, "special_steps": special_steps}
+    return {
+        "mask_us": mask_us,
+        "consume_us": consume_us,
+        "refused_at": refused_at,
+        "end": end,
+        "masks": masks,
+        "allowed": allowed,
+        "special_steps": special_steps,
+    }
 
 
 def batch_run(eng, compiled, tokens: list[int], batch: int, steps: int) -> dict:
     ms = [eng.new_matcher(compiled) for _ in range(batch)]
     n = len(tokens)
     pos = [(i * n) // batch for i in range(batch)]
-    for m, p in zip(ms, pos):
+    for m, p in zip(ms, pos, strict=True):
         for t in tokens[:p]:
             eng.consume(m, t)
     bm = eng.alloc(batch)
@@ -541,7 +751,7 @@ def batch_run(eng, compiled, tokens: list[int], batch: int, steps: int) -> dict:
 
     for step in range(steps):
         # a state's first mask is dearer than a repeat (lazily built lexer states), so alternate
-        for f in ((par, seq) if step % 2 == 0 else (seq, par)):
+        for f in (par, seq) if step % 2 == 0 else (seq, par):
             f()
         t1 = time.perf_counter_ns()
         oks = eng.consume_batch(ms, [tokens[p] for p in pos])
@@ -553,10 +763,16 @@ def batch_run(eng, compiled, tokens: list[int], batch: int, steps: int) -> dict:
                 eng.reset(ms[i])
                 pos[i] = 0
     st, sq = _stats(fill_us), _stats(seq_us)
-    return {"batch": batch, "steps": steps, "fill_us_per_step": st,
-            "fill_us_per_mask_mean": round(st["mean"] / batch, 2) if st else None,
-            "sequential_us_per_step": sq, "sequential_us_per_mask_mean": round(sq["mean"] / batch, 2) if sq else None,
-            "consume_us_per_step": _stats(consume_us), "consume_failures": failures}
+    return {
+        "batch": batch,
+        "steps": steps,
+        "fill_us_per_step": st,
+        "fill_us_per_mask_mean": round(st["mean"] / batch, 2) if st else None,
+        "sequential_us_per_step": sq,
+        "sequential_us_per_mask_mean": round(sq["mean"] / batch, 2) if sq else None,
+        "consume_us_per_step": _stats(consume_us),
+        "consume_failures": failures,
+    }
 
 
 _ENGINE_CACHE: dict = {}
@@ -571,8 +787,13 @@ def get_engine(engine: str, vocab_path: str, eos: list[int] | None, threads: int
     return _ENGINE_CACHE[key], _ENGINE_CACHE[("vocab", vocab_path)]
 
 
-LIMIT_PROBES = ({"initial_lexer_fuel": 10_000}, {"max_grammar_size": 1_000}, {"max_lexer_states": 500},
-                {"step_max_items": 100}, {"step_lexer_fuel": 1_000})
+LIMIT_PROBES = (
+    {"initial_lexer_fuel": 10_000},
+    {"max_grammar_size": 1_000},
+    {"max_lexer_states": 500},
+    {"step_max_items": 100},
+    {"step_lexer_fuel": 1_000},
+)
 
 
 def llg_limits_probe(eng: LLGuidance, vocab: Vocab, case: dict) -> list[dict]:
@@ -581,7 +802,9 @@ def llg_limits_probe(eng: LLGuidance, vocab: Vocab, case: dict) -> list[dict]:
     grammar = eng.grammar(case)
     for lim in LIMIT_PROBES:
         t0 = time.perf_counter()
-        m = eng.llg.LLMatcher(eng.tok, grammar, log_level=0, limits=eng.llg.LLParserLimits(verbose_errors=False, **lim))
+        m = eng.llg.LLMatcher(
+            eng.tok, grammar, log_level=0, limits=eng.llg.LLParserLimits(verbose_errors=False, **lim)
+        )
         row = {"limits": lim, "construct_ms": round((time.perf_counter() - t0) * 1e3, 2)}
         if m.is_error():
             row["refused"] = "at construction: " + m.get_error()[:200]
@@ -596,15 +819,24 @@ def llg_limits_probe(eng: LLGuidance, vocab: Vocab, case: dict) -> list[dict]:
     return out
 
 
-def run_unit(engine: str, vocab_path: str, eos, threads: int, case: dict, cfg: dict, on_compiled=None) -> dict:
+def run_unit(
+    engine: str, vocab_path: str, eos, threads: int, case: dict, cfg: dict, on_compiled=None
+) -> dict:
     """Everything for one engine x tokenizer x case. Masks of the cold pass come back for comparison."""
     eng, vocab = get_engine(engine, vocab_path, eos, threads)
-    res: dict = {"engine": engine, "case": case["name"], "kind": case["kind"], "hostile": bool(case.get("hostile"))}
+    res: dict = {
+        "engine": engine,
+        "case": case["name"],
+        "kind": case["kind"],
+        "hostile": bool(case.get("hostile")),
+    }
     t0 = time.perf_counter()
     try:
         compiled = eng.compile(case)
     except CompileError as exc:
-        res.update(compile_ok=False, compile_ms=round((time.perf_counter() - t0) * 1e3, 3), error=str(exc)[:500])
+        res.update(
+            compile_ok=False, compile_ms=round((time.perf_counter() - t0) * 1e3, 3), error=str(exc)[:500]
+        )
         return res
     res["compile_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
     t0 = time.perf_counter()
@@ -642,26 +874,34 @@ def run_unit(engine: str, vocab_path: str, eos, threads: int, case: dict, cfg: d
     # where the time goes: steps that allow few tokens (structure) vs most of the vocabulary (free text)
     res["allowed_per_step"] = cold["allowed"]
     res["warm_mask_us_steps"] = [round(x, 1) for x in warm["mask_us"]]
-    pairs = list(zip(cold["allowed"], warm["mask_us"]))
-    res["warm_by_allowed"] = {"few_lt100": _stats([u for a, u in pairs if a < 100]),
-                              "most_gt_half": _stats([u for a, u in pairs if a > eng.vocab_size // 2])}
+    pairs = list(zip(cold["allowed"], warm["mask_us"], strict=False))
+    res["warm_by_allowed"] = {
+        "few_lt100": _stats([u for a, u in pairs if a < 100]),
+        "most_gt_half": _stats([u for a, u in pairs if a > eng.vocab_size // 2]),
+    }
     res["consume_us"] = _stats(warm["consume_us"])
     if cold["refused_at"]:
         res["valid_refused_at"] = cold["refused_at"]
     # coverage on the whole document (untimed past max_tokens)
     m2 = eng.new_matcher(compiled)
     full = drive(eng, m2, bm, view, tokens_full, vocab.eos, keep_masks=False, specials=None)
-    res["accepts_valid"] = full["refused_at"] is None and full["end"].get("accepting", False) \
+    res["accepts_valid"] = (
+        full["refused_at"] is None
+        and full["end"].get("accepting", False)
         and full["end"].get("eos_allowed", False)
+    )
     if full["refused_at"] is not None:
         res["valid_refused_at"] = full["refused_at"]
     elif not res["accepts_valid"]:
         res["valid_end"] = full["end"]
     if case.get("invalid") is not None:
         m3 = eng.new_matcher(compiled)
-        bad = drive(eng, m3, bm, view, vocab.encode(case["invalid"]), vocab.eos, keep_masks=False, specials=None)
+        bad = drive(
+            eng, m3, bm, view, vocab.encode(case["invalid"]), vocab.eos, keep_masks=False, specials=None
+        )
         res["rejects_invalid"] = bad["refused_at"] is not None or not (
-            bad["end"].get("accepting") and bad["end"].get("eos_allowed"))
+            bad["end"].get("accepting") and bad["end"].get("eos_allowed")
+        )
     res["batches"] = []
     if res["accepts_valid"] and tokens:
         for b in cfg["batches"]:
@@ -676,8 +916,17 @@ def _child(q, *args):
     try:
         q.put(("done", run_unit(*args, on_compiled=lambda r: q.put(("compiled", r)))))
     except BaseException as exc:  # noqa: BLE001 - report, whatever it was
-        q.put(("done", {"engine": args[0], "case": args[4]["name"], "compile_ok": False,
-                        "error": f"{type(exc).__name__}: {exc}"}))
+        q.put(
+            (
+                "done",
+                {
+                    "engine": args[0],
+                    "case": args[4]["name"],
+                    "compile_ok": False,
+                    "error": f"{type(exc).__name__}: {exc}",
+                },
+            )
+        )
 
 
 def run_isolated(engine, vocab_path, eos, threads, case, cfg, timeout: float) -> dict:
@@ -702,10 +951,18 @@ def run_isolated(engine, vocab_path, eos, threads, case, cfg, timeout: float) ->
         p.kill()
         p.join()
     if res is None and partial is not None:
-        res = {**partial, "error": f"compiled, but the mask runs did not finish within {timeout:.0f} s; killed"}
+        res = {
+            **partial,
+            "error": f"compiled, but the mask runs did not finish within {timeout:.0f} s; killed",
+        }
     elif res is None:
-        res = {"engine": engine, "case": case["name"], "compile_ok": False, "hostile": True,
-               "error": f"no compile within {timeout:.0f} s (exit code {p.exitcode}); killed"}
+        res = {
+            "engine": engine,
+            "case": case["name"],
+            "compile_ok": False,
+            "hostile": True,
+            "error": f"no compile within {timeout:.0f} s (exit code {p.exitcode}); killed",
+        }
     res["isolated_wall_s"] = round(time.perf_counter() - t0, 2)
     return res
 
@@ -729,21 +986,38 @@ def rows_for(results: list[dict], batches: list[int]) -> list[list]:
     rows = []
     for r in results:
         ok = r.get("compile_ok")
-        rows.append([
-            r["case"], r["engine"], _fmt(r.get("compile_ms"), 2), _fmt(r.get("compile2_ms"), 3),
-            _fmt(r.get("new_matcher_us")), _fmt(r.get("first_mask_us")),
-            _fmt((r.get("single_warm") or {}).get("p50")), _fmt((r.get("single_warm") or {}).get("p99")),
-            _fmt((r.get("single_cold") or {}).get("mean")),
-            *[_fmt(_batch(r, b)) for b in batches],
-            "yes" if ok else "NO", "yes" if r.get("accepts_valid") else ("-" if not ok else "NO"),
-            {True: "yes", False: "NO", None: "-"}[r.get("rejects_invalid")],
-            _fmt(r.get("mask_agree_pct")),
-        ])
+        rows.append(
+            [
+                r["case"],
+                r["engine"],
+                _fmt(r.get("compile_ms"), 2),
+                _fmt(r.get("compile2_ms"), 3),
+                _fmt(r.get("new_matcher_us")),
+                _fmt(r.get("first_mask_us")),
+                _fmt((r.get("single_warm") or {}).get("p50")),
+                _fmt((r.get("single_warm") or {}).get("p99")),
+                _fmt((r.get("single_cold") or {}).get("mean")),
+                *[_fmt(_batch(r, b)) for b in batches],
+                "yes" if ok else "NO",
+                "yes" if r.get("accepts_valid") else ("-" if not ok else "NO"),
+                {True: "yes", False: "NO", None: "-"}[r.get("rejects_invalid")],
+                _fmt(r.get("mask_agree_pct")),
+            ]
+        )
     return rows
 
 
-HEADERS_BASE = ["case", "engine", "compile ms", "2nd compile ms", "new matcher us", "1st mask us",
-                "mask p50 us", "mask p99 us", "cold mean us"]
+HEADERS_BASE = [
+    "case",
+    "engine",
+    "compile ms",
+    "2nd compile ms",
+    "new matcher us",
+    "1st mask us",
+    "mask p50 us",
+    "mask p99 us",
+    "cold mean us",
+]
 HEADERS_TAIL = ["compiles", "accepts valid", "rejects invalid", "same mask %"]
 
 
@@ -759,27 +1033,50 @@ def summary(results: list[dict], batches: list[int]) -> list[list]:
         if not rs:
             continue
 
-        def med(f):
+        def med(f, rs=rs):
             vals = [v for v in (f(r) for r in rs) if v is not None]
             return round(statistics.median(vals), 2) if vals else None
 
-        out.append([engine, len(rs), med(lambda r: r["compile_ms"]), med(lambda r: r["compile2_ms"]),
-                    med(lambda r: r["new_matcher_us"]), med(lambda r: r["first_mask_us"]),
-                    med(lambda r: r["single_warm"]["mean"]), med(lambda r: r["single_warm"]["p50"]),
-                    med(lambda r: r["single_warm"]["p99"]),
-                    med(lambda r: r["warm_by_allowed"]["few_lt100"].get("p50")),
-                    med(lambda r: r["warm_by_allowed"]["most_gt_half"].get("p50")),
-                    *[med(lambda r, b=b: _batch(r, b, "fill_us_per_mask_mean")) for b in batches],
-                    *[med(lambda r, b=b: _batch(r, b, "sequential_us_per_mask_mean")) for b in batches],
-                    *[med(lambda r, b=b: _batch(r, b)) for b in batches]])
+        out.append(
+            [
+                engine,
+                len(rs),
+                med(lambda r: r["compile_ms"]),
+                med(lambda r: r["compile2_ms"]),
+                med(lambda r: r["new_matcher_us"]),
+                med(lambda r: r["first_mask_us"]),
+                med(lambda r: r["single_warm"]["mean"]),
+                med(lambda r: r["single_warm"]["p50"]),
+                med(lambda r: r["single_warm"]["p99"]),
+                med(lambda r: r["warm_by_allowed"]["few_lt100"].get("p50")),
+                med(lambda r: r["warm_by_allowed"]["most_gt_half"].get("p50")),
+                *[med(lambda r, b=b: _batch(r, b, "fill_us_per_mask_mean")) for b in batches],
+                *[med(lambda r, b=b: _batch(r, b, "sequential_us_per_mask_mean")) for b in batches],
+                *[med(lambda r, b=b: _batch(r, b)) for b in batches],
+            ]
+        )
     return out
 
 
 def summary_headers(batches):
-    return (["engine", "cases", "compile ms", "2nd compile ms", "new matcher us", "1st mask us",
-             "mask mean us", "mask p50 us", "mask p99 us", "p50 us <100 allowed", "p50 us >half allowed"]
-            + [f"b{b} us/mask" for b in batches] + [f"b{b} seq us/mask" for b in batches]
-            + [f"b{b} us/step p50" for b in batches])
+    return (
+        [
+            "engine",
+            "cases",
+            "compile ms",
+            "2nd compile ms",
+            "new matcher us",
+            "1st mask us",
+            "mask mean us",
+            "mask p50 us",
+            "mask p99 us",
+            "p50 us <100 allowed",
+            "p50 us >half allowed",
+        ]
+        + [f"b{b} us/mask" for b in batches]
+        + [f"b{b} seq us/mask" for b in batches]
+        + [f"b{b} us/step p50" for b in batches]
+    )
 
 
 def table(rows, headers, fmt="github"):
@@ -794,8 +1091,12 @@ def table(rows, headers, fmt="github"):
 
 def git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -826,18 +1127,35 @@ def cmd_run(args) -> int:
         except Exception as exc:  # noqa: BLE001 - say so and compare what we can
             import_errors[e] = f"{type(exc).__name__}: {exc}"
             engines.remove(e)
-    out = {"what": "grammar engines: llguidance vs xgrammar (CPU)", "date": dt.date.today().isoformat(),
-           "command": " ".join([Path(sys.executable).as_posix(), *sys.argv]), "commit": git_commit(),
-           "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
-           "versions": versions(), "import_errors": import_errors, "config": {**cfg, "threads": args.threads},
-           "reference": {c["name"]: reference_check(c) for c in cases}, "tokenizers": []}
+    out = {
+        "what": "grammar engines: llguidance vs xgrammar (CPU)",
+        "date": dt.date.today().isoformat(),
+        "command": " ".join([Path(sys.executable).as_posix(), *sys.argv]),
+        "commit": git_commit(),
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
+        "versions": versions(),
+        "import_errors": import_errors,
+        "config": {**cfg, "threads": args.threads},
+        "reference": {c["name"]: reference_check(c) for c in cases},
+        "tokenizers": [],
+    }
     try:
         import llguidance
 
         lim = llguidance.LLParserLimits()
-        out["llguidance_default_limits"] = {k: getattr(lim, k) for k in (
-            "max_items_in_row", "initial_lexer_fuel", "step_lexer_fuel", "step_max_items", "max_lexer_states",
-            "max_grammar_size", "precompute_large_lexemes", "verbose_errors")}
+        out["llguidance_default_limits"] = {
+            k: getattr(lim, k)
+            for k in (
+                "max_items_in_row",
+                "initial_lexer_fuel",
+                "step_lexer_fuel",
+                "step_max_items",
+                "max_lexer_states",
+                "max_grammar_size",
+                "precompute_large_lexemes",
+                "verbose_errors",
+            )
+        }
     except ImportError:
         pass
     try:
@@ -850,9 +1168,16 @@ def cmd_run(args) -> int:
     for path in args.tokenizer:
         vocab = Vocab(path, args.eos)
         info_file = Path(path).with_name("tokenizer-info.json")
-        tinfo = {"path": path, "vocab_size": vocab.size, "eos": vocab.eos, "specials_non_eos": len(vocab.specials),
-                 "sha256": vocab.sha, "made": json.loads(info_file.read_text()) if info_file.is_file() else None,
-                 "engine_setup_s": {}, "results": []}
+        tinfo = {
+            "path": path,
+            "vocab_size": vocab.size,
+            "eos": vocab.eos,
+            "specials_non_eos": len(vocab.specials),
+            "sha256": vocab.sha,
+            "made": json.loads(info_file.read_text()) if info_file.is_file() else None,
+            "engine_setup_s": {},
+            "results": [],
+        }
         tinfo["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
         print(f"\n== {path}: {vocab.size} ids, eos {vocab.eos}, load {tinfo['loadavg_start']}", flush=True)
         for e in engines:
@@ -863,7 +1188,9 @@ def cmd_run(args) -> int:
             wm = eng.new_matcher(eng.compile(warm))  # process-wide first-use costs, kept out of the cases
             eng.fill(wm, eng.alloc(1))
             tinfo.setdefault("warmup_ms", {})[e] = round((time.perf_counter() - t0) * 1e3, 2)
-            print(f"   {e}: tokenizer setup {eng.setup_s:.2f} s, warm-up {tinfo['warmup_ms'][e]} ms", flush=True)
+            print(
+                f"   {e}: tokenizer setup {eng.setup_s:.2f} s, warm-up {tinfo['warmup_ms'][e]} ms", flush=True
+            )
         for case in cases:
             unit = {}
             for e in engines:
@@ -873,11 +1200,14 @@ def cmd_run(args) -> int:
                 else:
                     r = run_unit(e, path, args.eos, args.threads, case, cfg)
                 unit[e] = r
-                print(f"   {case['name']:<30} {e:<10} compile {_fmt(r.get('compile_ms'), 2):>9} ms  "
-                      f"mask p50 {_fmt((r.get('single_warm') or {}).get('p50')):>8} us  "
-                      f"valid {r.get('accepts_valid')}  invalid-refused {r.get('rejects_invalid')}  "
-                      f"({time.perf_counter() - t0:.1f} s){'  ERR ' + r['error'][:120] if r.get('error') else ''}",
-                      flush=True)
+                print(
+                    f"   {case['name']:<30} {e:<10} compile {_fmt(r.get('compile_ms'), 2):>9} ms  "
+                    f"mask p50 {_fmt((r.get('single_warm') or {}).get('p50')):>8} us  "
+                    f"valid {r.get('accepts_valid')}  invalid-refused {r.get('rejects_invalid')}  "
+                    f"({time.perf_counter() - t0:.1f} s)"
+                    f"{'  ERR ' + r['error'][:120] if r.get('error') else ''}",
+                    flush=True,
+                )
             if len(unit) == 2:
                 a, b = (unit[e].get("_masks") or [] for e in engines)
                 n = min(len(a), len(b))
@@ -887,8 +1217,10 @@ def cmd_run(args) -> int:
                     for e in engines:
                         unit[e]["mask_agree_pct"] = round(100.0 * same / n, 1)
                         unit[e]["mask_diff_tokens_mean"] = round(statistics.fmean(diffs), 1)
-                    only = {e: int(sum(np.unpackbits(m[i] & ~o[i]).sum() for i in range(n)))
-                            for e, m, o in ((engines[0], a, b), (engines[1], b, a))}
+                    only = {
+                        e: int(sum(np.unpackbits(m[i] & ~o[i]).sum() for i in range(n)))
+                        for e, m, o in ((engines[0], a, b), (engines[1], b, a))
+                    }
                     for e in engines:
                         unit[e]["allowed_only_by_this_engine_token_steps"] = only[e]
                     toks = vocab.encode(case["valid"])[: args.max_tokens]
@@ -899,8 +1231,10 @@ def cmd_run(args) -> int:
                             ex = {"step": i, "after": vocab.hf.decode(toks[:i])[-40:]}
                             for e, mine, other in ((engines[0], x, y), (engines[1], y, x)):
                                 ids = np.nonzero(mine & (1 - other))[0]
-                                ex[f"only_{e}"] = {"count": int(len(ids)), "sample": [
-                                    f"{int(j)}:{vocab.hf.id_to_token(int(j))}" for j in ids[:6]]}
+                                ex[f"only_{e}"] = {
+                                    "count": int(len(ids)),
+                                    "sample": [f"{int(j)}:{vocab.hf.id_to_token(int(j))}" for j in ids[:6]],
+                                }
                             examples.append(ex)
                     unit[engines[0]]["mask_diff_examples"] = examples
             for e in engines:
@@ -909,8 +1243,12 @@ def cmd_run(args) -> int:
         tinfo["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         out["tokenizers"].append(tinfo)
         print()
-        print(table(rows_for(tinfo["results"], batches),
-                    HEADERS_BASE + [f"b{b} us/step p50" for b in batches] + HEADERS_TAIL))
+        print(
+            table(
+                rows_for(tinfo["results"], batches),
+                HEADERS_BASE + [f"b{b} us/step p50" for b in batches] + HEADERS_TAIL,
+            )
+        )
         print()
         print(table(summary(tinfo["results"], batches), summary_headers(batches)))
     out["wall_s"] = round(time.perf_counter() - t_start, 1)
@@ -923,25 +1261,47 @@ def cmd_run(args) -> int:
 
 
 def markdown(out: dict, batches: list[int]) -> str:
-    lines = [f"# Grammar engines on CPU: llguidance {out['versions'].get('llguidance')} vs "
-             f"xgrammar {out['versions'].get('xgrammar')}", "",
-             f"{out['date']}, {out['host']['cpus']} CPUs, threads {out['config']['threads']}, "
-             f"at most {out['config']['max_tokens']} tokens per document, "
-             f"batches {batches} for {out['config']['batch_steps']} steps.", "",
-             "Command:", "", "```", out["command"], "```", "", f"commit: {out['commit']}", ""]
+    lines = [
+        f"# Grammar engines on CPU: llguidance {out['versions'].get('llguidance')} vs "
+        f"xgrammar {out['versions'].get('xgrammar')}",
+        "",
+        f"{out['date']}, {out['host']['cpus']} CPUs, threads {out['config']['threads']}, "
+        f"at most {out['config']['max_tokens']} tokens per document, "
+        f"batches {batches} for {out['config']['batch_steps']} steps.",
+        "",
+        "Command:",
+        "",
+        "```",
+        out["command"],
+        "```",
+        "",
+        f"commit: {out['commit']}",
+        "",
+    ]
     if out["import_errors"]:
         lines += [f"Not importable: {out['import_errors']}", ""]
     for t in out["tokenizers"]:
-        lines += [f"## {t['vocab_size']} ids ({Path(t['path']).parent.name}), eos {t['eos']}", "",
-                  f"Load average (1/5/15 min) at start {t.get('loadavg_start')}, at end {t.get('loadavg_end')} "
-                  f"on {out['host']['cpus']} CPUs.", "",
-                  "Tokenizer setup s: " + ", ".join(f"{k} {v}" for k, v in t["engine_setup_s"].items()), "",
-                  "Medians over the non-hostile cases both engines accept (us per mask of a batch = the "
-                  "batch step / B):", "",
-                  table(summary(t["results"], batches), summary_headers(batches)), "",
-                  "Per case:", "",
-                  table(rows_for(t["results"], batches),
-                        HEADERS_BASE + [f"b{b} us/step p50" for b in batches] + HEADERS_TAIL), ""]
+        lines += [
+            f"## {t['vocab_size']} ids ({Path(t['path']).parent.name}), eos {t['eos']}",
+            "",
+            f"Load average (1/5/15 min) at start {t.get('loadavg_start')}, at end {t.get('loadavg_end')} "
+            f"on {out['host']['cpus']} CPUs.",
+            "",
+            "Tokenizer setup s: " + ", ".join(f"{k} {v}" for k, v in t["engine_setup_s"].items()),
+            "",
+            "Medians over the non-hostile cases both engines accept (us per mask of a batch = the "
+            "batch step / B):",
+            "",
+            table(summary(t["results"], batches), summary_headers(batches)),
+            "",
+            "Per case:",
+            "",
+            table(
+                rows_for(t["results"], batches),
+                HEADERS_BASE + [f"b{b} us/step p50" for b in batches] + HEADERS_TAIL,
+            ),
+            "",
+        ]
         errs = [r for r in t["results"] if r.get("error") or r.get("valid_refused_at")]
         if errs:
             lines += ["Errors and refusals:", ""]
@@ -954,8 +1314,10 @@ def markdown(out: dict, batches: list[int]) -> str:
             lines += ["llguidance with one tight LLParserLimits field (defaults otherwise):", ""]
             for r in probes:
                 for p in r["limits_probe"]:
-                    lines.append(f"- {r['case']} {p['limits']}: {p['refused'] or 'not refused'}"
-                                 f" ({p['construct_ms']} ms to construct)")
+                    lines.append(
+                        f"- {r['case']} {p['limits']}: {p['refused'] or 'not refused'}"
+                        f" ({p['construct_ms']} ms to construct)"
+                    )
             lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -969,8 +1331,12 @@ def main(argv=None) -> int:
     t.add_argument("--preset", choices=["tiny"], help="the tiny preset's own tokenizer (1024 ids)")
     r = sub.add_parser("run", help="run the benchmark")
     r.add_argument("--tokenizer", action="append", required=True, help="PATH/tokenizer.json (repeatable)")
-    r.add_argument("--eos", type=int, action="append",
-                   help="EOS id (repeatable; default: tokenizer_config.json's eos_token)")
+    r.add_argument(
+        "--eos",
+        type=int,
+        action="append",
+        help="EOS id (repeatable; default: tokenizer_config.json's eos_token)",
+    )
     r.add_argument("--engines", default="llguidance,xgrammar")
     r.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     r.add_argument("--max-tokens", type=int, default=200)

@@ -9,6 +9,7 @@ import grpc
 
 from decode_service.mux import DecodeManySession
 from decode_service.worker import DecodeWorker
+from engine.engine_types import failure
 from pdserve import tracing
 from pdserve.server import abort_from
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
@@ -98,7 +99,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # up in one write instead of one per token (the proto carries several tokens).
             for out in outs:
                 if out.finish_reason == "error":
-                    raise RuntimeError(out.error or "decode failed")
+                    raise failure(out)
                 msg.token_ids.extend(out.new_token_ids)
                 if out.new_logprobs:
                     msg.logprobs.extend(_logprob_list(out.new_logprobs))

@@ -409,7 +409,7 @@ class LLMEngine(LaunchAhead):
         return StepOutput(request_id=seq.request_id, new_token_ids=new_tokens, new_logprobs=lps,
                           finished=finished, finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
                           num_cached_tokens=seq.num_cached_tokens, num_tier_tokens=seq.num_tier_tokens,
-                          error=seq.error, text=text,
+                          error=seq.error, invalid=seq.invalid, text=text,
                           block_ids=block_ids, first_scheduled_at=first_scheduled_at)
 
     def cache_snapshot(self, limit: int) -> tuple[int, dict[str, list[int]]]:

@@ -120,6 +120,9 @@ class StepOutput:
     num_cached_tokens: int = 0
     num_tier_tokens: int = 0  # of num_cached_tokens, loaded back from the host or disk tier
     error: str | None = None
+    # "error" caused by the request itself (its constraint refused a token, or hit a grammar limit):
+    # services answer INVALID_ARGUMENT (``failure``), and the router does not retry it elsewhere
+    invalid: bool = False
     # Finished requests with stop strings: the output text cut before the matched stop string.
     text: str | None = None
     # "prefilled" outputs: the pinned block table, read on the engine thread as the output is made, so
@@ -134,3 +137,10 @@ class Reservation:
     block_ids: list[int]
     num_cached_tokens: int  # leading prompt tokens whose KV is already in those blocks (or is loading)
     num_tier_tokens: int = 0  # of those, tokens being loaded back from the host or disk tier
+
+
+def failure(out: StepOutput) -> Exception:
+    """The exception a service raises for an output finished with "error": ValueError (INVALID_ARGUMENT)
+    when the request caused it, RuntimeError (INTERNAL) otherwise."""
+    message = out.error or "generation failed"
+    return ValueError(message) if out.invalid else RuntimeError(message)

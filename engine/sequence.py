@@ -50,6 +50,7 @@ class Sequence:
         self.grammar = None  # engine.grammar.GrammarState of a request with a structured-output constraint
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.invalid = False  # its error is the request's own (engine_types.StepOutput.invalid)
         self.text = ""  # detokenized output, tracked only for stop strings
         self.text_start = 0  # where its own text begins in ``text`` (after a continuation's context)
         self.decoder = None  # engine.tokenizer.IncrementalDecoder when stop strings are set

@@ -53,7 +53,7 @@ def _grammar_ends(seq: Sequence, token: int) -> bool:
     try:
         done = seq.grammar.accept(token)
     except GrammarError as exc:
-        seq.error = str(exc)
+        seq.error, seq.invalid = str(exc), True
         seq.finish_reason = "error"
         return True
     if done:

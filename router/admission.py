@@ -14,8 +14,8 @@ Nothing a single request sends may stall the others (the router's event loop ser
   characters than the longest vocabulary entry, ``Tokenizer.max_token_chars``; a factor
   ``NORMALIZER_SLACK`` leaves room for normalizers that shrink text), so an 8 MiB text for a 2k
   context costs microseconds, not a tokenization;
-- a structured-output constraint is compiled once (without the vocabulary) off the event loop, under
-  a time bound, and remembered (router/constraints.py);
+- a structured-output constraint is compiled once against the vocabulary off the event loop, under a
+  time bound, and remembered (router/constraints.py);
 - a text above ``INLINE_TEXT_CHARS`` is tokenized on a worker thread through the GIL-releasing
   ``encode_releasing_gil``, and its ids are validated there too, so other streams keep flowing.
 """
@@ -27,11 +27,10 @@ import uuid
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from engine.grammar.spec import validate as validate_constraint
 from pdserve.sampling import SamplingParams
 from pdserve.v1 import router_pb2
 from pdserve.wire import DEFAULT_MAX_TOKENS, sampling_from_proto, validate_token_ids
-from router.constraints import check_constraint
+from router.constraints import check_constraint, compiler_for
 
 MAX_REQUEST_ID_LEN = 128
 MAX_SESSION_ID_LEN = 256
@@ -135,8 +134,14 @@ def admit(req: router_pb2.GenerateRequest, limits: ModelLimits,
     """Admit on the calling thread (tests, tools); the servicers use ``admit_async``."""
     checked = _check(req, limits, metadata_session)
     if checked.params.constraint is not None:
-        validate_constraint(checked.params.constraint)
+        _compiler(limits).compile(checked.params.constraint)
     return _admitted(req, limits, checked, _prompt_ids(req, limits, release_gil=False))
+
+
+def _compiler(limits: ModelLimits):
+    if limits.tokenizer is None:
+        raise ValueError("structured output needs the model's tokenizer.json, which this model lacks")
+    return compiler_for(limits.tokenizer, limits.vocab_size, limits.eos_token_ids)
 
 
 def _is_large(req: router_pb2.GenerateRequest) -> bool:
@@ -151,9 +156,7 @@ async def admit_async(req: router_pb2.GenerateRequest, limits: ModelLimits,
     checks a structured-output constraint there (router/constraints.py)."""
     checked = _check(req, limits, metadata_session)
     if checked.params.constraint is not None:
-        if limits.tokenizer is None:
-            raise ValueError("structured output needs the model's tokenizer.json, which this model lacks")
-        await check_constraint(checked.params.constraint, executor)
+        await check_constraint(checked.params.constraint, _compiler(limits), executor)
     if not _is_large(req):
         return _admitted(req, limits, checked, _prompt_ids(req, limits, release_gil=False))
     loop = asyncio.get_running_loop()

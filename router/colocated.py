@@ -11,6 +11,7 @@ from __future__ import annotations
 import grpc
 
 from engine.async_engine import AsyncEngine
+from engine.engine_types import failure
 from pdserve.server import abort_from
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.wire import first_logprob, top_logprobs, worker_stats
@@ -38,7 +39,7 @@ class ColocatedServicer(router_pb2_grpc.RouterServicer):
         try:
             async for step in self.engine.generate(req.request_id, req.prompt_ids, req.params):
                 if step.finish_reason == "error":
-                    raise RuntimeError(step.error or "generation failed")
+                    raise failure(step)
                 if step.num_cached_tokens:
                     meta.cached_tokens = int(step.num_cached_tokens)
                 if step.new_token_ids:

@@ -26,7 +26,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids, capacity: int = 256) -> None:
         """``tokenizer``: ``engine.tokenizer.Tokenizer`` (or anything with ``to_json()``); None: a model
         without a tokenizer, which cannot serve constraints."""
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
         self.capacity = capacity
@@ -38,11 +38,11 @@ class GrammarCompiler:
 
     def ll_tokenizer(self):
         if self._ll is None:
-            if self._tokenizer is None:
+            if self.tokenizer is None:
                 raise GrammarError("this model has no tokenizer: structured output needs one")
             import llguidance
 
-            ll = llguidance.LLTokenizer(self._tokenizer.to_json(), n_vocab=self.vocab_size,
+            ll = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
                                         eos_token=self.eos_token_ids or None)
             with self._lock:
                 if self._ll is None:
@@ -83,6 +83,14 @@ class GrammarCompiler:
             return exc
         if matcher.is_error():
             return GrammarError(f"the {constraint.kind} constraint cannot be compiled: {matcher.get_error()}")
+        # The lexer is built lazily: a grammar over the limits at this vocabulary (a huge enum) fails at its
+        # first mask, so one is computed here, where a failure is still the request's 400, not its error
+        # mid-answer.
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            return GrammarError(f"the {constraint.kind} constraint is too complex for this vocabulary: "
+                                f"{probe.get_error()}")
         return matcher
 
     def start(self, constraint: Constraint) -> GrammarState:

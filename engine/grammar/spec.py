@@ -28,8 +28,9 @@ MAX_CONSTRAINT_CHARS = 256 * 1024  # a constraint's text (the schema, regex, gra
 MAX_CHOICES = 4096
 JSON_DEFAULTS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 # llguidance's LLParserLimits, tighter than its defaults where one request could otherwise hold a step
+# (verbose errors would put the parser's state and the whole grammar into a client's error message)
 LIMITS = {"initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
-          "max_lexer_states": 100_000, "max_grammar_size": 200_000}
+          "max_lexer_states": 100_000, "max_grammar_size": 200_000, "verbose_errors": False}
 
 
 class GrammarError(ValueError):

@@ -21,8 +21,10 @@ class GrammarState:
 
     @property
     def done(self) -> bool:
-        """The grammar is complete and took its end (an EOS, or nothing more can follow)."""
-        return self.matcher.is_stopped()
+        """The grammar is complete (nothing but its end can follow). A matcher in its error state (a
+        grammar limit hit while computing a mask) is not done: its mask allows only EOS, which it then
+        refuses, so the request ends with the error (``accept``)."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
 
     def replay(self, tokens) -> None:
         """Consume tokens generated before this matcher existed; GrammarError when the constraint

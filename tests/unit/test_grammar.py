@@ -296,3 +296,18 @@ def test_constrained_greedy_matches_transformers_with_the_same_grammar(make_chec
         assert ref == want, c.kind
     assert engine.leak_report() is None
     engine.close()
+
+
+def test_a_grammar_over_the_parser_limits_is_refused_at_compile(make, monkeypatch):
+    """llguidance's limits bound a hostile grammar's compilation; over them the request is refused with the
+    reason before it runs (a 20,000-string enum at a 128k vocabulary is one: bench/results'
+    grammar-engines run), and the refusal is remembered."""
+    from engine.grammar import spec
+
+    monkeypatch.setattr(spec, "LIMITS", {**spec.LIMITS, "initial_lexer_fuel": 10_000})
+    engine = make()
+    enum = Constraint("json_schema", json.dumps({"enum": [f"value-{i:05d}" for i in range(3000)]}))
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="constraint"):
+            engine.add_request("e", [1, 2, 3], SamplingParams(constraint=enum))
+    assert engine.grammars.compiled == 1 and engine.num_waiting == 0
