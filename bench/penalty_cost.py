@@ -70,6 +70,8 @@ def decode_ms(engine: LLMEngine, config: str, rows: Callable[[int], dict], batch
         engine.step()
     _sync(engine)
     elapsed = time.perf_counter() - t0
+    if engine.num_running != batch:  # a row that ended early would make the step look cheap
+        raise RuntimeError(f"{config}: {engine.num_running} of {batch} rows still decode after the steps")
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
