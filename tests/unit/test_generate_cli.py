@@ -83,3 +83,20 @@ def test_prompt_flags_are_exclusive_and_required(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--model", "x", "--prompt", "a", "--prompt-ids", "1"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_structured_output_flags(capsys, tiny_llama_dir, tmp_path):
+    import re
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "additionalProperties": False, "required": ["n"],
+                                  "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}))
+    out = cli_json(capsys, "--model", str(tiny_llama_dir), "--prompt", "hi", "--json-schema", f"@{schema}")
+    assert out["finish_reason"] == "stop" and 0 <= json.loads(out["text"])["n"] <= 9
+    out = cli_json(capsys, "--model", str(tiny_llama_dir), "--prompt", "hi", "--choice", "yes",
+                   "--choice", "no")
+    assert out["text"] in ("yes", "no")
+    out = cli_json(capsys, "--model", str(tiny_llama_dir), "--prompt", "hi", "--regex", "[a-c]{3}")
+    assert re.fullmatch("[a-c]{3}", out["text"])
+    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", "--regex", "([0-9"]) == 2
+    assert "cannot be compiled" in capsys.readouterr().err

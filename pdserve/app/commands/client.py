@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from pdserve.app import penalty_flags
+from pdserve.app import constraint_flags, penalty_flags
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     penalty_flags.add(p)
+    constraint_flags.add(p)
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds (default 120)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--tls-dir", help="TLS: verify the router against DIR/ca.crt (and present DIR/client.crt)")
@@ -58,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
         print("INVALID_ARGUMENT: --prompt-ids must be comma-separated integers", file=sys.stderr)
         return 1
     try:
-        penalties = penalty_flags.values(args)
+        penalties = {**penalty_flags.values(args), **constraint_flags.values(args)}
     except ValueError as exc:
         print(f"INVALID_ARGUMENT: {exc}", file=sys.stderr)
         return 1

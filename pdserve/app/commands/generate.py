@@ -2,6 +2,7 @@
 
     pdserve generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
                      [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop STR ...] [--json]
+                     [--json-schema S | --json-object | --regex R | --choice C ... | --grammar G]
 
 Prints the generated text (or, without a tokenizer, the generated ids). ``--json`` prints one JSON
 object instead: ``token_ids`` (generated ids, prompt excluded), ``text`` (when the model directory has
@@ -15,7 +16,7 @@ import json
 import sys
 import time
 
-from pdserve.app import penalty_flags
+from pdserve.app import constraint_flags, penalty_flags
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="stop when the text contains any of these strings (needs a tokenizer)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     penalty_flags.add(p)
+    constraint_flags.add(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -54,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
-                                ignore_eos=args.ignore_eos, **penalty_flags.values(args))
+                                ignore_eos=args.ignore_eos, **penalty_flags.values(args),
+                                **constraint_flags.values(args))
     except ValueError as exc:
         return _fail(str(exc))
     prompt_ids = None
