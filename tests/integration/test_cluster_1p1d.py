@@ -36,12 +36,14 @@ def reference(model_dir, prompt_list: list[list[int]], max_tokens: list[int]) ->
                                                                                    strict=True)]
 
 
-def run_concurrently(router: str, prompt_list, max_tokens, **kw) -> list:
+def run_concurrently(router: str, prompt_list, max_tokens, *, each=None, **kw) -> list:
+    """Every prompt at once, one client each; ``each(i)``: request i's own keyword arguments."""
     results: list = [None] * len(prompt_list)
 
     def one(i: int) -> None:
         with Client(router, timeout=120) as c:
-            results[i] = c.generate(prompt_ids=prompt_list[i], max_tokens=max_tokens[i], **kw)
+            results[i] = c.generate(prompt_ids=prompt_list[i], max_tokens=max_tokens[i], **kw,
+                                    **(each(i) if each is not None else {}))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompt_list))]
     for t in threads:

@@ -7,12 +7,11 @@ its decode worker: tests/integration/test_faults_migration.py.)"""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
+from test_cluster_1p1d import run_concurrently
 
 from pdserve.app.launcher.local import LocalCluster, ucx_tcp_env
-from pdserve.client import Client
 from pdserve.sampling import Constraint, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -45,22 +44,6 @@ def reference(model_dir) -> list[list[int]]:
                                 for i in range(len(ps))])
 
 
-def run_concurrently(router: str) -> list:
-    ps = prompts()
-    results: list = [None] * len(ps)
-
-    def one(i: int) -> None:
-        with Client(router, timeout=120) as c:
-            results[i] = c.generate(prompt_ids=ps[i], max_tokens=MAX_TOKENS, constraint=constraint_of(i))
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ps))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    return results
-
-
 @pytest.mark.parametrize("shape", ["1p1d-tcp-ahead", "1p1d-nixl", "colocated"])
 def test_constrained_greedy_parity(make_checkpoint, tmp_path, shape) -> None:
     model = make_checkpoint("llama")
@@ -74,7 +57,9 @@ def test_constrained_greedy_parity(make_checkpoint, tmp_path, shape) -> None:
         kw.update(prefill=0, decode=1, colocated=True)
     with LocalCluster(model, run_dir=tmp_path, **kw) as c:
         start = c.free_blocks()
-        got = run_concurrently(c.router)
+        ps = prompts()
+        got = run_concurrently(c.router, ps, [MAX_TOKENS] * len(ps),
+                               each=lambda i: {"constraint": constraint_of(i)})
         assert [r.token_ids for r in got] == want
         assert all(r.finish_reason == "stop" for i, r in enumerate(got) if constraint_of(i) is not None)
         stats = c.wait_idle(start)

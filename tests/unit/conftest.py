@@ -26,7 +26,8 @@ def engine_factory():
 
     engines = []
 
-    def make(model, **config):
+    def make(model, /, **config):
+        """``model=None``: the engine loads ``config["model"]`` (a directory) with its tokenizer."""
         engine = LLMEngine(EngineConfig(**config), model=model)
         engines.append(engine)
         return engine

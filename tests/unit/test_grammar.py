@@ -42,22 +42,14 @@ CONSTRAINTS = [Constraint("json_schema", json.dumps(PERSON)), Constraint("json_s
 
 
 @pytest.fixture
-def make(tiny_llama_dir):
-    engines = []
-
+def make(tiny_llama_dir, engine_factory):
+    """Engines of the tiny checkpoint with its tokenizer, leak-checked at the end (engine_factory)."""
     def make_engine(ahead: bool = False, **overrides) -> LLMEngine:
         cfg = dict(model=str(tiny_llama_dir), device="cpu", attention_backend="torch", block_size=4,
                    num_blocks=512, max_num_seqs=16, overlap_steps=ahead)
-        engine = LLMEngine(EngineConfig(**{**cfg, **overrides}))
-        engines.append(engine)
-        return engine
+        return engine_factory(None, **{**cfg, **overrides})
 
-    yield make_engine
-    for engine in engines:
-        assert engine.leak_report() is None, engine.leak_report()
-        bm = engine.block_manager
-        assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
-        engine.close()
+    return make_engine
 
 
 def _text(engine, ids):
