@@ -172,7 +172,9 @@ def sessions(out_dir: Path, args: argparse.Namespace) -> dict:
     """``pdserve bench`` multi-turn, 1P1D on this GPU, tiers off vs on (the host tier)."""
     result = out_dir / "kv-tiers-sessions.json"
     cmd = [sys.executable, "-m", "pdserve.app.cli", "bench", "--model", str(MODEL), "--gpus", "1",
-           "--modes", "conditional,conditional@tiers", "--variant", f"tiers=--kv-host-gb {args.host_gb}",
+           # off: --kv-host-gb 0 (on CUDA a worker keeps a host tier by default, docs/kv-tiers.md)
+           "--modes", "conditional@off,conditional@tiers", "--variant", "off=--kv-host-gb 0",
+           "--variant", f"tiers=--kv-host-gb {args.host_gb}",
            "--worker-args", f"--dtype bfloat16 --kv-memory-gb {args.kv_gb} --max-num-seqs 32",
            "--sessions", str(args.sessions), "--turns", str(args.turns), "--think-time", str(args.think),
            "--rate", str(args.rate), "--input-len", str(args.input_len), "--output-len", str(args.output_len),

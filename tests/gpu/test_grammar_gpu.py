@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema
 import pytest
 
 from engine.engine import EngineConfig, LLMEngine
@@ -38,8 +37,10 @@ def test_constraints_hold_and_steps_ahead_match_sync(make_checkpoint, overlap):
             c = CONSTRAINTS[i % 4]
             if c is None:
                 continue
-            if c.kind == "json_schema":
-                jsonschema.validate(json.loads(text), SCHEMA)
+            if c.kind == "json_schema":  # (no jsonschema on the device image: the schema's rules by hand)
+                value = json.loads(text)
+                assert set(value) == {"n", "tags"} and 0 <= value["n"] <= 99 and len(value["tags"]) <= 3
+                assert set(value["tags"]) <= {"a", "bb", "ccc"}
             elif c.kind == "regex":
                 assert re.fullmatch(c.text, text), text
             else:
