@@ -231,6 +231,7 @@ def test_up_reads_the_planner_flags_with_planner_runs_parser():
     (["--autoscale", "--planner-args", "--up-cooldown 10 --down-cooldown 5"], "cool-downs"),
     (["--autoscale", "--planner-args", "--run-dir /tmp/x --json"], "--run-dir"),
     (["--autoscale", "--planner-args", "--interval 0 --windows 1"], "--interval must be > 0"),
+    (["--autoscale", "--planner-args", "--actuator kubernetes --release r"], "acts on the local cluster"),
 ])
 def test_up_refuses_what_the_planner_would_refuse(argv, says, capsys):
     assert up._run(up_args(*argv)) == 2

@@ -257,6 +257,9 @@ def _planner_options(args: argparse.Namespace) -> argparse.Namespace:
         opts = parser.parse_args(["planner", "run", *shlex.split(args.planner_args)])
     except SystemExit:  # argparse printed what it did not understand
         raise ValueError(f"--planner-args {args.planner_args!r}: not `pdserve planner run` flags") from None
+    if opts.actuator != "none":
+        raise ValueError(f"--planner-args: --actuator {opts.actuator} is `planner run`'s; pdserve up's "
+                         "planner acts on the local cluster it runs")
     if opts.json or opts.run_dir != DEFAULT_RUN_DIR:
         raise ValueError("--planner-args: --json and --run-dir are `planner run`'s alone (the run directory "
                          "is pdserve up's --run-dir)")
