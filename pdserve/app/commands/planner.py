@@ -6,8 +6,10 @@ trace of windows (``--trace FILE.jsonl``, one ``Signals`` per line, as ``planner
 them), each window's decision and why. ``planner run --dry-run`` scrapes a local cluster's processes
 every ``--interval`` (``RUN_DIR/prometheus-targets.json``: ``pdserve up --metrics-port P``) and prints
 and logs each decision without acting; to act on a local cluster, ``pdserve up --autoscale`` runs the same
-loop and resizes the pools as ``pdserve scale`` does (docs/planner.md). The policy lives in
-``pdserve/app/planner/``.
+loop and resizes the pools as ``pdserve scale`` does. ``planner run --actuator kubernetes --release NAME``
+plans a chart release from its pods' metrics and sizes its prefill and decode Deployments through their
+scale subresource, one replica acting at a time under a Lease (``--dry-run``: it only reports)
+(docs/planner.md). The policy lives in ``pdserve/app/planner/``.
 """
 
 from __future__ import annotations
@@ -48,9 +50,34 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-decode", type=int, metavar="N", help="decode workers of the swept cluster")
 
 
+def _add_kubernetes_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("kubernetes (--actuator kubernetes; pdserve/app/planner/k8s.py)")
+    g.add_argument("--namespace", help="the release's namespace (default: the pod's own)")
+    g.add_argument("--release", metavar="FULLNAME", help="the chart's full name (the release name when it "
+                   "contains 'pdserve'): Deployments FULLNAME-prefill and -decode, metrics from the "
+                   "Endpoints of Services FULLNAME-router, -prefill and -decode")
+    g.add_argument("--kubeconfig", help="kubeconfig file (default: the pod's service account, else "
+                   "~/.kube/config)")
+    g.add_argument("--context", help="kubeconfig context")
+    g.add_argument("--scrape-port-name", default="metrics", help="the Services' port to scrape (default "
+                   "metrics)")
+    g.add_argument("--lease", help="the Lease the replicas elect a leader on (default FULLNAME-planner)")
+    g.add_argument("--identity", help="this replica's name in the Lease (default: host name + a random "
+                   "suffix)")
+    g.add_argument("--lease-duration", type=int, default=15, metavar="S", help="a silent leader's lease "
+                   "expires after this (default 15)")
+    g.add_argument("--renew-deadline", type=float, default=10.0, metavar="S", help="a leader that could not "
+                   "renew for this long stops acting (default 10; < --lease-duration)")
+    g.add_argument("--retry-period", type=float, default=2.0, metavar="S", help="between renewals and a "
+                   "follower's checks (default 2)")
+    g.add_argument("--settle-timeout", type=float, default=600.0, metavar="S", help="after a resize, wait "
+                   "this long at most for the pool's pods to be ready before the next window (default 600; "
+                   "0: do not wait)")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("planner", help="SLO-driven replicas of the prefill and decode pools "
-                                              "(explain; run --dry-run)")
+                                              "(explain; run --dry-run | --actuator kubernetes)")
     sub = p.add_subparsers(dest="planner_command", metavar="{explain,run}")
     e = sub.add_parser("explain", help="print the capacity model and, for a recorded trace, every decision "
                                        "and why")
@@ -62,13 +89,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --trace: only the windows that changed a pool")
     e.add_argument("--json", action="store_true", help="the same as one JSON object")
     e.set_defaults(func=_explain)
-    r = sub.add_parser("run", help="scrape a local cluster every interval and print each decision "
-                                   "(--dry-run: it never acts; `pdserve up --autoscale` acts)")
+    r = sub.add_parser("run", help="scrape a cluster every interval and print each decision (--dry-run: "
+                                   "it never acts; --actuator kubernetes: it sizes a chart release's pools)")
     _add_policy_args(r)
     r.add_argument("--run-dir", default=".run/cluster", help="the cluster's run directory: its "
                    "prometheus-targets.json lists every process (pdserve up --metrics-port P)")
-    r.add_argument("--dry-run", action="store_true", help="decide and report, never act (required here: "
-                   "`pdserve up --autoscale` is the planner that acts)")
+    r.add_argument("--dry-run", action="store_true", help="decide and report, never act (required without "
+                   "--actuator: `pdserve up --autoscale` is the planner that acts on a local cluster)")
+    r.add_argument("--actuator", choices=("none", "kubernetes"), default="none", help="what applies the "
+                   "decisions: none, or kubernetes (a chart release's Deployments, by their scale "
+                   "subresource)")
     r.add_argument("--interval", type=float, default=10.0, metavar="S",
                    help="seconds per window (default 10)")
     r.add_argument("--timeout", type=float, default=2.0, metavar="S", help="per scrape (default 2)")
@@ -78,6 +108,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--metrics-port", type=int, default=0, help="serve the planner's metrics here (0: off)")
     r.add_argument("--metrics-host", default="127.0.0.1")
     r.add_argument("--json", action="store_true", help="a JSON line per window (signals and decision)")
+    _add_kubernetes_args(r)
     r.set_defaults(func=_run)
     p.set_defaults(func=lambda _args: (p.print_help(), 2)[1])
 
@@ -146,9 +177,9 @@ def _run(args: argparse.Namespace) -> int:
     from pdserve.app.planner.policy import Planner
     from pdserve.app.top.scrape import run_dir_targets
 
-    if not args.dry_run:
-        print("pdserve planner run: give --dry-run (it decides and reports); to act on a local cluster, "
-              "start it with `pdserve up --autoscale` (docs/planner.md)", file=sys.stderr)
+    if not args.dry_run and args.actuator == "none":
+        print("pdserve planner run: give --dry-run (it decides and reports) or --actuator kubernetes; to act "
+              "on a local cluster, start it with `pdserve up --autoscale` (docs/planner.md)", file=sys.stderr)
         return 2
     if not args.interval > 0 or (args.windows is not None and args.windows < 1):
         print("pdserve planner run: --interval must be > 0 and --windows >= 1", file=sys.stderr)
@@ -158,6 +189,8 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, KeyError) as exc:
         print(f"pdserve planner run: {exc}", file=sys.stderr)
         return 2
+    if args.actuator == "kubernetes":
+        return _run_kubernetes(args, config, capacity)
     read = run_dir_targets(Path(args.run_dir))
     if not read():
         print(f"pdserve planner run: no targets in {Path(args.run_dir) / PROMETHEUS_TARGETS} (was the "
@@ -198,6 +231,92 @@ def _run(args: argparse.Namespace) -> int:
         pass
     finally:
         source.close()
+        if record is not None:
+            record.close()
+    return 0
+
+
+def _run_kubernetes(args: argparse.Namespace, config, capacity) -> int:
+    """``planner run --actuator kubernetes``: the loop in a thread (``actuator.Autoscaler``) acting on a
+    chart release while this replica leads; SIGTERM or Ctrl-C stop the loop first, then release the Lease."""
+    import signal
+    import threading
+    import time
+
+    from kubernetes.client import CoreV1Api
+    from kubernetes.config import ConfigException
+    from prometheus_client import Gauge
+
+    from pdserve.app.planner import k8s
+    from pdserve.app.planner.actuator import Autoscaler
+    from pdserve.app.planner.lease import LeaseConfig, default_identity
+    from pdserve.app.planner.live import SignalSource
+    from pdserve.app.planner.metrics import planner_registry
+    from pdserve.app.planner.policy import Planner
+
+    namespace = args.namespace or k8s.in_cluster_namespace()
+    if not (namespace and args.release) or args.json:
+        print("pdserve planner run --actuator kubernetes: needs --release (and --namespace outside a pod); "
+              "--json is not for it (each decision and action is logged as JSON at INFO)", file=sys.stderr)
+        return 2
+    try:
+        release = k8s.Release(namespace=namespace, fullname=args.release)
+        lease = None if args.dry_run else LeaseConfig(
+            namespace=namespace, name=args.lease or release.lease,
+            identity=args.identity or default_identity(), lease_duration_s=args.lease_duration,
+            renew_deadline_s=args.renew_deadline, retry_period_s=args.retry_period)
+        if args.settle_timeout < 0:
+            raise ValueError("--settle-timeout must be >= 0")
+    except ValueError as exc:
+        print(f"pdserve planner run: {exc}", file=sys.stderr)
+        return 2
+    try:
+        api = k8s.api_client(args.kubeconfig, args.context)
+    except (OSError, ConfigException) as exc:
+        where = f"kubeconfig {args.kubeconfig or '~/.kube/config'}"
+        where += f", context {args.context}" if args.context else ""
+        print(f"pdserve planner run: no Kubernetes API to use ({where}; not in a pod): {exc}",
+              file=sys.stderr)
+        return 2
+    metrics = planner_registry()
+    leader = Gauge("pdserve_planner_leader", "1 while this planner replica holds the Lease and acts",
+                   registry=metrics.registry)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+
+    def on_leader_change(leading: bool) -> None:
+        leader.set(1 if leading else 0)
+        state = "leads: it scales the pools" if leading else "does not lead: it decides, the leader scales"
+        print(f"{time.strftime('%H:%M:%S')} planner {lease.identity} {state}", flush=True)
+
+    actuator = k8s.KubernetesActuator(api, release, Planner(config, capacity, clock=time.monotonic),
+                                      lease=lease, dry_run=args.dry_run, settle_timeout_s=args.settle_timeout,
+                                      on_leader_change=on_leader_change)
+    record = open(args.record, "a") if args.record else None  # closed in the finally below
+    source = SignalSource(k8s.endpoint_targets(CoreV1Api(api), namespace, release.services(),
+                                               args.scrape_port_name), timeout=args.timeout)
+    autoscaler = Autoscaler(actuator, source, interval=args.interval, windows=args.windows, metrics=metrics,
+                            record=record, echo=lambda line: print(line, flush=True))
+    stopping = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    who = "dry run: nothing is scaled" if lease is None else f"lease {lease.name} as {lease.identity}"
+    print(f"planner (kubernetes): {namespace}/{release.deployment('prefill')} {config.min_prefill}.."
+          f"{config.max_prefill}, {release.deployment('decode')} {config.min_decode}..{config.max_decode}, "
+          f"a window every {args.interval:g} s; {who}", file=sys.stderr, flush=True)
+    try:
+        actuator.start()
+        autoscaler.start()
+        while autoscaler.running() and not stopping.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        actuator.interrupt()  # a wait for a pool to settle ends now
+        autoscaler.stop()  # the loop ends (a PATCH in progress completes) before the Lease is let go
+        actuator.close(release=True)
+        signal.signal(signal.SIGTERM, previous)
         if record is not None:
             record.close()
     return 0

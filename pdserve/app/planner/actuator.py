@@ -1,4 +1,8 @@
-"""The planner's local actuator: ``pdserve up --autoscale`` applies each decision to the cluster it runs.
+"""The planner's actuators' shared rules, and the local one: ``pdserve up --autoscale`` applies each decision
+to the cluster it runs. ``PoolActuator`` holds what every actuator does with a decision (what to apply,
+cool-downs, hand-back, logging); a subclass says how many replicas a pool has and how to resize it:
+``Actuator`` (here) through ``Cluster.scale``, ``k8s.KubernetesActuator`` through a Deployment's scale
+subresource.
 
 Lifecycle::
 
@@ -23,8 +27,8 @@ Dry run (``--autoscale dry-run``): the same decisions, logged and printed, nothi
 handed back (the planner goes on from its own targets, as ``planner run --dry-run`` does).
 
 Every action is logged at INFO on the ``pdserve.planner`` logger with its decision (reason, inputs) and
-the window's signals. The cluster is anything with ``workers`` (pool -> its workers) and ``scale(pool,
-n)``: ``launcher.cluster.Cluster`` with either launcher.
+the window's signals. The local actuator's cluster is anything with ``workers`` (pool -> its workers) and
+``scale(pool, n)``: ``launcher.cluster.Cluster`` with either launcher.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from pdserve.app.planner.signals import Signals
 log = logging.getLogger("pdserve.planner")
 
 APPLIED, DRY_RUN, COOL_DOWN, FAILED = "applied", "dry-run", "cool-down", "failed"
+STANDBY = "standby"  # not applied: another replica of the planner is the one acting (k8s.py)
 
 
 class Scalable(Protocol):
@@ -59,8 +64,9 @@ class Scalable(Protocol):
 @dataclass(frozen=True)
 class Action:
     """What the actuator did with one pool's changed target: ``outcome`` is ``applied``, ``dry-run``
-    (logged only), ``cool-down`` (not applied: within the cool-down of the pool's last change) or
-    ``failed`` (``error`` says why); ``started``/``finished`` on the actuator's clock."""
+    (logged only), ``cool-down`` (not applied: within the cool-down of the pool's last change), ``standby``
+    (not applied: not the leader) or ``failed`` (``error`` says why); ``started``/``finished`` on the
+    actuator's clock; ``note`` what else a person should know of an applied change."""
 
     pool: str
     before: int
@@ -70,6 +76,7 @@ class Action:
     finished: float
     reason: str
     error: str = ""
+    note: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,21 +84,34 @@ class Action:
     def line(self) -> str:
         """One line for a person: the planner's reason and what became of it."""
         what = {APPLIED: f"applied in {self.finished - self.started:.1f} s", DRY_RUN: "dry run: not applied",
-                COOL_DOWN: f"not applied: {self.error}", FAILED: f"failed: {self.error}"}[self.outcome]
+                COOL_DOWN: f"not applied: {self.error}", FAILED: f"failed: {self.error}",
+                STANDBY: f"standby: {self.error}"}[self.outcome]
+        if self.note:
+            what = f"{what}; {self.note}"
         return f"{self.pool} {self.reason} [{what}]"
 
 
-class Actuator:
-    """Applies a ``Decision``'s changed targets to ``cluster`` through ``cluster.scale`` (module doc)."""
+class PoolActuator:
+    """Applies a ``Decision``'s changed targets (module doc): the rules every actuator keeps. Subclasses give
+    ``replicas(pool)`` (what the pool has now, read fresh each window) and ``resize(pool, n)`` (returns once
+    the change is done, or raises; a string it returns is noted on the action)."""
 
-    def __init__(self, cluster: Scalable, planner: Planner, *, dry_run: bool = False,
+    def __init__(self, planner: Planner, *, dry_run: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.cluster, self.planner, self.dry_run, self.clock = cluster, planner, dry_run, clock
+        self.planner, self.dry_run, self.clock = planner, dry_run, clock
         self.actions: deque[Action] = deque(maxlen=1000)  # the latest, for tests and a look in a debugger
         self._finished: dict[str, float] = {}  # pool -> when its last change (applied or failed) ended
 
+    @property
+    def mode(self) -> str:
+        """How this actuator's decisions are logged: ``dry run`` or ``autoscale``."""
+        return "dry run" if self.dry_run else "autoscale"
+
     def replicas(self, pool: str) -> int:
-        return len(self.cluster.workers.get(pool, ()))
+        raise NotImplementedError
+
+    def resize(self, pool: str, n: int) -> str | None:
+        raise NotImplementedError
 
     def apply(self, decision: Decision, signals: Signals | None = None) -> list[Action]:
         """Act on one window's decision; returns what was done (nothing for pools that hold)."""
@@ -123,8 +143,9 @@ class Actuator:
                    f"cool-down {cool:g} s")
             return Action(p.pool, have, p.target, COOL_DOWN, now, now, p.reason, why)
         log.info("autoscale: scaling %s %d -> %d: %s", p.pool, have, p.target, p.reason)
+        note = None
         try:
-            self.cluster.scale(p.pool, p.target)
+            note = self.resize(p.pool, p.target)
         except Exception as exc:  # noqa: BLE001 - a failed scale must not end autoscaling
             log.exception("autoscale: scaling %s to %d failed", p.pool, p.target)
             outcome, error = FAILED, f"{type(exc).__name__}: {exc}"
@@ -132,7 +153,8 @@ class Actuator:
             outcome, error = APPLIED, ""
         self._finished[p.pool] = self.clock()
         self.planner.follow(p.pool, self.replicas(p.pool), changed_at=self._finished[p.pool])
-        return Action(p.pool, have, p.target, outcome, now, self._finished[p.pool], p.reason, error)
+        return Action(p.pool, have, p.target, outcome, now, self._finished[p.pool], p.reason, error,
+                      note or "")
 
     def _done(self, action: Action, p: PoolDecision, signals: Signals | None) -> Action:
         self.actions.append(action)
@@ -142,12 +164,27 @@ class Actuator:
         return action
 
 
+class Actuator(PoolActuator):
+    """The local actuator: a pool's replicas are ``cluster.workers[pool]``, a resize is ``cluster.scale``."""
+
+    def __init__(self, cluster: Scalable, planner: Planner, *, dry_run: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(planner, dry_run=dry_run, clock=clock)
+        self.cluster = cluster
+
+    def replicas(self, pool: str) -> int:
+        return len(self.cluster.workers.get(pool, ()))
+
+    def resize(self, pool: str, n: int) -> None:
+        self.cluster.scale(pool, n)
+
+
 class Autoscaler:
     """The planner's loop in a thread: every ``interval`` a window from ``source``, a decision from the
     actuator's planner, then ``metrics.record``, a line in ``record`` (the window's signals, a trace for
     ``planner explain``), ``actuator.apply`` and each action's line to ``echo``."""
 
-    def __init__(self, actuator: Actuator, source: SignalSource, *, interval: float,
+    def __init__(self, actuator: PoolActuator, source: SignalSource, *, interval: float,
                  windows: int | None = None, metrics: PlannerMetrics | None = None,
                  record: IO[str] | None = None, echo: Callable[[str], None] | None = None) -> None:
         if not interval > 0:
@@ -166,6 +203,9 @@ class Autoscaler:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="pdserve-autoscale", daemon=True)
         self._thread.start()
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout: float | None = None) -> bool:
         """End the loop; waits for a scale in progress. True once the thread is gone."""
@@ -187,9 +227,8 @@ class Autoscaler:
     def _on_window(self, signals: Signals, decision: Decision) -> None:
         try:
             self.last, self.seen = decision, self.seen + 1
-            mode = "dry run" if self.actuator.dry_run else "autoscale"
-            log.info("planner decision (%s): %s", mode, json.dumps({"signals": signals.to_dict(),
-                                                                   "decision": decision.to_dict()}))
+            log.info("planner decision (%s): %s", self.actuator.mode,
+                     json.dumps({"signals": signals.to_dict(), "decision": decision.to_dict()}))
             if self.metrics is not None:
                 self.metrics.record(decision)
             if self.record is not None:
