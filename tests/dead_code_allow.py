@@ -38,3 +38,4 @@ _.decode_replicas  # e2e target records
 _.watches  # fake Kubernetes API server state read by its handler
 __getattr__  # module-level: Python calls it for a missing name (kvtransfer/__init__.py, PEP 562 lazy imports)
 _.held_s  # soak Fault field, read from dataclasses.asdict in the report
+_.guided_decoding_backend  # OpenAI door: vLLM's field, accepted and ignored (one grammar engine)

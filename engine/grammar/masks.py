@@ -23,7 +23,6 @@ class MaskBuilder:
         self.device = device
         self._executor = None
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
-        self.masks_built = 0
 
     def build(self, states: list[GrammarState | None]) -> torch.Tensor:
         """``[len(states), words]`` int32 on the host (pinned on CUDA); a row of None or of a finished
@@ -43,7 +42,6 @@ class MaskBuilder:
 
                 self._executor = llguidance.LLExecutor()
             self._executor.unsafe_compute_mask_ptr(live, out.data_ptr(), row_bytes, len(states))
-        self.masks_built += len(live)
         return out
 
     def apply(self, logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
