@@ -1,6 +1,7 @@
 """Greedy constrained output is token-identical between one engine and the cluster in every shape: 1P1D
 over TCP (decode steps launched ahead, so a constrained row's sampling waits for its token), 1P1D over
-NIXL (UCX's TCP transport), and colocated workers. The prefill worker samples the first token under the
+NIXL (UCX's TCP transport), colocated workers, and 1P1D with conditional disaggregation (short prompts
+prefilled on the decode worker). The prefill worker samples the first token under the
 constraint and the decode worker resumes the grammar from it. (A stream migrated after ``kill -9`` of
 its decode worker: tests/integration/test_faults_migration.py.)"""
 
@@ -44,7 +45,7 @@ def reference(model_dir) -> list[list[int]]:
                                 for i in range(len(ps))])
 
 
-@pytest.mark.parametrize("shape", ["1p1d-tcp-ahead", "1p1d-nixl", "colocated"])
+@pytest.mark.parametrize("shape", ["1p1d-tcp-ahead", "1p1d-nixl", "colocated", "1p1d-conditional"])
 def test_constrained_greedy_parity(make_checkpoint, tmp_path, shape) -> None:
     model = make_checkpoint("llama")
     want = reference(model)
@@ -53,8 +54,10 @@ def test_constrained_greedy_parity(make_checkpoint, tmp_path, shape) -> None:
         kw["env"] = {"PDSERVE_OVERLAP_STEPS": "1"}
     elif shape == "1p1d-nixl":
         kw.update(transport="nixl", env=ucx_tcp_env())
-    else:
+    elif shape == "colocated":
         kw.update(prefill=0, decode=1, colocated=True)
+    else:  # short prompts prefilled on the decode worker itself, the grammar started there
+        kw["router_args"] = ("--conditional-disagg", "auto", "--min-uncached-tokens", "32")
     with LocalCluster(model, run_dir=tmp_path, **kw) as c:
         start = c.free_blocks()
         ps = prompts()
@@ -62,5 +65,7 @@ def test_constrained_greedy_parity(make_checkpoint, tmp_path, shape) -> None:
                                each=lambda i: {"constraint": constraint_of(i)})
         assert [r.token_ids for r in got] == want
         assert all(r.finish_reason == "stop" for i, r in enumerate(got) if constraint_of(i) is not None)
+        if shape == "1p1d-conditional":
+            assert "local" in {r.final["prefill_mode"] for r in got}
         stats = c.wait_idle(start)
         assert {w: s.free_blocks for w, s in stats.items()} == start
