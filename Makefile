@@ -31,7 +31,7 @@ help:
 	@echo "make lock   - refresh locks/ from pyproject.toml (uv; UPGRADE=1 for newest releases)"
 	@echo "make proto  - regenerate Python code from proto/"
 	@echo "make lint   - ruff, the layer contracts (import-linter), dead code (vulture)"
-	@echo "make kind-test - kind cluster, CPU image, helm install, e2e suite (needs docker + kind)"
+	@echo "make kind-test - the e2e suite against the chart on a kind cluster (docs/deploy.md#kind)"
 	@echo "make container-test - build the image, run the e2e suite against the chart's pods as containers"
 
 $(VENV)/.stamp: pyproject.toml $(LOCK)
@@ -143,8 +143,11 @@ soak: setup $(MODEL)/config.json
 	OMP_NUM_THREADS=1 $(PY) -m bench.soak --model $(MODEL) --seconds $(SOAK_SECONDS) --seed $(SOAK_SEED) \
 	    --run-dir .run/soak --json bench/results/soak-$(RESULT).json
 
+# The kind lane (deploy/kind/kind-test.sh): a kind cluster (stock kind, or /work/shared/k8s-local's, provisioned
+# where neither exists and root can), the CPU image loaded into it, the chart installed, tests/e2e against the
+# router Service. KIND_TEST_ARGS go to pytest.
 kind-test: setup tools
-	deploy/kind/kind-test.sh
+	deploy/kind/kind-test.sh $(KIND_TEST_ARGS)
 
 # The container lane (deploy/container/lane.sh): starts a Docker engine if none runs (as root: docker.io
 # from apt), builds the image from nothing, runs tests/container. CONTAINER_TEST_ARGS go to pytest.

@@ -53,7 +53,7 @@ async def feed_directory(source, directory) -> None:
 def make_discovery(mode: str, *, prefill: str | list[str] = "", decode: str | list[str] = "",
                    store=None, k8s_namespace: str = "default", prefill_selector: str = "",
                    decode_selector: str = "", expected_layout_hash: str = "", k8s_api_client=None,
-                   k8s_port_name: str = "", kubeconfig: str = "", metrics=None):
+                   k8s_port_name: str = "grpc", kubeconfig: str = "", metrics=None):
     """Discovery source for ``--discovery``; imports the backend lazily (kubernetes only for k8s).
     ``metrics`` (RouterMetrics) counts list/watch failures in ``discovery_errors``."""
     on_error = None

@@ -3,8 +3,10 @@
 For each role, one watcher thread runs the usual list-then-watch loop of the ``kubernetes``
 client (its API is blocking, so it lives off the event loop):
 
-1. LIST ``discovery.k8s.io/v1`` EndpointSlices in the namespace by label selector (e.g.
-   ``kubernetes.io/service-name=pdserve-decode``); remember the list's ``resourceVersion``.
+1. LIST EndpointSlices in the namespace by label selector (e.g.
+   ``kubernetes.io/service-name=pdserve-decode``); remember the list's ``resourceVersion``. The
+   group version is the one the server serves (asked before every list): ``discovery.k8s.io/v1``
+   from Kubernetes 1.21, ``v1beta1`` on 1.17-1.20 (removed in 1.25), so one router image runs on both.
 2. WATCH from that version: ADDED/MODIFIED replace a slice's endpoints, DELETED drops them;
    every event's (and bookmark's) ``resourceVersion`` moves the resume point forward. The watch
    ends after ``watch_timeout_s`` and resumes from the last version.
@@ -33,13 +35,18 @@ from router.placement.types import WorkerInfo
 
 log = logging.getLogger(__name__)
 
+GROUP = "discovery.k8s.io"
+VERSIONS = ("v1", "v1beta1")  # EndpointSlice versions this reader understands, preferred first
+
 
 @dataclass(frozen=True, kw_only=True)
 class K8sDiscoveryConfig:
     namespace: str = "default"
     prefill_selector: str = ""
     decode_selector: str = ""
-    port_name: str = ""  # EndpointSlice port to use; "" = the first port
+    # EndpointSlice port to dial: the chart's pool Services name their gRPC port "grpc" (a slice lists the
+    # Service's ports in no fixed order: kv and metrics too). "" = the first port listed.
+    port_name: str = "grpc"
     kubeconfig: str = ""  # "" = in-cluster service account, else this kubeconfig file
     watch_timeout_s: int = 60
     backoff_base_s: float = 0.2
@@ -50,6 +57,51 @@ class K8sDiscoveryConfig:
             raise ValueError("k8s discovery needs --prefill-selector and --decode-selector")
         if self.watch_timeout_s <= 0 or self.backoff_base_s <= 0 or self.backoff_max_s < self.backoff_base_s:
             raise ValueError("need watch_timeout_s > 0 and 0 < backoff_base_s <= backoff_max_s")
+
+
+def served_version(api_client) -> str:
+    """The EndpointSlice version the API server serves (the first of ``VERSIONS`` it lists)."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    try:
+        group = client.DiscoveryApi(api_client).get_api_group()
+    except ApiException as e:
+        if e.status != 404:
+            raise
+        raise RuntimeError(f"the API server serves no {GROUP} group: EndpointSlices need Kubernetes >= 1.17 "
+                           f"(or run the router with --discovery redis)") from None
+    served = [v.version for v in group.versions or []]
+    for v in VERSIONS:
+        if v in served:
+            return v
+    raise RuntimeError(f"the API server serves {GROUP} {served}, none of {list(VERSIONS)}")
+
+
+class _VersionedPaths:
+    """An ApiClient whose ``discovery.k8s.io/v1`` paths go to another served version. The kubernetes
+    package generates only v1's DiscoveryV1Api; v1beta1's list and watch take the same parameters and
+    return objects v1's models read (v1beta1's ``topology`` is ignored, its ``ready`` kept)."""
+
+    def __init__(self, inner, version: str) -> None:
+        self._inner = inner
+        self._prefix = f"/apis/{GROUP}/{version}/"
+
+    def param_serialize(self, *args, **kwargs):
+        path = kwargs.get("resource_path")
+        if path is not None:
+            kwargs["resource_path"] = path.replace(f"/apis/{GROUP}/v1/", self._prefix, 1)
+        return self._inner.param_serialize(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def slice_api(api_client, version: str):
+    """A DiscoveryV1Api whose EndpointSlice calls use ``version``."""
+    from kubernetes import client
+
+    return client.DiscoveryV1Api(api_client if version == "v1" else _VersionedPaths(api_client, version))
 
 
 def _get(obj, name: str, default=None):
@@ -102,17 +154,25 @@ class _RoleWatcher:
         self.resource_version = res.metadata.resource_version
         self.owner._changed()
 
+    def _versioned_api(self):
+        version = served_version(self.owner.api_client)
+        if version != self.owner.api_version:
+            log.info("%s discovery: EndpointSlices through %s/%s", self.role, GROUP, version)
+            self.owner.api_version = version
+        return slice_api(self.owner.api_client, version)
+
     def run(self) -> None:
-        from kubernetes import client, watch
+        from kubernetes import watch
         from kubernetes.client.rest import ApiException
 
         cfg = self.owner.cfg
-        api = client.DiscoveryV1Api(self.owner.api_client)
         failures = 0
         need_list = True
+        api = None
         while not self.owner._stop.is_set():
             try:
                 if need_list:
+                    api = self._versioned_api()
                     self._list(api)
                     need_list = False
                 self._watch = w = watch.Watch()
@@ -171,6 +231,7 @@ class K8sDiscovery:
                 api_client = client.ApiClient()
         self.api_client = api_client
         self.errors = 0
+        self.api_version = ""  # the discovery.k8s.io version in use, once the server was asked
         self._on_error = on_error
         self._stop = threading.Event()
         self._lock = threading.Lock()

@@ -30,20 +30,49 @@ def test_kind_cluster_config() -> None:
 
 
 def test_up_script_builds_the_chart_appversion_cpu_image() -> None:
-    """up.sh tags the image "<appVersion>-cpu", which is what values-kind.yaml resolves to."""
-    text = (KIND / "up.sh").read_text()
-    line = next(ln for ln in text.splitlines() if ln.startswith("APP_VERSION="))
-    script = f'ROOT="{REPO}"\n{line}\necho "$APP_VERSION"'
-    got = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30).stdout.strip()
+    """lib.sh names the image "<appVersion>-cpu" (what build-image.sh builds); up.sh loads it and installs
+    values-kind.yaml with it, waiting for Ready."""
+    env = subprocess.run(["bash", "-c", f'source "{KIND / "lib.sh"}" && echo "$IMAGE"'], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "IMAGE": ""}).stdout.strip()
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
-    assert got == app_version
-    assert "--build-arg VARIANT=cpu" in text and "kind load docker-image" in text
-    assert "values-kind.yaml" in text and "--wait" in text
+    assert env == f"pdserve:{app_version}-cpu"
+    text = (KIND / "up.sh").read_text()
+    assert "deploy/container/build-image.sh" in text and "kind load docker-image" in text
+    assert "values-kind.yaml" in text and "--wait" in text and "serviceAddresses=env" in text
     kind_values = yaml.safe_load((REPO / "deploy" / "helm" / "values-kind.yaml").read_text())
     assert kind_values["image"]["variant"] == "cpu" and kind_values["image"]["pullPolicy"] == "Never"
+    assert kind_values["redis"]["mode"] == "bundled"
+
+
+def test_lane_uses_k8s_local_when_it_is_there(tmp_path) -> None:
+    """A k8s-local directory (setup.sh's kind, kubectl, kubeconfig) makes the lane reuse its cluster `kp`;
+    without one the lane makes its own from kind-config.yaml."""
+    local = tmp_path / "k8s-local"
+    (local / "kindpkg" / "usr" / "bin").mkdir(parents=True)
+    (local / "kindpkg" / "usr" / "bin" / "kind").write_text("#!/bin/sh\n")
+    (local / "kindpkg" / "usr" / "bin" / "kind").chmod(0o755)
+    script = f'source "{KIND / "lib.sh"}" && echo "$KIND_CLUSTER $KIND_NODE_IMAGE $KUBECONFIG"'
+    base = {k: v for k, v in os.environ.items() if k not in ("KIND_CLUSTER", "KIND_NODE_IMAGE", "KUBECONFIG")}
+    got = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**base, "K8S_LOCAL_DIR": str(local)}).stdout.split()
+    assert got == ["kp", "kp/node:v1.20.2", str(local / "kubeconfig")]
+    got = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**base, "K8S_LOCAL_DIR": str(tmp_path / "none")}).stdout.split()
+    assert got == ["pdserve-e2e"]
+
+
+def test_lane_estimate_is_a_number_of_seconds() -> None:
+    out = subprocess.run([str(KIND / "kind-test.sh"), "--estimate"], capture_output=True, text=True,
+                         timeout=120).stdout.strip()
+    assert out.isdigit() and int(out) > 0
 
 
 def test_make_kind_test_target_runs_the_script() -> None:
     makefile = (REPO / "Makefile").read_text()
     assert "kind-test:" in makefile and "deploy/kind/kind-test.sh" in makefile
     assert "PDSERVE_E2E_TARGETS=kind" in (KIND / "kind-test.sh").read_text()
+
+
+def test_lib_parses() -> None:
+    proc = subprocess.run(["bash", "-n", str(KIND / "lib.sh")], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr

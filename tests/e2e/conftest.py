@@ -1,8 +1,9 @@
 """e2e fixtures: `target` runs the whole suite once per lane (`up`, `kind`); `reference` is the
 single-engine answer (`pdserve generate --json`) on the very checkpoint the lanes serve.
 
-Lanes come from PDSERVE_E2E_TARGETS (default "up,kind"; `make kind-test` sets "kind"). The kind lane
-skips, with the reason, when docker / kind / kubectl are not usable; the up lane never skips.
+Lanes come from PDSERVE_E2E_TARGETS (default "up": `make test`; `make kind-test` sets "kind"). The kind
+lane fails with the reason when docker / kind / kubectl / helm are not usable (kind-test.sh checks first and
+says why it does not start); test_kind.py, what only a Kubernetes deployment shows, is collected only there.
 ``own_target`` is for a test that breaks its deployment (tests run in random order, so none may
 leave the shared one smaller than it found it).
 """
@@ -17,10 +18,22 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e_targets import KindTarget, UpTarget, kind_unusable_reason, write_tiny_model  # noqa: E402
+from e2e_targets import UpTarget, write_tiny_model  # noqa: E402
+from kind_target import KindTarget, kind_unusable_reason  # noqa: E402
 
-LANES = [lane.strip() for lane in os.environ.get("PDSERVE_E2E_TARGETS", "up,kind").split(",") if lane.strip()]
+LANES = [lane.strip() for lane in os.environ.get("PDSERVE_E2E_TARGETS", "up").split(",") if lane.strip()]
+if "kind" not in LANES:
+    collect_ignore = ["test_kind.py"]
 _MARKS = {"up": [pytest.mark.slow], "kind": [pytest.mark.kind]}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """test_kind.py runs in the kind lane only (not against `pdserve up` with PDSERVE_E2E_TARGETS=up,kind)."""
+    other = [i for i in items if i.path.name == "test_kind.py"
+             and getattr(i, "callspec", None) and i.callspec.params.get("target") != "kind"]
+    if other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = [i for i in items if i not in other]
 
 
 @pytest.fixture(scope="session")
@@ -28,15 +41,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("e2e-model") / "tiny")
 
 
-@pytest.fixture(scope="module", params=[pytest.param(lane, marks=_MARKS.get(lane, [])) for lane in LANES])
+@pytest.fixture(scope="session", params=[pytest.param(lane, marks=_MARKS.get(lane, [])) for lane in LANES])
 def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     lane = request.param
     workdir = tmp_path_factory.mktemp(f"e2e-{lane}")
     if lane == "kind":
         reason = kind_unusable_reason()
         if reason:
-            pytest.skip(f"kind lane skipped: {reason}. It runs for real where Docker and kind work "
-                        f"(`make kind-test`); the same tests run against `pdserve up` in the up lane.")
+            pytest.fail(f"the kind lane cannot run here: {reason} (see docs/deploy.md#kind)")
         t = KindTarget(workdir)
     elif lane == "up":
         t = UpTarget(workdir, request.getfixturevalue("tiny_model"))

@@ -6,10 +6,7 @@ A target gives the suite a router address plus hooks, so the same test functions
              model, simulated RDMA: NIXL with UCX_TLS=tcp unless PDSERVE_E2E_TRANSPORT says otherwise);
              scaling is `pdserve scale decode N`, killing a worker is SIGKILL of its pid from the run
              directory's state.json.
-* ``kind`` — the Helm chart on a kind cluster (deploy/kind/up.sh: create the cluster, build the CPU
-             image, `kind load`, `helm upgrade --install -f deploy/helm/values-kind.yaml`), reached
-             through `kubectl port-forward` to the router Service; scaling is `helm upgrade --set
-             decode.replicas=N`, killing a worker is `kubectl delete pod` (worker id == pod name).
+* ``kind`` — the Helm chart on a kind cluster (kind_target.py).
 
 Every process a target starts is recorded and stopped by its own pid / process group at close().
 """
@@ -19,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,11 +25,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PDSERVE = [sys.executable, "-m", "pdserve.app.cli"]
-KIND_DIR = REPO / "deploy" / "kind"
-HELM_CANDIDATES = (os.environ.get("HELM"), str(REPO / ".tools" / "node_modules" / ".bin" / "helm"))
-KIND_CLUSTER = os.environ.get("PDSERVE_KIND_CLUSTER", "pdserve-e2e")
-KIND_NAMESPACE = os.environ.get("PDSERVE_KIND_NAMESPACE", "pdserve-e2e")
-KIND_RELEASE = "pdserve"
 MODEL_PRESET = "tiny"
 MODEL_SEED = 0  # the chart's model.init.seed default: pods and the local reference write the same weights
 
@@ -181,71 +172,3 @@ class UpTarget(Target):
             run([*PDSERVE, "down", "--run-dir", str(self.run_dir), "--timeout", "60"], timeout=90,
                 check=False, env=self.env)
         self.proc.stop(60)
-
-
-# -------------------------------------------------------------------------------------------- kind lane
-def kind_unusable_reason() -> str | None:
-    """Why the kind lane cannot run here (None when docker, kind, kubectl and helm are all usable)."""
-    if not shutil.which("docker"):
-        return "the docker CLI is not installed"
-    try:
-        info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
-                              text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"`docker info` failed: {exc}"
-    if info.returncode != 0 or not info.stdout.strip():
-        first = (info.stderr.strip().splitlines() or ["no server version"])[0]
-        return f"`docker info` cannot reach a Docker engine ({first})"
-    for tool in ("kind", "kubectl"):
-        if not shutil.which(tool):
-            return f"`{tool}` is not on PATH (install it: see docs/deploy.md#kind)"
-    if not helm_path():
-        return "helm not found (run `make tools`)"
-    return None
-
-
-def helm_path() -> str | None:
-    for c in HELM_CANDIDATES:
-        if c and Path(c).is_file():
-            return c
-    return shutil.which("helm")
-
-
-class KindTarget(Target):
-    name = "kind"
-    transport = "nixl"  # values-kind.yaml: NIXL with simulated RDMA (UCX_TLS=tcp)
-
-    def __init__(self, workdir: Path) -> None:
-        self.helm = helm_path() or "helm"
-        self.env = {**os.environ, "HELM": self.helm, "KIND_CLUSTER": KIND_CLUSTER,
-                    "NAMESPACE": KIND_NAMESPACE, "RELEASE": KIND_RELEASE}
-        self.decode_replicas = 2
-        run([str(KIND_DIR / "up.sh")], timeout=1800, env=self.env)
-        self.forward = _Proc(["kubectl", "--context", f"kind-{KIND_CLUSTER}", "-n", KIND_NAMESPACE,
-                              "port-forward", f"svc/{KIND_RELEASE}-router", ":50051", ":8000"],
-                             log=workdir / "port-forward.log")
-        m = self.forward.wait_for(r"Forwarding from 127\.0\.0\.1:(\d+) -> 50051", timeout=60)
-        self.router = f"127.0.0.1:{m.group(1)}"
-        m = self.forward.wait_for(r"Forwarding from 127\.0\.0\.1:(\d+) -> 8000", timeout=60)
-        self.http = f"127.0.0.1:{m.group(1)}"  # the chart's router.http.port
-
-    def kubectl(self, *args: str, timeout: float = 120) -> str:
-        return run(["kubectl", "--context", f"kind-{KIND_CLUSTER}", "-n", KIND_NAMESPACE, *args],
-                   timeout=timeout).stdout
-
-    def scale_decode(self, n: int) -> None:
-        run([self.helm, "upgrade", KIND_RELEASE, str(REPO / "deploy" / "helm" / "pdserve"),
-             "--kube-context", f"kind-{KIND_CLUSTER}", "-n", KIND_NAMESPACE,
-             "--reuse-values", "--set", f"decode.replicas={n}",  # only the decode Deployment changes
-             "--wait", "--timeout", "10m"], timeout=660, env=self.env)
-        self.kubectl("rollout", "status", f"deploy/{KIND_RELEASE}-decode", "--timeout=600s", timeout=620)
-        self.decode_replicas = n
-
-    def kill_decode_worker(self, worker_id: str) -> None:
-        # PDSERVE_WORKER_ID is the pod name (downward API), so the reported worker id names the pod.
-        self.kubectl("delete", "pod", worker_id, "--wait=false")
-
-    def close(self) -> None:
-        self.forward.stop(10)
-        if os.environ.get("PDSERVE_KIND_KEEP") != "1":
-            run([str(KIND_DIR / "down.sh")], timeout=300, env=self.env, check=False)

@@ -49,11 +49,12 @@ def reference(tiny_model):
     entry point in this process (same code path as the command; torch is imported once, not per prompt)."""
 
     @functools.cache
-    def answer(prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[int, ...]:
+    def answer(prompt: str, max_tokens: int = MAX_TOKENS, ignore_eos: bool = False) -> tuple[int, ...]:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             code = cli_main(["generate", "--model", str(tiny_model), "--prompt", prompt,
-                             "--max-tokens", str(max_tokens), "--temperature", "0", "--json"])
+                             "--max-tokens", str(max_tokens), "--temperature", "0", "--json",
+                             *(["--ignore-eos"] if ignore_eos else [])])
         assert code == 0, f"pdserve generate exited {code}: {out.getvalue()[-2000:]}"
         return tuple(json.loads(out.getvalue().strip().splitlines()[-1])["token_ids"])
 

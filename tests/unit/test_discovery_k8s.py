@@ -1,7 +1,8 @@
 """K8sDiscovery against a local HTTP server speaking the real API's EndpointSlice list/watch JSON.
 
-The fake API server (http.server in a thread) serves ``/apis/discovery.k8s.io/v1/namespaces/
-{ns}/endpointslices``: LIST with ``labelSelector`` returns an EndpointSliceList with a
+The fake API server (http.server in a thread) serves the ``discovery.k8s.io`` group document (which
+versions it serves: v1, or only v1beta1 as Kubernetes 1.20 does) and ``/apis/discovery.k8s.io/
+{version}/namespaces/{ns}/endpointslices``: LIST with ``labelSelector`` returns an EndpointSliceList with a
 ``resourceVersion``; ``watch=true`` streams chunked ADDED/MODIFIED/DELETED events after the given
 ``resourceVersion`` and answers a compacted (too old) version with a 410 ``Expired`` ERROR event,
 exactly as the API server does. The real ``kubernetes`` client talks to it through a generated
@@ -27,7 +28,7 @@ from router.placement import Placer, PlacerConfig
 
 pytestmark = pytest.mark.timeout(60)
 
-PATH = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+PATH = "/apis/discovery.k8s.io/{version}/namespaces/{ns}/endpointslices"
 
 
 def make_slice(name: str, service: str, endpoints: list[tuple[str, str, bool]], port: int) -> dict:
@@ -35,7 +36,8 @@ def make_slice(name: str, service: str, endpoints: list[tuple[str, str, bool]], 
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": name, "namespace": "llm", "labels": {"kubernetes.io/service-name": service}},
         "addressType": "IPv4",
-        "ports": [{"name": "grpc", "port": port, "protocol": "TCP"}, {"name": "metrics", "port": 9000}],
+        # as a real slice may list them: not in the Service's order (the router must pick "grpc" by name)
+        "ports": [{"name": "metrics", "port": 9000}, {"name": "grpc", "port": port, "protocol": "TCP"}],
         "endpoints": [{"addresses": [ip],
                        "conditions": {"ready": ready, "serving": ready, "terminating": False},
                        "targetRef": {"kind": "Pod", "name": pod, "namespace": "llm", "uid": f"uid-{pod}"}}
@@ -44,7 +46,8 @@ def make_slice(name: str, service: str, endpoints: list[tuple[str, str, bool]], 
 
 
 class FakeApi:
-    def __init__(self) -> None:
+    def __init__(self, version: str = "v1") -> None:
+        self.version = version  # the one discovery.k8s.io version served
         self.cond = threading.Condition()
         self.rv = 100
         self.slices: dict[str, dict] = {}
@@ -61,6 +64,12 @@ class FakeApi:
         return obj
 
     def put(self, obj: dict, event: bool = True) -> None:
+        if self.version == "v1beta1":  # Kubernetes 1.20's shape: `ready` only, a topology map
+            obj = copy.deepcopy(obj)
+            obj["apiVersion"] = "discovery.k8s.io/v1beta1"
+            for ep in obj["endpoints"]:
+                ep["conditions"] = {k: v for k, v in ep["conditions"].items() if k == "ready"}
+                ep["topology"] = {"kubernetes.io/hostname": "node-1"}
         with self.cond:
             kind = "MODIFIED" if obj["metadata"]["name"] in self.slices else "ADDED"
             obj = self._bump(obj)
@@ -115,7 +124,11 @@ def make_handler(api: FakeApi):
         def do_GET(self):  # noqa: N802 - http.server's naming
             url = urllib.parse.urlparse(self.path)
             q = dict(urllib.parse.parse_qsl(url.query))
-            if url.path != PATH.format(ns="llm"):
+            if url.path.rstrip("/") == "/apis/discovery.k8s.io":
+                gv = {"groupVersion": f"discovery.k8s.io/{api.version}", "version": api.version}
+                return self._json(200, {"kind": "APIGroup", "apiVersion": "v1", "name": "discovery.k8s.io",
+                                        "versions": [gv], "preferredVersion": gv})
+            if url.path != PATH.format(version=api.version, ns="llm"):
                 return self._json(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                         "reason": "NotFound", "code": 404, "metadata": {}})
             sel = q.get("labelSelector", "")
@@ -123,7 +136,8 @@ def make_handler(api: FakeApi):
                 with api.cond:
                     api.lists += 1
                     items = [s for s in api.slices.values() if api._match(s, sel)]
-                    return self._json(200, {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
+                    return self._json(200, {"apiVersion": f"discovery.k8s.io/{api.version}",
+                                            "kind": "EndpointSliceList",
                                             "metadata": {"resourceVersion": str(api.rv)}, "items": items})
             since = int(q.get("resourceVersion") or 0)
             deadline = time.monotonic() + float(q.get("timeoutSeconds", "5"))
@@ -162,9 +176,9 @@ def make_handler(api: FakeApi):
     return Handler
 
 
-@pytest.fixture
-def fake_api(tmp_path):
-    api = FakeApi()
+@pytest.fixture(params=["v1", "v1beta1"])
+def fake_api(tmp_path, request):
+    api = FakeApi(request.param)
     srv = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(api))
     srv.daemon_threads = True
     t = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -204,7 +218,7 @@ def test_list_watch_events_and_410_relist(fake_api):
 
     async def main():
         cfg = K8sDiscoveryConfig(namespace="llm", prefill_selector="kubernetes.io/service-name=pd-prefill",
-                                 decode_selector="kubernetes.io/service-name=pd-decode", port_name="grpc",
+                                 decode_selector="kubernetes.io/service-name=pd-decode",
                                  kubeconfig=kubeconfig, watch_timeout_s=1, backoff_base_s=0.05)
         disc = K8sDiscovery(cfg)
         placer = Placer(PlacerConfig())
@@ -216,6 +230,7 @@ def test_list_watch_events_and_410_relist(fake_api):
 
         task = asyncio.get_running_loop().create_task(disc.run(on_update))
         got = await _wait_for(updates, lambda m: set(m) == {"pf-0", "pf-1", "dc-0"})
+        assert disc.api_version == api.version  # the version the server serves, not a fixed one
         assert got["pf-0"].address == "10.1.0.1:7001" and got["pf-0"].role == "prefill"
         assert got["dc-0"].incarnation == "uid-dc-0" and got["dc-0"].role == "decode"
         assert placer.place(request("r", list(range(64)))).decode.worker_id == "dc-0"

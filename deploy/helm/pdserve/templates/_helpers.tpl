@@ -172,7 +172,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 - name: PDSERVE_REDIS
 {{- if eq $r.mode "bundled" }}
-  value: {{ printf "redis://:$(PDSERVE_REDIS_PASSWORD)@%s-redis:6379/0" (include "pdserve.fullname" .) | quote }}
+  {{- $host := include "pdserve.serviceHost" (dict "root" . "service" (printf "%s-redis" (include "pdserve.fullname" .))) }}
+  value: {{ printf "redis://:$(PDSERVE_REDIS_PASSWORD)@%s:6379/0" $host | quote }}
 {{- else }}
 {{- $u := urlParse (required "redis.external.url is required when redis.mode=external" $r.external.url) }}
 {{- if $secret }}
@@ -196,7 +197,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/* gRPC health probes; readiness checks the role's own service. Native gRPC probes, or with tls.enabled
 the image's pdserve-healthcheck over TLS with the pod's own certificate (the kubelet's gRPC probes speak
-plaintext only), so readiness still reads the role's serving status.
+plaintext only), so readiness still reads the role's serving status. Where the kubelet has no gRPC probes
+(Kubernetes < 1.24, _cluster.tpl) the same plaintext check runs as pdserve-healthcheck.
 (dict "root" $ "role" "decode" "service" "pdserve.v1.Decode") */}}
 {{- define "pdserve.probes" -}}
 {{- $p := .root.Values.probes }}
@@ -209,6 +211,9 @@ plaintext only), so readiness still reads the role's serving status.
   {{- if $root.Values.tls.enabled }}
   exec:
     command: ["pdserve-healthcheck", "--port", {{ $root.Values.ports.grpc | quote }}, "--service", {{ $service | quote }}, "--timeout", {{ $k.timeoutSeconds | quote }}, "--tls-dir", {{ $root.Values.tls.mountPath | quote }}, "--tls-name", {{ $role | quote }}]
+  {{- else if not (include "pdserve.grpcProbes" $root) }}
+  exec:
+    command: ["pdserve-healthcheck", "--port", {{ $root.Values.ports.grpc | quote }}, "--service", {{ $service | quote }}, "--timeout", {{ $k.timeoutSeconds | quote }}]
   {{- else }}
   grpc:
     port: {{ $root.Values.ports.grpc }}

@@ -1,5 +1,6 @@
 {{/*
-One worker pool (prefill or decode): Deployment, headless Service, PodDisruptionBudget, optional HPA.
+One worker pool (prefill or decode): Deployment, headless Service, PodDisruptionBudget, optional HPA
+(never with planner.enabled: the planner sizes the pools through their scale subresource instead).
 Called as (dict "root" $ "role" "prefill"|"decode"). Everything pool-specific comes from
 .Values.<role>; everything shared comes from the top-level values. The pod template reads only its own
 pool's values and shared values, so changing one pool's replicas or resources re-renders only that
@@ -30,7 +31,8 @@ metadata:
   labels:
     {{- include "pdserve.labels" $ctx | nindent 4 }}
 spec:
-  {{- if not $pool.autoscaling.enabled }}
+  {{- /* an HPA or the planner (planner.yaml) owns the replicas: a helm upgrade must not reset them */}}
+  {{- if not (or $pool.autoscaling.enabled $v.planner.enabled) }}
   replicas: {{ $pool.replicas }}
   {{- end }}
   revisionHistoryLimit: 5
@@ -56,7 +58,7 @@ spec:
     spec:
       terminationGracePeriodSeconds: {{ $v.drain.terminationGracePeriodSeconds }}
       automountServiceAccountToken: false
-      enableServiceLinks: false
+      enableServiceLinks: {{ eq $v.serviceAddresses "env" }}
       {{- with $v.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -292,7 +294,7 @@ spec:
     {{- end }}
 {{- if $pool.pdb.enabled }}
 ---
-apiVersion: policy/v1
+apiVersion: {{ include "pdserve.pdbApiVersion" $root }}
 kind: PodDisruptionBudget
 metadata:
   name: {{ $name }}
@@ -304,13 +306,14 @@ spec:
     matchLabels:
       {{- include "pdserve.selectorLabels" $ctx | nindent 6 }}
 {{- end }}
-{{- if $pool.autoscaling.enabled }}
+{{- if and $pool.autoscaling.enabled (not $v.planner.enabled) }}
 ---
 {{ include "pdserve.hpa" (dict "root" $root "component" $role "name" $name "spec" $pool.autoscaling) }}
 {{- end }}
 {{- end }}
 
-{{/* autoscaling/v2 HPA for a Deployment: (dict "root" $ "component" c "name" n "spec" .Values.x.autoscaling) */}}
+{{/* HPA for a Deployment, autoscaling/v2 (v2beta2 where only that is served: _cluster.tpl):
+(dict "root" $ "component" c "name" n "spec" .Values.x.autoscaling) */}}
 {{- define "pdserve.hpa" -}}
 {{- $a := .spec }}
 {{- if gt (int $a.minReplicas) (int $a.maxReplicas) }}
@@ -319,7 +322,7 @@ spec:
 {{- if and (kindIs "invalid" $a.targetCPUUtilizationPercentage) (not $a.metrics) }}
 {{- fail (printf "%s.autoscaling needs targetCPUUtilizationPercentage or metrics" .component) }}
 {{- end }}
-apiVersion: autoscaling/v2
+apiVersion: {{ include "pdserve.hpaApiVersion" .root }}
 kind: HorizontalPodAutoscaler
 metadata:
   name: {{ .name }}
