@@ -25,11 +25,13 @@ class MaskBuilder:
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
 
     def build(self, states: list[GrammarState | None]) -> torch.Tensor:
-        """``[len(states), words]`` int32 on the host (pinned on CUDA); a row of None or of a finished
-        grammar allows everything (its token is dropped anyway)."""
+        """``[len(states), words]`` int32 on the host (pinned on CUDA); a row of None allows everything. A
+        finished grammar's row allows only EOS (a continuation of an answer that was already complete
+        ends at once), and so does a matcher in its error state (which then refuses it: the request
+        ends with the error)."""
         out = torch.full((len(states), self.words), _ALL, dtype=torch.int32,
                          pin_memory=self.device.type == "cuda")
-        live = [(s.matcher, i) for i, s in enumerate(states) if s is not None and not s.done]
+        live = [(s.matcher, i) for i, s in enumerate(states) if s is not None]
         if not live:
             return out
         row_bytes = self.words * 4

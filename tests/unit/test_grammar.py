@@ -303,3 +303,17 @@ def test_a_grammar_over_the_parser_limits_is_refused_at_compile(make, monkeypatc
         with pytest.raises(GrammarError, match="constraint"):
             engine.add_request("e", [1, 2, 3], SamplingParams(constraint=enum))
     assert engine.grammars.compiled == 1 and engine.num_waiting == 0
+
+
+def test_a_continuation_of_a_complete_answer_ends_at_once(make):
+    """A stream whose answer was complete when its worker died (the final message lost) is continued with
+    all of it as context: the grammar is done, only EOS is allowed, and the request ends "stop"."""
+    engine = make()
+    prompt = engine.tokenizer.encode("pick")
+    c = Constraint("choice", choices=("yes", "no"))
+    [answer] = engine.generate([prompt], SamplingParams(max_tokens=16, constraint=c))
+    done = [t for t in answer if t not in engine.eos_token_ids]
+    [tail] = engine.generate([prompt + done], SamplingParams(max_tokens=8, constraint=c,
+                                                             stop_context=len(done)))
+    assert len(tail) == 1 and tail[0] in engine.eos_token_ids
+    assert engine.stats.finish_reasons == {"stop": 2}
