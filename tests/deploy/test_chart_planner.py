@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 import yaml
 from chart_helpers import (
@@ -30,7 +29,7 @@ from chart_helpers import (
     render_fails,
     run_helm,
 )
-from test_chart_render import K8S_VERSIONS
+from test_chart_render import validate_all
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "planner.yaml"
 ON = ("planner.enabled=true",)
@@ -188,10 +187,4 @@ def test_planner_objects_match_kubernetes_schemas() -> None:
     docs = [d for d in yaml.safe_load_all(planner_text()) if d]
     kinds = {d["kind"] for d in docs}
     assert kinds == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "NetworkPolicy"}
-    for doc in docs:
-        for version in K8S_VERSIONS:
-            try:
-                kubernetes_validate.validate(doc, version, strict=True)
-            except kubernetes_validate.ValidationError as e:
-                pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} invalid for Kubernetes {version} at "
-                            f"{list(e.path)}: {e.message}")
+    validate_all(docs, "planner")
